@@ -1,0 +1,78 @@
+"""Shared nouns of the engine: one request's sequence and what a step hands back."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the N most likely alternatives, most likely first
+
+
+_ids = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request's tokens, KV blocks and progress. Prompt and outputs share `token_ids`.
+
+    The scheduler fills `block_table` and `num_computed_tokens`; the sampler appends to
+    `token_ids`; the engine sets `finish_reason` (and the detokenizer `stop_reason`).
+    """
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: str | None = None
+    request_id: str = ""
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+    arrival: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        if not self.request_id:
+            self.request_id = str(self.seq_id)
+        if self.params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
