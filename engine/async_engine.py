@@ -1,0 +1,117 @@
+"""The engine for servers: one background thread steps the engine; the event loop never blocks.
+
+`submit()` queues a request from any coroutine and returns an async iterator of increments.
+Requests, aborts and adapter operations cross into the engine thread through one lock-guarded
+inbox; outputs cross back through `loop.call_soon_threadsafe` into per-request asyncio queues.
+Cancelling the iterator (a client that disconnects) aborts the sequence and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+
+from engine.llm_engine import LLMEngine, Prompt, RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: list[tuple[Callable, Future]] = []
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Condition()
+        self._stopped = False
+        self.step_errors = 0
+        self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- called from the event loop -------------------------------------------------------
+    async def call(self, fn: Callable, *args):
+        """Run `fn(*args)` on the engine thread between steps; return its result."""
+        future: Future = Future()
+        with self._wake:
+            self._inbox.append((lambda: fn(*args), future))
+            self._wake.notify()
+        return await asyncio.wrap_future(future)
+
+    async def submit(self, prompt: Prompt, params: SamplingParams, adapter: str | None = None,
+                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Queue a request (ValueError here on bad input) and return its stream of increments."""
+        request_id = request_id or uuid.uuid4().hex
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        try:
+            await self.call(self.engine.add_request, prompt, params, adapter, request_id)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        return self._stream(request_id, queue)
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await self.call(self.engine.abort, request_id)
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    # ---- the engine thread ----------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopped and not self._inbox and not self.engine.has_unfinished():
+                    self._wake.wait()
+                if self._stopped:
+                    return
+                inbox, self._inbox = self._inbox, []
+            for fn, future in inbox:
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # handed back to the caller, never kills the loop
+                    future.set_exception(exc)
+            if self.engine.has_unfinished():
+                self._step()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            # A failed step fails the requests it held, not the server.
+            logger.exception("engine step failed")
+            self.step_errors += 1
+            for request_id in list(self.engine.requests):
+                self.engine.abort(request_id)
+                self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
+            return
+        for out in outputs:
+            self._deliver(out.request_id, out)
+
+    def _deliver(self, request_id: str, item) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, item)

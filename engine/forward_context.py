@@ -1,0 +1,52 @@
+"""Per-step batch metadata every layer reads during one forward pass.
+
+The model runner builds a ForwardContext once per step and enters `forward_context(ctx)`;
+attention reads the KV-cache addressing, LoRA-wrapped projections read `lora_meta`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token
+    # Decode rows: one query token each, batched with padded block tables.
+    num_decode_tokens: int  # decode tokens come first in the batch: rows [0, num_decode_tokens)
+    decode_block_tables: torch.Tensor | None  # [D, max_blocks] int64 (padded with 0)
+    decode_context_lens: torch.Tensor | None  # [D] int64: tokens in cache incl. the new one
+    # Prefill rows (fresh prompts or chunks of them), one SDPA call per sequence.
+    prefill_query_starts: list[int]  # start row of each prefill sequence in the batch
+    prefill_query_lens: list[int]
+    prefill_context_lens: list[int]  # tokens in cache after this step (prefix + chunk)
+    prefill_block_tables: list[torch.Tensor]  # each [num_blocks] int64
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    attn: AttentionMetadata
+    lora_meta: Any = None  # kernels.LoRAMeta when any token in the batch has an adapter
+    lora_backend: str = "torch"
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext):
+    global _current
+    previous, _current = _current, ctx
+    try:
+        yield ctx
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    assert _current is not None, "layers run only inside forward_context(...)"
+    return _current

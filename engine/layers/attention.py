@@ -1,0 +1,79 @@
+"""Attention over the paged KV cache.
+
+New keys/values are scattered into the cache by slot; queries then read their whole context
+back through the sequence's block table. Decode rows (one query each) run as one batched
+SDPA call over padded block tables; prefill rows run one SDPA call per sequence, causal
+within the chunk and full over the cached prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.forward_context import get_forward_context
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        # Bound by the model runner: [num_blocks, block_size, n_kv_heads, D] each.
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [T, n_heads, D]  k, v: [T, n_kv_heads, D] -> out: [T, n_heads * D]
+        meta = get_forward_context().attn
+        num_blocks, block_size = self.k_cache.shape[:2]
+        k_flat = self.k_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        v_flat = self.v_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        k_flat[meta.slot_mapping] = k
+        v_flat[meta.slot_mapping] = v
+
+        out = torch.empty_like(q)
+        decoded = meta.num_decode_tokens
+        if decoded:
+            out[:decoded] = self._decode(q[:decoded], meta.decode_block_tables,
+                                         meta.decode_context_lens)
+        for start, q_len, ctx_len, table in zip(meta.prefill_query_starts, meta.prefill_query_lens,
+                                                meta.prefill_context_lens,
+                                                meta.prefill_block_tables):
+            out[start:start + q_len] = self._prefill(q[start:start + q_len], table, ctx_len)
+        return out.view(q.shape[0], -1)
+
+    def _gather(self, cache: torch.Tensor, tables: torch.Tensor, length: int) -> torch.Tensor:
+        # tables: [..., n_blocks] -> [..., length, n_kv_heads, D]
+        gathered = cache[tables]  # [..., n_blocks, block_size, n_kv, D]
+        gathered = gathered.flatten(-4, -3)
+        return gathered[..., :length, :, :]
+
+    def _prefill(self, q: torch.Tensor, table: torch.Tensor, ctx_len: int) -> torch.Tensor:
+        # q: [Q, n_heads, D], context of ctx_len tokens whose last Q are this chunk.
+        q_len = q.shape[0]
+        k = self._gather(self.k_cache, table, ctx_len).transpose(0, 1)  # [n_kv, L, D]
+        v = self._gather(self.v_cache, table, ctx_len).transpose(0, 1)
+        q = q.transpose(0, 1)  # [n_heads, Q, D]
+        if ctx_len == q_len:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, scale=self.scale,
+                                                 enable_gqa=True)
+        else:
+            # Query i sits at position ctx_len - q_len + i and sees keys up to there.
+            rows = torch.arange(q_len, device=q.device)[:, None] + (ctx_len - q_len)
+            mask = torch.arange(ctx_len, device=q.device)[None, :] <= rows  # [Q, L]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                                 enable_gqa=True)
+        return out.transpose(0, 1)  # [Q, n_heads, D]
+
+    def _decode(self, q: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor):
+        # q: [B, n_heads, D]  tables: [B, max_blocks]  ctx_lens: [B]
+        max_len = tables.shape[1] * self.k_cache.shape[1]
+        k = self._gather(self.k_cache, tables, max_len).transpose(1, 2)  # [B, n_kv, L, D]
+        v = self._gather(self.v_cache, tables, max_len).transpose(1, 2)
+        mask = torch.arange(max_len, device=q.device)[None, :] < ctx_lens[:, None]  # [B, L]
+        out = F.scaled_dot_product_attention(q[:, :, None, :], k, v,
+                                             attn_mask=mask[:, None, None, :], scale=self.scale,
+                                             enable_gqa=True)  # [B, n_heads, 1, D]
+        return out[:, :, 0, :]

@@ -1,0 +1,214 @@
+"""The engine: requests in, token increments out. One `step()` = schedule, run, sample.
+
+Knows tokens, blocks and slots; knows nothing of HTTP. Not thread-safe by itself: the
+offline `LLM` drives it directly, `AsyncEngine` drives it from one background thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.config import Config
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_runner import ModelRunner
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from engine.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request (increments; `finished` on the last one)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None  # the stop string or stop token that ended it
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(slots=True)
+class _Request:
+    seq: Sequence
+    detokenizer: IncrementalDetokenizer | None
+    stop_reason: str | int | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: Config):
+        self.config = config
+        started = time.perf_counter()
+        self.tokenizer = _try_load_tokenizer(config.model)
+        self.runner = ModelRunner(config)
+        self.vocab_size = self.runner.args.vocab_size
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.block_manager)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
+        self.requests: dict[str, _Request] = {}
+        self.lora = None  # engine.lora.LoRAManager once adapters are enabled
+        logger.info("engine ready in %.1f s: %s", time.perf_counter() - started, config.model)
+
+    # ---- requests -------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompts as token-id lists")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        return ids
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        limit = self.config.max_model_len
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_ids) + params.max_tokens > limit:
+            raise ValueError(
+                f"this model's maximum context length is {limit} tokens, but the request needs "
+                f"{len(prompt_ids) + params.max_tokens} ({len(prompt_ids)} in the prompt, "
+                f"{params.max_tokens} in max_tokens); shorten the prompt or lower max_tokens")
+        needed = self.block_manager.blocks_for(len(prompt_ids) + params.max_tokens)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(f"request needs {needed} KV blocks for its prompt and max_tokens but "
+                             f"the cache holds {self.block_manager.num_blocks}; lower max_tokens "
+                             "or give the engine more KV blocks")
+
+    def add_request(self, prompt: Prompt, params: SamplingParams, adapter: str | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue one request; raises ValueError (changing nothing) on bad input."""
+        prompt_ids = self.tokenize(prompt)
+        self.validate(prompt_ids, params)
+        if request_id is not None and request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if adapter is not None and self.lora is not None:
+            self.lora.check_known(adapter)
+        elif adapter is not None:
+            raise ValueError(f"adapter {adapter!r} requested but no adapters are loaded")
+        seq = Sequence(prompt_ids, params, adapter=adapter, request_id=request_id or "",
+                       arrival=time.monotonic())
+        self.scheduler.add(seq)
+        detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+                 if self.tokenizer is not None else None)
+        self.requests[seq.request_id] = _Request(seq, detok)
+        return seq.request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Drop a request now: its KV blocks and adapter slot are freed before this returns."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.finish(request.seq, "abort")
+        return self._output(request, [], [], "")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        lora_meta = self.lora.prepare(batch) if self.lora is not None else None
+        backend = self.lora.backend if self.lora is not None else "torch"
+        logits = self.runner.run(batch, lora_meta, backend)  # [num_sampling, vocab]
+        sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new
+        if not sampling:
+            return []
+        sampled = self.sampler(logits, sampling)
+        outputs = []
+        for seq, token, logprob in zip(sampling, sampled.token_ids, sampled.logprobs):
+            request = self.requests[seq.request_id]
+            seq.token_ids.append(token)
+            if logprob is not None:
+                seq.logprobs.append(logprob)
+            text = request.detokenizer.step([token]) if request.detokenizer else ""
+            reason = self._finish_reason(request, token)
+            if reason is not None:
+                if request.detokenizer is not None:
+                    text += request.detokenizer.flush()  # never releases a matched stop string
+                self.scheduler.finish(seq, reason)
+                del self.requests[seq.request_id]
+            outputs.append(self._output(request, [token], [logprob] if logprob else [], text))
+        return outputs
+
+    def _finish_reason(self, request: _Request, token: int) -> str | None:
+        seq, params = request.seq, request.seq.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            request.stop_reason = None
+            return "stop"
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return "stop"
+        if request.detokenizer is not None and request.detokenizer.stop_reason is not None:
+            request.stop_reason = request.detokenizer.stop_reason
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, request: _Request, tokens: list[int], logprobs: list[TokenLogprob],
+                text: str) -> RequestOutput:
+        seq = request.seq
+        return RequestOutput(seq.request_id, tokens, text, logprobs, seq.is_finished,
+                             seq.finish_reason, request.stop_reason, seq.num_prompt_tokens,
+                             seq.num_output_tokens)
+
+    # ---- introspection (metrics, tests) ---------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_free_kv_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        request = self.requests.get(request_id)
+        return request.seq if request else None
+
+
+def _try_load_tokenizer(model_dir: str):
+    if not any(os.path.isfile(os.path.join(model_dir, name))
+               for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        logger.warning("%s has no tokenizer files: prompts must be token ids", model_dir)
+        return None
+    return load_tokenizer(model_dir)
+
+
+def _eos_token_ids(model_dir: str, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+__all__ = ["LLMEngine", "RequestOutput", "SequenceStatus"]

@@ -1,0 +1,95 @@
+"""Load a Hugging Face checkpoint directory into our model: safetensors only, never pickle.
+
+The model is built on the meta device, materialised empty on the target device, then every
+parameter is filled from the checkpoint (merged projections slice by slice). A parameter the
+checkpoint does not fill is an error, not a silently random weight.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from engine.layers.linear import Linear
+from engine.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, name) for name in shards]
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    pickled = [n for n in os.listdir(model_dir) if n.endswith(PICKLE_SUFFIXES)]
+    if pickled:
+        raise ValueError(f"{model_dir} holds only pickled weights ({', '.join(sorted(pickled))}); "
+                         "pickle files are never loaded: convert the checkpoint to safetensors")
+    raise ValueError(f"{model_dir} has no model.safetensors or model.safetensors.index.json")
+
+
+def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
+               device: torch.device) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(hf_config)
+    model.to_empty(device=device)
+    model.to(dtype)
+    params = dict(model.named_parameters())
+    required = set(_required_keys(model))
+    filled: set[str] = set()
+    for path in tqdm(checkpoint_files(model_dir), desc="loading weights", unit="file",
+                     disable=not logger.isEnabledFor(logging.INFO)):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                filled.add(_assign(model, params, name, f.get_tensor(name)))
+    missing = sorted(required - filled)
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} does not provide {len(missing)} weights, "
+                         f"e.g. {', '.join(missing[:5])}")
+    return model.eval()
+
+
+def _required_keys(model: LlamaForCausalLM):
+    """Parameter names, with merged projections counted per slice (`...qkv_proj.weight:k_proj`)."""
+    for name, _ in model.named_parameters():
+        owner = model.get_submodule(name.rsplit(".", 1)[0])
+        if isinstance(owner, Linear) and len(owner.slice_names) > 1:
+            yield from (f"{name}:{slice_name}" for slice_name in owner.slice_names)
+        else:
+            yield name
+
+
+def _assign(model: LlamaForCausalLM, params: dict, name: str, tensor: torch.Tensor) -> str:
+    """Copy one checkpoint tensor into its (possibly merged) parameter; return what it filled."""
+    if "rotary_emb.inv_freq" in name:
+        return name  # derived from config; some old checkpoints store it
+    if name == "lm_head.weight" and model.args.tie_word_embeddings:
+        return name
+    for fragment, (merged, slice_name) in model.merged_projections.items():
+        if f".{fragment}." in name:
+            merged_name = name.replace(f".{fragment}.", f".{merged}.")
+            owner = model.get_submodule(merged_name.rsplit(".", 1)[0])
+            _copy(params[merged_name][owner.slice_rows(slice_name)], tensor, name)
+            return f"{merged_name}:{slice_name}"
+    if name not in params:
+        raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+    _copy(params[name], tensor, name)
+    return name
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, "
+                         f"the model expects {tuple(dst.shape)}")
+    dst.copy_(src)

@@ -1,0 +1,123 @@
+"""Owns the model and its KV cache; turns a scheduled batch into logits.
+
+Per step it builds the flat token batch (decode rows first, then prefill chunks), the KV
+slot of every new token, the block tables attention reads, and (with LoRA) the token-to-slot
+map, then runs one forward pass and computes logits only for rows that sample.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.config import Config
+from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
+from engine.loader import load_model
+from engine.scheduler import ScheduledBatch
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: Config):
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.block_size = config.block_size
+        self.model = load_model(config.model, config.hf_config, self.dtype, self.device)
+        self.args = self.model.args
+        self.num_kv_blocks = config.num_kv_blocks or self._size_kv_cache(config)
+        shape = (self.num_kv_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
+        for attn in self.model.attention_layers():
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_kv_blocks,
+                    self.block_size, self.kv_cache_bytes / 2**20)
+        self.lora_manager = None  # set by the engine when adapters are enabled
+
+    @property
+    def bytes_per_block(self) -> int:
+        a = self.args
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * element
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_kv_blocks * self.bytes_per_block
+
+    def _size_kv_cache(self, config: Config) -> int:
+        """Enough blocks for max_num_seqs full-length sequences, capped by free memory."""
+        wanted = config.max_num_seqs * -(-config.max_model_len // self.block_size)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            free = _available_host_memory()
+        affordable = int(free * config.kv_cache_memory_fraction) // self.bytes_per_block
+        blocks = min(wanted, affordable)
+        if blocks < -(-config.max_model_len // self.block_size):
+            raise ValueError(f"only {blocks} KV blocks fit in memory, fewer than one "
+                             f"max_model_len={config.max_model_len} sequence needs; lower "
+                             "max_model_len or set num_kv_blocks")
+        return blocks
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, lora_meta=None, lora_backend: str = "torch"):
+        """Forward one batch; return logits [num_sampling_rows, vocab] (float32)."""
+        input_ids, positions, slots, sample_rows = [], [], [], []
+        prefill_starts, prefill_lens, prefill_ctx, prefill_tables = [], [], [], []
+        decode_tables, decode_ctx = [], []
+        row = 0
+        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start = seq.num_computed_tokens
+            end = start + num_new
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size
+                         for p in range(start, end))
+            if i < batch.num_decode:
+                decode_tables.append(table)
+                decode_ctx.append(end)
+            else:
+                prefill_starts.append(row)
+                prefill_lens.append(num_new)
+                prefill_ctx.append(end)
+                prefill_tables.append(torch.tensor(table, dtype=torch.long, device=self.device))
+            row += num_new
+            if batch.samples(i):
+                sample_rows.append(row - 1)
+
+        to_device = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)
+        attn = AttentionMetadata(
+            slot_mapping=to_device(slots),
+            num_decode_tokens=batch.num_decode,
+            decode_block_tables=_pad(decode_tables, self.device) if decode_tables else None,
+            decode_context_lens=to_device(decode_ctx) if decode_ctx else None,
+            prefill_query_starts=prefill_starts,
+            prefill_query_lens=prefill_lens,
+            prefill_context_lens=prefill_ctx,
+            prefill_block_tables=prefill_tables,
+        )
+        ctx = ForwardContext(attn=attn, lora_meta=lora_meta, lora_backend=lora_backend)
+        with forward_context(ctx):
+            hidden = self.model(to_device(input_ids), to_device(positions))  # [T, hidden]
+            if not sample_rows:
+                return hidden.new_empty((0, self.args.vocab_size), dtype=torch.float32)
+            return self.model.compute_logits(hidden[to_device(sample_rows)])  # [B, vocab]
+
+
+def _pad(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    return torch.tensor(padded, dtype=torch.long, device=device)
+
+
+def _available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 2**30

@@ -1,0 +1,158 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) as one model.
+
+Differences are config switches: Qwen2 adds q/k/v biases, Qwen3 adds per-head q/k RMSNorm.
+Projections are merged (qkv_proj, gate_up_proj) with named output slices, so checkpoint
+tensors and LoRA adapters attach by their Hugging Face names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.layers.attention import PagedAttention
+from engine.layers.linear import Linear
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    attention_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> ModelArgs:
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else cfg.get("model_type", "?")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {arch!r} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, hf_config: dict):
+        super().__init__()
+        d = args.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, d
+        self.qkv_proj = Linear(args.hidden_size, {"q_proj": args.num_heads * d,
+                                                  "k_proj": args.num_kv_heads * d,
+                                                  "v_proj": args.num_kv_heads * d},
+                               bias=args.attention_bias)
+        self.o_proj = Linear(args.num_heads * d, {"o_proj": args.hidden_size})
+        if args.qk_norm:
+            self.q_norm = RMSNorm(d, args.rms_norm_eps)
+            self.k_norm = RMSNorm(d, args.rms_norm_eps)
+        self.rotary = RotaryEmbedding(d, hf_config)
+        self.attn = PagedAttention(args.num_heads, args.num_kv_heads, d, scale=d ** -0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, n_heads, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, n_kv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.intermediate_size = args.intermediate_size
+        self.gate_up_proj = Linear(args.hidden_size, {"gate_proj": args.intermediate_size,
+                                                      "up_proj": args.intermediate_size})
+        self.down_proj = Linear(args.intermediate_size, {"down_proj": args.hidden_size})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, hf_config: dict):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, hf_config)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs, hf_config: dict):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(args, hf_config) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (our module name, slice name)
+    merged_projections = {"q_proj": ("qkv_proj", "q_proj"), "k_proj": ("qkv_proj", "k_proj"),
+                          "v_proj": ("qkv_proj", "v_proj"), "gate_proj": ("gate_up_proj", "gate_proj"),
+                          "up_proj": ("gate_up_proj", "up_proj")}
+
+    def __init__(self, hf_config: dict):
+        super().__init__()
+        self.args = ModelArgs.from_hf_config(hf_config)
+        self.model = LlamaModel(self.args, hf_config)
+        if not self.args.tie_word_embeddings:
+            self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
+            self.lm_head.weight.requires_grad_(False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)  # [T, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [B, hidden] -> logits: [B, vocab] (float32 for the sampler)
+        weight = (self.model.embed_tokens.weight if self.args.tie_word_embeddings
+                  else self.lm_head.weight)
+        return F.linear(hidden, weight).float()
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

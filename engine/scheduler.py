@@ -1,0 +1,139 @@
+"""Continuous batching: a waiting queue, a running queue, and a per-step token budget.
+
+Each step the running sequences go first (one token each when decoding, the next chunk when
+their prompt is still being prefilled), then waiting sequences are admitted while the token
+budget, `max_num_seqs`, KV blocks and adapter slots allow. A prompt larger than the budget is
+prefilled in chunks across steps. When KV blocks run out, the most recently admitted running
+sequence is preempted: its blocks are freed and it is recomputed later from its tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+class SlotPolicy(Protocol):
+    """Adapter slot admission (the LoRA manager); a sequence runs only while it holds one."""
+
+    def acquire(self, seq: Sequence) -> bool: ...
+    def release(self, seq: Sequence) -> None: ...
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)  # decode rows first, then prefill rows
+    num_new_tokens: list[int] = field(default_factory=list)
+    num_decode: int = 0  # leading rows with exactly one new token
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self, i: int) -> bool:
+        """Row i reaches the end of its tokens this step, so its last logits yield a token."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int,
+                 block_manager: BlockManager, slots: SlotPolicy | None = None):
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_manager = block_manager
+        self.slots = slots
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        # The engine checked that the whole request fits the cache, so preemption always ends.
+        assert self.block_manager.blocks_for(seq.num_prompt_tokens + seq.params.max_tokens) \
+            <= self.block_manager.num_blocks
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted = False
+        running = list(self.running)
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + num_new):
+                victim = running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
+                scheduled.append((seq, num_new))
+                budget -= num_new
+                i += 1
+        self.running = deque(running)
+
+        # Admit new work only when nothing had to be preempted this step (it would thrash).
+        skipped: list[Sequence] = []
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + num_new):
+                break
+            self.waiting.popleft()
+            if self.slots is not None and not self.slots.acquire(seq):
+                skipped.append(seq)  # its adapter has no slot yet; let others go ahead
+                continue
+            self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append((seq, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        return self._order(scheduled)
+
+    @staticmethod
+    def _order(scheduled: list[tuple[Sequence, int]]) -> ScheduledBatch:
+        decode = [(s, n) for s, n in scheduled if n == 1]
+        prefill = [(s, n) for s, n in scheduled if n != 1]
+        batch = ScheduledBatch(num_decode=len(decode))
+        for seq, num_new in decode + prefill:
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        if self.slots is not None:
+            self.slots.release(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire a sequence (finished or aborted) and free its blocks and slot at once."""
+        if seq.status == SequenceStatus.FINISHED:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        if self.slots is not None and seq.status == SequenceStatus.RUNNING:
+            self.slots.release(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
