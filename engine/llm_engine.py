@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from engine.block_manager import BlockManager
 from engine.config import Config
 from engine.detokenizer import IncrementalDetokenizer
+from engine.lora import LoRAManager
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -57,12 +58,12 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.vocab_size = self.runner.args.vocab_size
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
+        self.lora = LoRAManager(config, self.runner.model, self.runner.device, self.runner.dtype)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.block_manager)
+                                   self.block_manager, slots=self.lora)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
         self.requests: dict[str, _Request] = {}
-        self.lora = None  # engine.lora.LoRAManager once adapters are enabled
         logger.info("engine ready in %.1f s: %s", time.perf_counter() - started, config.model)
 
     # ---- requests -------------------------------------------------------------------------
@@ -98,10 +99,8 @@ class LLMEngine:
         self.validate(prompt_ids, params)
         if request_id is not None and request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if adapter is not None and self.lora is not None:
+        if adapter is not None:
             self.lora.check_known(adapter)
-        elif adapter is not None:
-            raise ValueError(f"adapter {adapter!r} requested but no adapters are loaded")
         seq = Sequence(prompt_ids, params, adapter=adapter, request_id=request_id or "",
                        arrival=time.monotonic())
         self.scheduler.add(seq)
@@ -118,6 +117,18 @@ class LLMEngine:
         self.scheduler.finish(request.seq, "abort")
         return self._output(request, [], [], "")
 
+    def add_adapter(self, name: str, source) -> None:
+        """Register or replace an adapter (PEFT dir or validated LoraAdapter); bad → AdapterError."""
+        self.lora.add(name, source)
+
+    def remove_adapter(self, name: str) -> None:
+        """Forget an adapter; requests still using it are aborted and its slot freed."""
+        self.lora.check_known(name)
+        for request_id, request in list(self.requests.items()):
+            if request.seq.adapter == name:
+                self.abort(request_id)
+        self.lora.remove(name)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -126,9 +137,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        lora_meta = self.lora.prepare(batch) if self.lora is not None else None
-        backend = self.lora.backend if self.lora is not None else "torch"
-        logits = self.runner.run(batch, lora_meta, backend)  # [num_sampling, vocab]
+        lora_meta = self.lora.prepare(batch)  # None when no row has an adapter
+        logits = self.runner.run(batch, lora_meta, self.lora.backend)  # [num_sampling, vocab]
         sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new

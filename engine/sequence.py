@@ -47,6 +47,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprob] = field(default_factory=list)
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
+    lora_slot: int = -1  # device slot of its adapter while running (set by LoRAManager)
     arrival: float = 0.0
 
     def __post_init__(self) -> None:
