@@ -1,0 +1,196 @@
+"""Where adapter files come from: a local directory or a Hugging Face Hub repo.
+
+A source string (``--adapter NAME=SOURCE``, ``POST /admin/adapters/register``, vLLM's
+``lora_path``) is one of::
+
+    /abs/dir  ./rel/dir  ../rel/dir  ~/dir      a local PEFT folder; must exist
+    hf://ORG/REPO  hf://ORG/REPO@REV  hf://REPO the Hub, at a branch, tag or commit
+    ORG/REPO                                    the Hub, unless a directory by that name exists
+
+`resolve_source` turns a parsed source into the two files' bytes plus the provenance the store
+records; callers validate them (adapters.format.load_adapter_bytes) before storing anything.
+Uploads skip this module: the admin API already holds the bytes.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from adapters.errors import AdapterError, AdapterNotFound, InvalidAdapterId
+from adapters.errors import short_repr as _show
+from adapters.format import MAX_CONFIG_BYTES, PICKLE_SUFFIXES
+from adapters.ids import validate_adapter_id
+from adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
+
+HUB_SCHEME = "hf://"
+MAX_REPO_ID_LEN = 96  # the Hub's own limit
+_REVISION = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._/-]{0,255}")
+_FORMS = "a local directory, hf://ORG/REPO[@REVISION] or ORG/REPO"
+
+
+class InvalidSource(AdapterError):
+    """The source string is malformed (HTTP 400)."""
+
+    status = 400
+
+
+@dataclass(frozen=True)
+class AdapterSource:
+    kind: Literal["local", "hub"]
+    path: str | None = None  # kind == "local": absolute, normalized
+    repo_id: str | None = None  # kind == "hub"
+    revision: str | None = None  # kind == "hub": branch, tag or commit; None = the default branch
+
+    def __post_init__(self) -> None:
+        assert (self.kind == "local") == (self.path is not None) == (self.repo_id is None)
+
+    @property
+    def uri(self) -> str:
+        if self.kind == "local":
+            return self.path
+        return HUB_SCHEME + self.repo_id + (f"@{self.revision}" if self.revision else "")
+
+
+@dataclass(frozen=True)
+class AdapterFiles:
+    """An adapter's two files, not yet validated, and where they came from."""
+
+    config_raw: bytes  # adapter_config.json
+    weights_raw: bytes  # adapter_model.safetensors
+    origin: str  # what the store records as source: "/abs/dir" or "hf://ORG/REPO@<commit sha>"
+    revision: str | None  # the revision asked for (hub), None for local folders
+
+
+def validate_repo_id(repo_id: str) -> str:
+    """A Hub repo id: ``REPO`` or ``ORG/REPO`` under the adapter-id rules and the Hub's own."""
+    try:
+        validate_adapter_id(repo_id)
+    except InvalidAdapterId as e:
+        raise InvalidSource(f"Hub repo id: {e}") from None
+    if len(repo_id) > MAX_REPO_ID_LEN or "--" in repo_id or ".." in repo_id:
+        raise InvalidSource(
+            f"Hub repo id {_show(repo_id)} is not valid on the Hub (at most {MAX_REPO_ID_LEN}"
+            " characters, no '--' or '..')"
+        )
+    if repo_id.endswith((".", "-", ".git")):
+        raise InvalidSource(f"Hub repo id {_show(repo_id)} must not end with '.', '-' or '.git'")
+    return repo_id
+
+
+def validate_revision(revision: str) -> str:
+    """A branch, tag or commit: ``main``, ``v1.0``, ``refs/pr/3``, a 40-hex sha."""
+    if not _REVISION.fullmatch(revision) or ".." in revision or "//" in revision:
+        raise InvalidSource(
+            f"revision {_show(revision)} is not a branch, tag or commit name"
+            " (letters, digits, '.', '_', '-', '/'; no '..')"
+        )
+    return revision
+
+
+def parse_source(source: str, *, allow_local: bool = True) -> AdapterSource:
+    """Parse a source string; an existing directory wins over a Hub repo of the same name.
+
+    allow_local=False refuses explicit paths and reads ORG/REPO as a Hub repo whatever the
+    server's disk holds (for sources that arrive over HTTP from clients who should not name,
+    or probe for, files on the server).
+    """
+    if not isinstance(source, str) or not source.strip():
+        raise InvalidSource(f"adapter source is empty; give {_FORMS}")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in source):
+        raise InvalidSource(f"adapter source {_show(source)} contains control characters")
+    if source.startswith(HUB_SCHEME):
+        repo_id, sep, revision = source[len(HUB_SCHEME) :].partition("@")
+        if sep and not revision:
+            raise InvalidSource(f"adapter source {_show(source)} has an empty revision after '@'")
+        return AdapterSource(
+            "hub", repo_id=validate_repo_id(repo_id), revision=validate_revision(revision) if sep else None
+        )  # fmt: skip
+    if "://" in source:
+        raise InvalidSource(f"adapter source {_show(source)}: only hf:// URLs are supported")
+    expanded = os.path.expanduser(source)
+    explicit_path = source.startswith(("/", "./", "../", "~")) or source in (".", "..")
+    if explicit_path or (allow_local and os.path.isdir(expanded)):
+        if not allow_local:
+            raise InvalidSource(
+                f"adapter source {_show(source)} is a local path, which is not accepted here;"
+                " upload the files or name a Hub repo (hf://ORG/REPO)"
+            )
+        if not os.path.isdir(expanded):
+            raise AdapterNotFound(f"no adapter directory at {_show(source)}")
+        return AdapterSource("local", path=os.path.abspath(expanded))
+    if "@" in source:
+        raise InvalidSource(
+            f"adapter source {_show(source)}: write a revision as hf://ORG/REPO@REV"
+        )
+    if source.count("/") != 1:
+        raise InvalidSource(
+            f"adapter source {_show(source)} is neither an existing directory nor ORG/REPO;"
+            f" give {_FORMS}"
+        )
+    return AdapterSource("hub", repo_id=validate_repo_id(source))
+
+
+def hub_allowed(repo_id: str, patterns: list[str]) -> bool:
+    """Whether ``--hub-allow`` lets requests fetch repo_id on demand.
+
+    Patterns are case-sensitive fnmatch globs over the whole id: ``my-org/*``, ``*/llama-*``,
+    ``*``. No patterns (the default) allows nothing; an invalid repo id is never allowed.
+    """
+    try:
+        validate_repo_id(repo_id)
+    except InvalidSource:
+        return False
+    return any(fnmatch.fnmatchcase(repo_id, pattern) for pattern in patterns)
+
+
+def read_adapter_files(folder: str) -> tuple[bytes, bytes]:
+    """(adapter_config.json, adapter_model.safetensors) bytes of a PEFT folder; never unpickles."""
+    if not os.path.isdir(folder):
+        raise AdapterNotFound(f"no adapter directory at {_show(folder)}")
+    config_path, weights_path = (os.path.join(folder, f) for f in (CONFIG_FILE, WEIGHTS_FILE))
+    if not os.path.isfile(weights_path):
+        pickled = sorted(f for f in os.listdir(folder) if f.lower().endswith(PICKLE_SUFFIXES))
+        if pickled:
+            raise AdapterError(pickle_refusal(_show(folder), pickled))
+        raise AdapterError(f"adapter at {_show(folder)} has no {WEIGHTS_FILE}")
+    if not os.path.isfile(config_path):
+        raise AdapterError(f"adapter at {_show(folder)} has no {CONFIG_FILE}")
+    with open(config_path, "rb") as f:
+        config_raw = f.read(MAX_CONFIG_BYTES + 1)
+    if len(config_raw) > MAX_CONFIG_BYTES:
+        raise AdapterError(f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
+    with open(weights_path, "rb") as f:
+        return config_raw, f.read()
+
+
+def pickle_refusal(where: str, pickled: list[str]) -> str:
+    return (
+        f"adapter at {where} has pickled weights ({', '.join(pickled)}) and no {WEIGHTS_FILE};"
+        " pickles are refused because unpickling can run arbitrary code. Convert them to"
+        f" {WEIGHTS_FILE}: load with PEFT in a trusted environment, then"
+        " save_pretrained(dir, safe_serialization=True)"
+    )
+
+
+def resolve_source(
+    source: AdapterSource,
+    *,
+    endpoint: str | None = None,
+    token: str | None = None,
+    cache_dir: str | None = None,
+) -> AdapterFiles:
+    """Read a source's files (downloading Hub repos into the HF cache first)."""
+    if source.kind == "local":
+        config_raw, weights_raw = read_adapter_files(source.path)
+        return AdapterFiles(config_raw, weights_raw, source.path, None)
+    from adapters.hub import fetch_hub_adapter  # huggingface_hub is only needed for Hub sources
+
+    fetched = fetch_hub_adapter(
+        source.repo_id, source.revision, endpoint=endpoint, token=token, cache_dir=cache_dir
+    )
+    config_raw, weights_raw = read_adapter_files(fetched.path)
+    return AdapterFiles(config_raw, weights_raw, fetched.source, fetched.revision)
