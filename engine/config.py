@@ -45,6 +45,7 @@ class Config:
     kv_cache_memory_fraction: float = 0.5
     max_loras: int = 4
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # host-memory LRU of parsed adapters; None = max(max_loras, 16)
     lora_backend: str = "auto"
     seed: int = 0
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)

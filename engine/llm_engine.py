@@ -119,7 +119,8 @@ class LLMEngine:
 
     def add_adapter(self, name: str, source) -> None:
         """Register or replace an adapter (PEFT dir or validated LoraAdapter); bad → AdapterError."""
-        self.lora.add(name, source)
+        busy = {r.seq.adapter for r in self.requests.values() if r.seq.adapter}
+        self.lora.add(name, source, busy=busy)
 
     def remove_adapter(self, name: str) -> None:
         """Forget an adapter; requests still using it are aborted and its slot freed."""

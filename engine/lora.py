@@ -1,9 +1,9 @@
-"""Device slot pool for LoRA adapters, and the per-step token -> slot map.
+"""Adapters inside the engine: host copies (an LRU bounded by `max_cpu_loras`) and the device
+slot pool (`max_loras` slots of up to `max_lora_rank`, preallocated per layer and projection).
 
-`max_loras` slots of up to `max_lora_rank` are preallocated per layer and projection. A slot
-holds one version of one adapter; it is (re)filled only while no running sequence uses it,
-so a step never sees a slot change under it. Adapters without a free slot wait in the queue
-while requests for resident adapters keep flowing (see Scheduler).
+A slot holds one version of one adapter and is refilled only while no running sequence uses
+it, so a step never sees a slot change under it. An adapter whose host copy was evicted is
+re-read from its directory (the disk tier) when next needed. Pinned adapters are never evicted.
 """
 
 from __future__ import annotations
@@ -37,9 +37,22 @@ class Slot:
 
 @dataclass(slots=True)
 class RegisteredAdapter:
-    adapter: LoraAdapter
     version: int
-    num_bytes: int = field(default=0)
+    path: str | None  # the disk tier; None for adapters handed over only in memory
+    host: LoraAdapter | None  # the host tier; None once evicted from host memory
+    num_bytes: int
+    rank: int
+    pinned: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class LoRAStats:
+    device_loads: int = 0  # host -> slot copies
+    device_hits: int = 0  # admissions that found their adapter already in a slot
+    device_evictions: int = 0
+    host_loads: int = 0  # disk -> host parses
+    host_evictions: int = 0
 
 
 def resolve_lora_backend(backend: str, device: torch.device) -> str:
@@ -47,7 +60,7 @@ def resolve_lora_backend(backend: str, device: torch.device) -> str:
         return "triton" if device.type == "cuda" else "torch"
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError('lora_backend="triton" on CPU needs TRITON_INTERPRET=1 set before '
-                         "start-up; use lora_backend=\"torch\" on CPU")
+                         'start-up; use lora_backend="torch" on CPU')
     return backend
 
 
@@ -56,35 +69,74 @@ class LoRAManager:
                  dtype: torch.dtype):
         self.num_slots = config.max_loras
         self.max_rank = config.max_lora_rank
+        self.max_host = config.max_cpu_loras or max(config.max_loras, 16)
         self.device, self.dtype = device, dtype
         self.backend = resolve_lora_backend(config.lora_backend, device)
         self.spec = BaseModelSpec.from_hf_config(config.hf_config, config.max_lora_rank)
         self.model = model
         self.adapters: dict[str, RegisteredAdapter] = {}
         self.slots = [Slot() for _ in range(self.num_slots)]
+        self.stats = LoRAStats()
         self._versions = 0
         self._allocated = False
-        self.loads = 0  # slot fills, for metrics and tests
 
-    # ---- registry -------------------------------------------------------------------------
-    def add(self, name: str, source: str | LoraAdapter) -> None:
-        """Register (or replace) an adapter from a PEFT dir or an already-validated adapter."""
+    # ---- registry and host tier -----------------------------------------------------------
+    def add(self, name: str, source: str | LoraAdapter, busy: set[str] = frozenset()) -> int:
+        """Register or replace `name` from a PEFT dir or a validated adapter; returns its version.
+        `busy`: adapters with queued requests, kept in host memory if at all possible."""
         adapter = load_adapter(source, self.spec) if isinstance(source, str) else source
         self._versions += 1
-        if name in self.adapters:
+        previous = self.adapters.get(name)
+        if previous is not None:
             self._retire(name)
-        self.adapters[name] = RegisteredAdapter(adapter, self._versions, adapter.num_bytes)
+        self.adapters[name] = RegisteredAdapter(
+            self._versions, source if isinstance(source, str) else None, adapter,
+            adapter.num_bytes, adapter.max_rank, pinned=previous.pinned if previous else False)
+        self._trim_host(keep={name} | set(busy))
         self._allocate()
+        return self._versions
 
     def remove(self, name: str) -> None:
-        if name not in self.adapters:
-            raise AdapterNotFound(f"adapter {name!r} is not registered")
+        self.check_known(name)
         self._retire(name)
         del self.adapters[name]
 
+    def evict(self, name: str) -> bool:
+        """Drop an adapter's device slot (if idle) and host copy; it stays on disk. Returns
+        whether it is now off the device (False while a running sequence still uses it)."""
+        entry = self._get(name)
+        if entry.pinned:
+            raise AdapterError(f"adapter {name!r} is pinned; unpin it before evicting", )
+        on_device = False
+        for index, slot in enumerate(self.slots):
+            if slot.adapter == name:
+                if slot.ref_count:
+                    on_device = True
+                else:
+                    self._clear(index)
+                    self.stats.device_evictions += 1
+        if entry.path is not None and not on_device and entry.host is not None:
+            entry.host = None
+            self.stats.host_evictions += 1
+        return not on_device
+
+    def pin(self, name: str, pinned: bool = True) -> None:
+        self._get(name).pinned = pinned
+        if pinned and sum(e.pinned for e in self.adapters.values()) >= self.num_slots + 1:
+            self._get(name).pinned = False
+            raise AdapterError(f"cannot pin {name!r}: pinning more adapters than --max-loras "
+                               f"({self.num_slots}) slots would starve the others", )
+
     def check_known(self, name: str) -> None:
-        if name not in self.adapters:
-            raise AdapterNotFound(f"adapter {name!r} is not registered")
+        self._get(name)
+
+    def residency(self, name: str) -> str:
+        """"device" (in a slot), "host" (parsed in memory) or "disk"."""
+        entry = self._get(name)
+        if any(s.adapter == name and s.version == entry.version and not s.stale
+               for s in self.slots):
+            return "device"
+        return "host" if entry.host is not None else "disk"
 
     def resident(self) -> list[str]:
         return [s.adapter for s in self.slots if s.adapter is not None and not s.stale]
@@ -93,6 +145,38 @@ class LoRAManager:
     def slots_in_use(self) -> int:
         return sum(1 for s in self.slots if s.ref_count > 0)
 
+    @property
+    def host_bytes(self) -> int:
+        return sum(e.num_bytes for e in self.adapters.values() if e.host is not None)
+
+    def _get(self, name: str) -> RegisteredAdapter:
+        entry = self.adapters.get(name)
+        if entry is None:
+            raise AdapterNotFound(f"adapter {name!r} is not registered")
+        return entry
+
+    def _trim_host(self, keep: set[str]) -> None:
+        in_slots = {s.adapter for s in self.slots if s.ref_count}
+        hosted = [(e.last_used, n) for n, e in self.adapters.items() if e.host is not None]
+        excess = len(hosted) - self.max_host
+        for _, name in sorted(hosted):
+            if excess <= 0:
+                break
+            entry = self.adapters[name]
+            if name in keep or name in in_slots or entry.pinned or entry.path is None:
+                continue
+            entry.host = None
+            self.stats.host_evictions += 1
+            excess -= 1
+
+    def _host_copy(self, name: str, entry: RegisteredAdapter) -> LoraAdapter:
+        if entry.host is None:  # the disk tier: re-read and re-validate
+            entry.host = load_adapter(entry.path, self.spec)
+            self.stats.host_loads += 1
+            self._trim_host(keep={name})
+        entry.last_used = time.monotonic()
+        return entry.host
+
     def _retire(self, name: str) -> None:
         for index, slot in enumerate(self.slots):
             if slot.adapter == name:
@@ -100,22 +184,24 @@ class LoRAManager:
                 if slot.ref_count == 0:
                     self._clear(index)
 
-    # ---- slots (SlotPolicy for the scheduler) ---------------------------------------------
+    # ---- device slots (the scheduler's SlotPolicy) ----------------------------------------
     def acquire(self, seq: Sequence) -> bool:
         if seq.adapter is None:
             return True
-        registered = self.adapters.get(seq.adapter)
-        if registered is None:
+        entry = self.adapters.get(seq.adapter)
+        if entry is None:
             return False
-        index = self._find(seq.adapter, registered.version)
+        index = self._find(seq.adapter, entry.version)
         if index is None:
             index = self._victim()
             if index is None:
                 return False
-            self._fill(index, seq.adapter, registered)
+            self._fill(index, seq.adapter, entry)
+        else:
+            self.stats.device_hits += 1
         slot = self.slots[index]
         slot.ref_count += 1
-        slot.last_used = time.monotonic()
+        slot.last_used = entry.last_used = time.monotonic()
         seq.lora_slot = index
         return True
 
@@ -137,72 +223,73 @@ class LoRAManager:
         return None
 
     def _victim(self) -> int | None:
-        """A free slot, else the least recently used slot nobody is running on."""
-        free = [i for i, s in enumerate(self.slots) if s.adapter is None]
-        if free:
-            return free[0]
-        idle = [i for i, s in enumerate(self.slots) if s.ref_count == 0]
-        return min(idle, key=lambda i: self.slots[i].last_used) if idle else None
+        """A free slot, else the least recently used idle slot of an unpinned adapter."""
+        for index, slot in enumerate(self.slots):
+            if slot.adapter is None:
+                return index
+        idle = [i for i, s in enumerate(self.slots) if s.ref_count == 0
+                and not self.adapters[s.adapter].pinned]
+        if not idle:
+            return None
+        self.stats.device_evictions += 1
+        return min(idle, key=lambda i: self.slots[i].last_used)
 
     # ---- device buffers -------------------------------------------------------------------
-    def _layers(self):
+    def _projections(self):
         for index, layer in enumerate(self.model.model.layers):
-            modules = {"qkv_proj": layer.self_attn.qkv_proj, "o_proj": layer.self_attn.o_proj,
-                       "gate_up_proj": layer.mlp.gate_up_proj, "down_proj": layer.mlp.down_proj}
-            yield index, modules
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                           layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                yield index, linear
 
     def _allocate(self) -> None:
-        """Preallocate every projection's slot pool, once, on the first adapter."""
+        """Preallocate every projection's slot pool, once, when the first adapter arrives."""
         if self._allocated:
             return
         S, R = self.num_slots, self.max_rank
-        for _, modules in self._layers():
-            for linear in modules.values():
-                n = len(linear.slice_names)
-                linear.lora = LoRABuffers(
-                    lora_a=torch.zeros(n, S, R, linear.in_features, dtype=self.dtype,
-                                       device=self.device),  # [n_slices, S, R, H]
-                    lora_b=torch.zeros(S, linear.out_features, R, dtype=self.dtype,
-                                       device=self.device),  # [S, O_total, R]
-                    ranks=torch.zeros(n, S, dtype=torch.int32, device=self.device),
-                    scales=torch.zeros(n, S, dtype=torch.float32, device=self.device))
+        for _, linear in self._projections():
+            n = len(linear.slice_names)
+            linear.lora = LoRABuffers(
+                lora_a=torch.zeros(n, S, R, linear.in_features, dtype=self.dtype,
+                                   device=self.device),  # [n_slices, S, R, H]
+                lora_b=torch.zeros(S, linear.out_features, R, dtype=self.dtype,
+                                   device=self.device),  # [S, O_total, R]
+                ranks=torch.zeros(n, S, dtype=torch.int32, device=self.device),
+                scales=torch.zeros(n, S, dtype=torch.float32, device=self.device))
         self._allocated = True
 
-    def _fill(self, index: int, name: str, registered: RegisteredAdapter) -> None:
+    def _fill(self, index: int, name: str, entry: RegisteredAdapter) -> None:
+        adapter = self._host_copy(name, entry)
         self._clear(index)
-        modules = registered.adapter.modules
-        for layer_index, layers in self._layers():
-            for linear in layers.values():
-                lora = linear.lora
-                for i, target in enumerate(linear.slice_names):
-                    weights = modules.get((layer_index, target))
-                    if weights is None:
-                        continue  # absent target: rank 0, contributes nothing
-                    rank = weights.lora_a.shape[0]
-                    rows = linear.slice_rows(target)
-                    lora.lora_a[i, index, :rank].copy_(weights.lora_a, non_blocking=True)
-                    lora.lora_b[index, rows, :rank].copy_(weights.lora_b, non_blocking=True)
-                    lora.ranks[i, index] = rank
-                    lora.scales[i, index] = weights.scaling
-        self.slots[index] = Slot(adapter=name, version=registered.version,
-                                 last_used=time.monotonic())
-        self.loads += 1
-        logger.info("adapter %s loaded into slot %d", name, index)
+        for layer_index, linear in self._projections():
+            lora = linear.lora
+            for i, target in enumerate(linear.slice_names):
+                weights = adapter.modules.get((layer_index, target))
+                if weights is None:
+                    continue  # absent target: rank 0, contributes nothing
+                rank = weights.lora_a.shape[0]
+                lora.lora_a[i, index, :rank].copy_(weights.lora_a, non_blocking=True)
+                lora.lora_b[index, linear.slice_rows(target), :rank].copy_(weights.lora_b,
+                                                                            non_blocking=True)
+                lora.ranks[i, index] = rank
+                lora.scales[i, index] = weights.scaling
+        self.slots[index] = Slot(adapter=name, version=entry.version, last_used=time.monotonic())
+        self.stats.device_loads += 1
+        logger.info("adapter %s (v%d) loaded into slot %d", name, entry.version, index)
 
     def _clear(self, index: int) -> None:
         assert self.slots[index].ref_count == 0, "clearing a slot that a sequence still uses"
         if self._allocated:
-            for _, layers in self._layers():
-                for linear in layers.values():
-                    linear.lora.lora_a[:, index].zero_()
-                    linear.lora.lora_b[index].zero_()
-                    linear.lora.ranks[:, index] = 0
-                    linear.lora.scales[:, index] = 0.0
+            for _, linear in self._projections():
+                linear.lora.lora_a[:, index].zero_()
+                linear.lora.lora_b[index].zero_()
+                linear.lora.ranks[:, index] = 0
+                linear.lora.scales[:, index] = 0.0
         self.slots[index] = Slot()
 
     # ---- per step -------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch):
-        """The token -> slot map of this step, or None when no token has an adapter."""
+        """The token -> slot map of this step, or None when no token has an adapter (then
+        requests without adapters pay nothing for LoRA)."""
         if not any(seq.adapter for seq in batch.seqs):
             return None
         from kernels import make_lora_meta
@@ -215,4 +302,4 @@ class LoRAManager:
         return make_lora_meta(slots, self.num_slots)
 
 
-__all__ = ["LoRAManager", "AdapterError", "resolve_lora_backend"]
+__all__ = ["LoRAManager", "LoRAStats", "resolve_lora_backend"]
