@@ -1,0 +1,206 @@
+"""LoRA kernels on one GPU (bf16): segmented-gather Triton vs gather-bmm vs a per-slot loop.
+
+    python -m benchmarks.bench_kernels_gpu --out bench_kernels.md [--quick] [--block-m auto,16,64]
+
+Run from the repository root (or with the project installed). For every Llama-3-8B projection
+shape x rank x batch x popularity (distinct: every token its own adapter; identical: one
+adapter for all), it times:
+    triton      apply_lora(backend="triton"): shrink + expand (y zeroing included)
+    gather-bmm  gather each token's A and B, then two bmm (what a naive batched LoRA does)
+    slot-loop   apply_lora(backend="torch"): per-slot index_select + matmul, a Python loop
+and checks the Triton output against a float64 per-slot oracle. "GB/s" counts the bytes the
+step must touch at least (x, the rank-r weights of the adapters it uses, y written and read,
+out read and written) over the Triton time; "% copy" divides that by the device-to-device copy
+bandwidth measured at start. Decode LoRA is memory-bound, so "% copy" is the kernel's
+efficiency. `--block-m auto,1` adds rows for the same kernels with one token per program
+(a BGMV: weights read once per token, products summed on CUDA cores instead of tl.dot): auto
+vs 1 on distinct and identical traffic is the SGMV/BGMV question of kernels/lora_triton.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from itertools import pairwise, product
+
+import torch
+
+log = logging.getLogger("bench_kernels_gpu")
+
+SHAPES = {  # name: (H, output slice widths), Llama-3-8B
+    "q/o": (4096, (4096,)), "k/v": (4096, (1024,)), "gate/up": (4096, (14336,)),
+    "down": (14336, (4096,)), "qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)),
+}
+DTYPE = torch.bfloat16
+TOLERANCE = 2e-2  # bf16 out: |got - want| <= tol + tol * |want|
+
+
+@dataclass
+class Row:
+    shape: str
+    rank: int
+    batch: int
+    popularity: str
+    block_m: str
+    triton_us: float
+    gather_bmm_us: float
+    slot_loop_us: float
+    gbps: float
+    copy_fraction: float
+    max_err: float        # max |got - want| / (tol + tol * |want|): <= 1 passes
+
+    def cells(self) -> list[str]:
+        best = min(self.gather_bmm_us, self.slot_loop_us)
+        ok = "ok" if self.max_err <= 1 else "FAIL"
+        return [self.shape, str(self.rank), str(self.batch), self.popularity, self.block_m,
+                f"{self.triton_us:.1f}", f"{self.gather_bmm_us:.1f}", f"{self.slot_loop_us:.1f}",
+                f"{best / self.triton_us:.2f}x", f"{self.gbps:.0f}", f"{100 * self.copy_fraction:.1f}%",
+                f"{self.max_err:.2f} {ok}"]
+
+
+HEADER = ["shape", "rank", "batch", "popularity", "tile M", "triton us", "gather-bmm us",
+          "slot-loop us", "speedup vs best baseline", "GB/s", "% copy", "err/tol"]
+
+
+def bench_ms(fn) -> float:
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (bench_ms(lambda: dst.copy_(src)) * 1e-3)
+
+
+def gather_bmm(out, x, lora_a, lora_b, token_slots, scales, slice_offsets):
+    """out[:, o[i]:o[i+1]] += scale * (A[slot] @ x) gathered per token; every token has a slot."""
+    for i, (lo, hi) in enumerate(pairwise(slice_offsets)):
+        a = lora_a[i].index_select(0, token_slots)                  # [T, R, H]
+        y = torch.bmm(a, x.unsqueeze(2))                             # [T, R, 1]
+        b = lora_b[:, lo:hi].index_select(0, token_slots)            # [T, w, R]
+        delta = torch.bmm(b, y).squeeze(2)                           # [T, w]
+        out[:, lo:hi] += delta * scales[i].index_select(0, token_slots)[:, None]
+
+
+def slot_oracle(out0, x, lora_a, lora_b, ranks, scales, slice_offsets, token_slots):
+    """float64 per-slot loop; returns the expected out [T, O]."""
+    out = out0.double()
+    for slot in token_slots.unique().tolist():
+        idx = (token_slots == slot).nonzero().squeeze(1)
+        xs = x[idx].double()
+        for i, (lo, hi) in enumerate(pairwise(slice_offsets)):
+            r = int(ranks[i, slot])
+            y = xs @ lora_a[i, slot, :r].double().T                  # [c, r]
+            out[idx, lo:hi] += float(scales[i, slot]) * (y @ lora_b[slot, lo:hi, :r].double().T)
+    return out
+
+
+def min_bytes(T: int, H: int, out_features: int, n: int, R: int, r: int, active: int) -> int:
+    e = DTYPE.itemsize
+    return (T * H * e                      # x
+            + active * n * r * H * e       # A, rank-r rows of the slots used
+            + active * out_features * r * e  # B, rank-r columns
+            + 2 * n * T * R * 4            # y written, then read (fp32)
+            + 2 * T * out_features * e)    # out read and written
+
+
+def run_one(shape, rank, batch, popularity, block_m, weights, copy_bw) -> Row:
+    from kernels import apply_lora, make_lora_meta
+    H, widths = SHAPES[shape]
+    lora_a, lora_b, ranks, scales, offsets = weights
+    S = lora_b.shape[0]
+    slots = (torch.arange(batch, device="cuda") % S if popularity == "distinct"
+             else torch.zeros(batch, dtype=torch.long, device="cuda"))
+    meta = make_lora_meta(slots, S, block_m=None if block_m == "auto" else int(block_m))
+    x = torch.randn(batch, H, device="cuda", dtype=DTYPE)
+    out0 = torch.randn(batch, offsets[-1], device="cuda", dtype=DTYPE)
+
+    out = out0.clone()
+    apply_lora(out, x, lora_a, lora_b, ranks, scales, offsets, meta, backend="triton")
+    want = slot_oracle(out0, x, lora_a, lora_b, ranks, scales, offsets, slots)
+    err = ((out.double() - want).abs() / (TOLERANCE + TOLERANCE * want.abs())).max().item()
+
+    out = out0.clone()
+    t_triton = bench_ms(lambda: apply_lora(out, x, lora_a, lora_b, ranks, scales, offsets, meta, "triton"))
+    t_bmm = bench_ms(lambda: gather_bmm(out, x, lora_a, lora_b, slots, scales, offsets))
+    t_loop = bench_ms(lambda: apply_lora(out, x, lora_a, lora_b, ranks, scales, offsets, meta, "torch"))
+    active = len(meta.segments)
+    nbytes = min_bytes(batch, H, offsets[-1], len(widths), lora_a.shape[2], rank, active)
+    gbps = nbytes / (t_triton * 1e-3) / 1e9
+    return Row(shape, rank, batch, popularity, str(meta.block_m) if block_m == "auto" else block_m,
+               1e3 * t_triton, 1e3 * t_bmm, 1e3 * t_loop, gbps, gbps * 1e9 / copy_bw, err)
+
+
+def make_weights(shape: str, rank: int, num_slots: int):
+    H, widths = SHAPES[shape]
+    n, offsets = len(widths), (0, *torch.tensor(widths).cumsum(0).tolist())
+    lora_a = (torch.randn(n, num_slots, rank, H, device="cuda") / H ** 0.5).to(DTYPE)  # [n, S, R, H]
+    lora_b = (torch.randn(num_slots, offsets[-1], rank, device="cuda") / rank ** 0.5).to(DTYPE)  # [S, O, R]
+    ranks = torch.full((n, num_slots), rank, dtype=torch.int32, device="cuda")
+    scales = torch.full((n, num_slots), 2.0, device="cuda")
+    return lora_a, lora_b, ranks, scales, offsets
+
+
+def markdown(rows: list[Row], copy_bw: float) -> str:
+    lines = [f"Device: {torch.cuda.get_device_name()}; device-to-device copy {copy_bw / 1e9:.0f} GB/s; "
+             f"dtype bf16; torch {torch.__version__}", "",
+             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(row.cells()) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    csv = lambda kind: (lambda s: [kind(v) for v in s.split(",")])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench_kernels.md", help="write the markdown table here")
+    p.add_argument("--shapes", type=csv(str), default=["q/o", "k/v", "gate/up", "down", "qkv"],
+                   help=f"comma-separated, from {', '.join(SHAPES)}")
+    p.add_argument("--ranks", type=csv(int), default=[8, 16, 64])
+    p.add_argument("--batches", type=csv(int), default=[1, 16, 64, 256])
+    p.add_argument("--popularity", type=csv(str), default=["distinct", "identical"])
+    p.add_argument("--block-m", type=csv(str), default=["auto"],
+                   help="tile heights to compare: auto (the engine's rule) or powers of 2 >= 16")
+    p.add_argument("--quick", action="store_true", help="qkv, gate/up, down; ranks 16,64; batches 1,32,256")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.shapes, args.ranks, args.batches = ["qkv", "gate/up", "down"], [16, 64], [1, 32, 256]
+    unknown = set(args.shapes) - set(SHAPES)
+    if unknown:
+        p.error(f"unknown shapes {sorted(unknown)}; choose from {', '.join(SHAPES)}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernels_gpu needs a CUDA device; run `pytest tests/kernels` on CPU instead")
+    from tqdm import tqdm
+
+    copy_bw = copy_bandwidth()
+    log.info("device-to-device copy: %.0f GB/s", copy_bw / 1e9)
+    num_slots = max(args.batches)  # distinct popularity gives every token its own slot
+    rows = []
+    configs = list(product(args.shapes, args.ranks))
+    with tqdm(total=len(configs) * len(args.batches) * len(args.popularity) * len(args.block_m)) as bar:
+        for shape, rank in configs:
+            weights = make_weights(shape, rank, num_slots)
+            for batch, popularity, block_m in product(args.batches, args.popularity, args.block_m):
+                rows.append(run_one(shape, rank, batch, popularity, block_m, weights, copy_bw))
+                bar.update()
+            del weights
+            torch.cuda.empty_cache()
+    table = markdown(rows, copy_bw)
+    with open(args.out, "w") as f:
+        f.write(table)
+    print(table)
+    failed = [r for r in rows if r.max_err > 1]
+    if failed:
+        raise SystemExit(f"{len(failed)} configurations exceed the bf16 tolerance; see {args.out}")
+
+
+if __name__ == "__main__":
+    main()

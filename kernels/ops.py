@@ -1,0 +1,99 @@
+"""The LoRA calls the model makes, dispatched to a backend.
+
+backend "torch": kernels/reference.py, per-slot index_select + matmul (the CPU production path).
+backend "triton": kernels/lora_triton.py, imported on first use so that importing `kernels`
+never needs a GPU driver (set TRITON_INTERPRET=1 before first use to run it on the CPU).
+
+Buffers of one LoRA-wrapped projection with n output slices (qkv_proj: 3, gate_up_proj: 2):
+    lora_a: [n, S, R, H]  x.dtype      lora_b: [S, O, R]  x.dtype (slice i owns rows o[i]:o[i+1])
+    ranks:  [n, S] int32 (0 = none)    scales: [n, S] float32
+    o = slice_offsets: (0, ..., O), n+1 python ints
+slot(t) = meta.token_slots[t]; r = ranks[i, slot(t)]; the math runs in float32.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import Tensor
+
+from kernels import reference
+from kernels.meta import LoRAMeta
+
+BACKENDS = ("torch", "triton")
+
+
+def _backend(name: str):
+    if name == "torch":
+        return reference
+    if name == "triton":
+        return importlib.import_module("kernels.lora_triton")
+    raise ValueError(f"LoRA backend must be one of {', '.join(BACKENDS)}; got {name!r}")
+
+
+def _check(x: Tensor, lora_a: Tensor, ranks: Tensor, meta: LoRAMeta) -> None:
+    n, S, _, H = lora_a.shape
+    assert x.dim() == 2 and x.shape[1] == H, f"x must be [T, {H}], got {tuple(x.shape)}"
+    assert x.shape[0] == meta.num_tokens, f"x has {x.shape[0]} tokens, meta has {meta.num_tokens}"
+    assert S == meta.num_slots, f"lora_a has {S} slots, meta has {meta.num_slots}"
+    assert meta.sorted_token_ids.device == x.device, (
+        f"meta is on {meta.sorted_token_ids.device}, x on {x.device}: build it with "
+        "make_lora_meta(token_slots.to(x.device), num_slots)")
+    assert lora_a.dtype == x.dtype and lora_a.is_contiguous(), "lora_a must be contiguous, dtype of x"
+    assert ranks.shape == (n, S) and ranks.dtype == torch.int32, f"ranks must be [{n}, {S}] int32"
+
+
+def lora_shrink(x: Tensor, lora_a: Tensor, ranks: Tensor, meta: LoRAMeta,
+                backend: str = "torch") -> Tensor:
+    """y[i, t, :r] = x[t] @ lora_a[i, slot(t), :r].T   (r = ranks[i, slot(t)])
+
+    x: [T, H]   lora_a: [n, S, R, H] (x.dtype)   ranks: [n, S] int32
+    Returns y: [n, T, R] float32; rows of tokens with slot -1 and columns >= r are zero.
+    """
+    _check(x, lora_a, ranks, meta)
+    n, _, R, _ = lora_a.shape
+    y = torch.zeros(n, x.shape[0], R, dtype=torch.float32, device=x.device)  # [n, T, R]
+    if x.shape[0]:
+        _backend(backend).lora_shrink(x, lora_a, ranks, meta, y)
+    return y
+
+
+def lora_expand(out: Tensor, y: Tensor, lora_b: Tensor, ranks: Tensor, scales: Tensor,
+                slice_offsets: tuple[int, ...], meta: LoRAMeta, backend: str = "torch") -> None:
+    """out[t, o[i]:o[i+1]] += scales[i, slot(t)] * y[i, t, :r] @ lora_b[slot(t), o[i]:o[i+1], :r].T
+
+    out: [T, O] (x.dtype), in place; tokens with slot -1 untouched   y: [n, T, R] float32
+    lora_b: [S, O, R] (out.dtype)   ranks: [n, S] int32   scales: [n, S] float32
+    slice_offsets: n+1 python ints, 0 .. O
+    """
+    n, T, R = y.shape
+    S, O_total, _ = lora_b.shape
+    assert out.shape == (T, O_total) and out.dtype == lora_b.dtype, (
+        f"out must be [{T}, {O_total}] {lora_b.dtype}, got {tuple(out.shape)} {out.dtype}")
+    assert y.dtype == torch.float32 and y.is_contiguous(), "y must be contiguous float32"
+    assert lora_b.shape == (S, O_total, R) and lora_b.is_contiguous(), f"lora_b must be [S, {O_total}, {R}] contiguous"
+    assert len(slice_offsets) == n + 1 and slice_offsets[0] == 0 and slice_offsets[-1] == O_total, (
+        f"slice_offsets must run 0 .. {O_total} over {n} slices, got {slice_offsets}")
+    assert ranks.shape == (n, S) and scales.shape == (n, S) and scales.dtype == torch.float32
+    assert S == meta.num_slots and T == meta.num_tokens
+    if T:
+        _backend(backend).lora_expand(out, y, lora_b, ranks, scales, tuple(slice_offsets), meta)
+
+
+def apply_lora(out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, ranks: Tensor,
+               scales: Tensor, slice_offsets: tuple[int, ...], meta: LoRAMeta,
+               backend: str = "torch") -> None:
+    """out[t, o[i]:o[i+1]] += scales[i, s] * (x[t] @ lora_a[i, s, :r].T) @ lora_b[s, o[i]:o[i+1], :r].T
+    with s = slot(t), r = ranks[i, s]; in place, tokens with slot -1 untouched.
+
+    out: [T, O]   x: [T, H]   lora_a: [n, S, R, H]   lora_b: [S, O, R]   ranks, scales: [n, S]
+    Callers skip the call when not meta.has_lora (a captured CUDA graph must not skip).
+    """
+    if backend == "torch":
+        _check(x, lora_a, ranks, meta)
+        assert out.shape == (x.shape[0], lora_b.shape[1]), f"out must be [T, {lora_b.shape[1]}]"
+        reference.apply_lora(out, x, lora_a, lora_b, ranks, scales, tuple(slice_offsets), meta)
+        return
+    y = lora_shrink(x, lora_a, ranks, meta, backend)              # [n, T, R] fp32
+    lora_expand(out, y, lora_b, ranks, scales, slice_offsets, meta, backend)
