@@ -1,0 +1,356 @@
+"""RedisRegistry: the registry a fleet of replicas shares through one Redis (``--redis-url``).
+
+Keys, under ``prefix`` (default ``loragw:``):
+    catalog          hash   adapter_id -> CatalogEntry JSON
+    replica:{id}     string ReplicaState JSON, expiring ttl_s after the last heartbeat
+    replicas         set    replica ids, pruned of expired ones whenever it is read
+    epoch            string a random token, set by the first replica to find it missing: a new
+                            token means Redis lost its data, so every replica restores its writes
+    events           pub/sub channel of AdapterEvent JSON ("deleted" | "replaced")
+
+Catalog writes are Lua scripts that compare, write and publish in one step. When Redis is away
+the replica keeps serving: reads answer from the last known catalog (and ``replicas()`` from this
+replica alone, so the router serves locally), writes queue up, ``healthy`` is False, and a
+reconnect loop retries with capped exponential backoff. When Redis answers again, even empty,
+the replica re-subscribes, restores the entries it wrote, replays its queued writes and
+re-registers its state, all within one heartbeat period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from adapters.registry import (
+    AdapterEvent,
+    CatalogEntry,
+    EventCallback,
+    ReplicaState,
+    catalog_changes,
+    decode_all,
+    decode_entry,
+    decode_event,
+    decode_state,
+    deliver,
+    encode,
+    stamp,
+)
+
+logger = logging.getLogger(__name__)
+
+REDIS_ERRORS = (RedisError, OSError)  # OSError covers refused/reset sockets and timeouts
+_NOTHING = object()
+T = TypeVar("T")
+
+# KEYS: catalog, events   ARGV: adapter_id, entry JSON, origin
+_PUT = """
+local old = redis.call('HGET', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+if not old then return 0 end
+local o, n = cjson.decode(old), cjson.decode(ARGV[2])
+if o.sha256 == n.sha256 and o.version == n.version then return 0 end
+redis.call('PUBLISH', KEYS[2], cjson.encode({kind='replaced', adapter_id=ARGV[1],
+                                             version=n.version, origin=ARGV[3]}))
+return 1
+"""
+# KEYS: catalog, events   ARGV: adapter_id, origin
+_DELETE = """
+local old = redis.call('HGET', KEYS[1], ARGV[1])
+if not old then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('PUBLISH', KEYS[2], cjson.encode({kind='deleted', adapter_id=ARGV[1],
+                                             version=cjson.decode(old).version, origin=ARGV[2]}))
+return 1
+"""
+# KEYS: replica index   ARGV: state key prefix.  Returns live states; drops expired ids.
+_LIVE_REPLICAS = """
+local out = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local v = redis.call('GET', ARGV[1] .. id)
+  if v then out[#out + 1] = v else redis.call('SREM', KEYS[1], id) end
+end
+return out
+"""
+
+
+class RedisRegistry:
+    """The ``Registry`` over Redis. ``close(deregister=False)`` leaves as a crash would."""
+
+    def __init__(
+        self,
+        url: str,
+        replica_id: str,
+        *,
+        heartbeat_s: float = 2.0,
+        ttl_s: float = 6.0,
+        prefix: str = "loragw:",
+        timeout_s: float = 1.0,
+        backoff_s: tuple[float, float] = (0.1, 2.0),
+    ) -> None:
+        if not 0 < heartbeat_s < ttl_s:
+            raise ValueError(
+                f"ttl_s={ttl_s} must exceed heartbeat_s={heartbeat_s} > 0, or live replicas "
+                "expire between heartbeats; use e.g. ttl_s = 3 * heartbeat_s"
+            )
+        self.replica_id = replica_id
+        self._heartbeat_s, self._ttl_ms = heartbeat_s, int(ttl_s * 1000)
+        # Capped at half a heartbeat so a returning Redis is noticed within one heartbeat.
+        self._backoff_max = min(backoff_s[1], heartbeat_s / 2)
+        self._backoff_min = min(backoff_s[0], self._backoff_max)
+        # One quick retry on a fresh connection, then report: calls never wait out a dead Redis.
+        retry, t = Retry(NoBackoff(), 1), timeout_s
+        self._redis = Redis.from_url(url, socket_timeout=t, socket_connect_timeout=t, retry=retry)
+        self._where = url.rpartition("@")[2]  # for logs: no password
+        self._k_catalog, self._k_index = f"{prefix}catalog", f"{prefix}replicas"
+        self._k_state_prefix, self._k_epoch = f"{prefix}replica:", f"{prefix}epoch"
+        self._channel = f"{prefix}events"
+        self._put_script = self._redis.register_script(_PUT)
+        self._delete_script = self._redis.register_script(_DELETE)
+        self._live_script = self._redis.register_script(_LIVE_REPLICAS)
+
+        self._healthy = False
+        self._closing = False
+        self._epoch: bytes | None = None  # the epoch token last seen; None before first contact
+        self._catalog: dict[str, CatalogEntry] = {}  # last known catalog, served while away
+        self._own: dict[str, CatalogEntry] = {}  # entries this replica wrote: restored on loss
+        self._pending: dict[str, CatalogEntry | None] = {}  # writes made while away; None = delete
+        self._state: ReplicaState | None = None
+        self._callbacks: list[EventCallback] = []
+        self._sync_lock = asyncio.Lock()
+        self._pubsub: PubSub | None = None
+        self._listener: asyncio.Task | None = None
+        self._heartbeat: asyncio.Task | None = None
+        self._reconnect: asyncio.Task | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self._healthy
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect and start heartbeating. An unreachable Redis is retried in the background."""
+        self._heartbeat = asyncio.create_task(self._heartbeat_loop(), name="registry-heartbeat")
+        try:
+            await self._sync()
+            logger.info("registry: %s joined Redis %s", self.replica_id, self._where)
+        except REDIS_ERRORS as exc:
+            self._go_down(exc)
+
+    async def close(self, *, deregister: bool = True) -> None:
+        """Stop background work; with ``deregister`` remove this replica's state at once."""
+        self._closing = True
+        tasks = [t for t in (self._heartbeat, self._reconnect, self._listener) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._close_pubsub()
+        if deregister and self._healthy:
+            with contextlib.suppress(*REDIS_ERRORS):
+                async with self._redis.pipeline(transaction=True) as pipe:
+                    pipe.delete(self._k_state_prefix + self.replica_id)
+                    pipe.srem(self._k_index, self.replica_id)
+                    await pipe.execute()
+        if self._pending:
+            logger.warning("registry: closing; Redis never got writes to %s", sorted(self._pending))
+        self._healthy = False
+        await self._redis.aclose()
+
+    # -- catalog ----------------------------------------------------------------------------
+
+    async def put_adapter(self, entry: CatalogEntry) -> None:
+        self._catalog[entry.adapter_id] = self._own[entry.adapter_id] = entry
+        ok, _ = await self._attempt(lambda: self._apply(entry.adapter_id, entry))
+        if not ok:
+            self._pending[entry.adapter_id] = entry
+
+    async def get_adapter(self, adapter_id: str) -> CatalogEntry | None:
+        ok, raw = await self._attempt(lambda: self._redis.hget(self._k_catalog, adapter_id))
+        if not ok:
+            return self._catalog.get(adapter_id)
+        found = decode_all(decode_entry, [raw] if raw else [])
+        if not found:
+            self._catalog.pop(adapter_id, None)
+            return None
+        self._catalog[adapter_id] = found[0]
+        return found[0]
+
+    async def list_adapters(self) -> list[CatalogEntry]:
+        ok, fresh = await self._attempt(self._fetch_catalog)
+        if ok:
+            self._catalog = fresh
+        return sorted(self._catalog.values(), key=lambda e: e.adapter_id)
+
+    async def delete_adapter(self, adapter_id: str) -> bool:
+        known = self._catalog.pop(adapter_id, None) is not None
+        self._own.pop(adapter_id, None)
+        ok, deleted = await self._attempt(lambda: self._apply(adapter_id, None))
+        if not ok:
+            self._pending[adapter_id] = None
+        return deleted if ok else known
+
+    # -- replicas and events ----------------------------------------------------------------
+
+    async def publish_state(self, state: ReplicaState) -> None:
+        assert state.replica_id == self.replica_id, (state.replica_id, self.replica_id)
+        self._state = state  # written now, or when Redis returns
+        await self._attempt(self._write_state)
+
+    async def replicas(self) -> list[ReplicaState]:
+        """Live replicas, this one included; only this one while Redis is away."""
+        keys, args = [self._k_index], [self._k_state_prefix]
+        ok, raw = await self._attempt(lambda: self._live_script(keys=keys, args=args))
+        if ok:
+            return sorted(decode_all(decode_state, raw), key=lambda s: s.replica_id)
+        return [self._state] if self._state is not None else []
+
+    def subscribe(self, callback: EventCallback) -> None:
+        self._callbacks.append(callback)
+
+    # -- internals --------------------------------------------------------------------------
+
+    async def _attempt(self, call: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
+        """``(True, await call())`` while Redis answers; else ``(False, None)``, never raising."""
+        if not self._healthy:
+            return False, None
+        try:
+            return True, await call()
+        except REDIS_ERRORS as exc:
+            self._go_down(exc)
+            return False, None
+
+    async def _apply(self, adapter_id: str, entry: CatalogEntry | None) -> bool:
+        """Write one catalog change (None = delete) with its announcement, atomically."""
+        keys = [self._k_catalog, self._channel]
+        if entry is None:
+            return bool(await self._delete_script(keys=keys, args=[adapter_id, self.replica_id]))
+        await self._put_script(keys=keys, args=[adapter_id, encode(entry), self.replica_id])
+        return True
+
+    async def _fetch_catalog(self) -> dict[str, CatalogEntry]:
+        raw = await self._redis.hgetall(self._k_catalog)
+        return {e.adapter_id: e for e in decode_all(decode_entry, raw.values())}
+
+    async def _write_state(self) -> bytes | None:
+        """Store this replica's state with a fresh expiry; returns the epoch token seen."""
+        if self._state is None:
+            return await self._redis.get(self._k_epoch)
+        self._state = stamp(self._state)
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(self._k_state_prefix + self.replica_id, encode(self._state), px=self._ttl_ms)
+            pipe.sadd(self._k_index, self.replica_id)
+            pipe.get(self._k_epoch)
+            *_, epoch = await pipe.execute()
+        return epoch
+
+    async def _sync(self) -> None:
+        """(Re)join Redis: subscribe, restore lost entries, replay queued writes, re-register."""
+        async with self._sync_lock:
+            await self._close_pubsub()
+            self._pubsub = self._redis.pubsub()
+            await self._pubsub.subscribe(self._channel)  # before replaying: we hear our own events
+            self._listener = asyncio.create_task(self._listen(self._pubsub), name="registry-events")
+
+            await self._redis.set(self._k_epoch, uuid.uuid4().hex, nx=True)
+            epoch = await self._redis.get(self._k_epoch)
+            lost = self._epoch is not None and epoch != self._epoch
+            self._epoch = epoch
+            if lost:  # Redis came back empty: put back what we wrote, unless someone already did
+                logger.warning("registry: Redis %s lost its data; restoring ours", self._where)
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for adapter_id, entry in self._own.items():
+                        pipe.hsetnx(self._k_catalog, adapter_id, encode(entry))
+                    await pipe.execute()
+            await self._replay()
+            await self._write_state()
+            fresh = await self._fetch_catalog()
+            missed = [] if lost else list(catalog_changes(self._catalog, fresh))
+            self._catalog = {**self._catalog, **fresh} if lost else fresh
+            await self._replay()  # writes queued while we were fetching
+            self._healthy = True  # no await since the last replay found the queue empty
+        for event in missed:  # announcements sent while we were not listening
+            await self._on_event(event)
+
+    async def _replay(self) -> None:
+        while self._pending:
+            adapter_id, entry = next(iter(self._pending.items()))
+            await self._apply(adapter_id, entry)
+            if self._pending.get(adapter_id, _NOTHING) is entry:  # not superseded meanwhile
+                del self._pending[adapter_id]
+                if entry is not None:
+                    self._catalog[adapter_id] = entry
+
+    def _go_down(self, exc: BaseException) -> None:
+        if self._closing:
+            return
+        if self._healthy:
+            logger.warning("registry: lost Redis %s: %s; serving locally", self._where, exc)
+        self._healthy = False
+        if self._reconnect is None or self._reconnect.done():
+            self._reconnect = asyncio.create_task(self._reconnect_loop(), name="registry-reconnect")
+
+    async def _reconnect_loop(self) -> None:
+        delay = self._backoff_min
+        while not self._closing:
+            await asyncio.sleep(delay)
+            try:
+                await self._sync()
+            except REDIS_ERRORS as exc:
+                logger.debug("registry: Redis %s still unreachable: %s", self._where, exc)
+            except Exception:
+                logger.exception("registry: unexpected error rejoining Redis %s", self._where)
+            else:
+                logger.info("registry: %s rejoined Redis %s", self.replica_id, self._where)
+                return
+            delay = min(2 * delay, self._backoff_max)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            if not self._healthy:
+                continue  # the reconnect loop owns the way back
+            try:
+                if await self._write_state() != self._epoch:
+                    await self._sync()  # Redis restarted (and maybe lost our data) between beats
+            except REDIS_ERRORS as exc:
+                self._go_down(exc)
+            except Exception:  # a bug must not stop the heartbeat: the replica would expire
+                logger.exception("registry: heartbeat failed")
+
+    async def _listen(self, pubsub: PubSub) -> None:
+        try:
+            while True:
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if msg is None or msg["type"] != "message":
+                    continue
+                for event in decode_all(decode_event, [msg["data"]]):
+                    await self._on_event(event)
+        except REDIS_ERRORS as exc:
+            self._go_down(exc)
+
+    async def _on_event(self, event: AdapterEvent) -> None:
+        if event.origin != self.replica_id:  # another replica now owns (or removed) this id
+            self._own.pop(event.adapter_id, None)
+            self._catalog.pop(event.adapter_id, None)
+        await deliver(self._callbacks, event)
+
+    async def _close_pubsub(self) -> None:
+        if self._listener is not None and self._listener is not asyncio.current_task():
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError, *REDIS_ERRORS):
+                await self._listener
+        self._listener = None
+        if self._pubsub is not None:
+            with contextlib.suppress(*REDIS_ERRORS):
+                await self._pubsub.aclose()
+            self._pubsub = None
