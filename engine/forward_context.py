@@ -18,8 +18,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token
     # Decode rows: one query token each, batched with padded block tables.
     num_decode_tokens: int  # decode tokens come first in the batch: rows [0, num_decode_tokens)
-    decode_block_tables: torch.Tensor | None  # [D, max_blocks] int64 (padded with 0)
-    decode_context_lens: torch.Tensor | None  # [D] int64: tokens in cache incl. the new one
+    decode_cache_slots: torch.Tensor | None  # [D * L] int64: cache slot of every context position
+    decode_mask: torch.Tensor | None  # [D, 1, 1, L] bool: position < context length
     # Prefill rows (fresh prompts or chunks of them), one SDPA call per sequence.
     prefill_query_starts: list[int]  # start row of each prefill sequence in the batch
     prefill_query_lens: list[int]

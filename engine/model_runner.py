@@ -60,6 +60,17 @@ class ModelRunner:
                              "max_model_len or set num_kv_blocks")
         return blocks
 
+    def _decode_addressing(self, tables: list[list[int]], context_lens: list[int]):
+        """Cache slot of every context position of every decode row, and the padding mask,
+        built once per step and shared by all layers."""
+        blocks = _pad(tables, self.device)  # [B, max_blocks]
+        offsets = torch.arange(self.block_size, device=self.device)
+        cache_slots = (blocks[:, :, None] * self.block_size + offsets).flatten(1)  # [B, L]
+        lens = torch.tensor(context_lens, device=self.device)
+        positions = torch.arange(cache_slots.shape[1], device=self.device)
+        mask = (positions[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+        return cache_slots.flatten(), mask
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, lora_meta=None, lora_backend: str = "torch"):
         """Forward one batch; return logits [num_sampling_rows, vocab] (float32)."""
@@ -88,11 +99,13 @@ class ModelRunner:
                 sample_rows.append(row - 1)
 
         to_device = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)
+        cache_slots, mask = (self._decode_addressing(decode_tables, decode_ctx) if decode_tables
+                             else (None, None))
         attn = AttentionMetadata(
             slot_mapping=to_device(slots),
             num_decode_tokens=batch.num_decode,
-            decode_block_tables=_pad(decode_tables, self.device) if decode_tables else None,
-            decode_context_lens=to_device(decode_ctx) if decode_ctx else None,
+            decode_cache_slots=cache_slots,
+            decode_mask=mask,
             prefill_query_starts=prefill_starts,
             prefill_query_lens=prefill_lens,
             prefill_context_lens=prefill_ctx,
@@ -109,7 +122,7 @@ class ModelRunner:
 def _pad(tables: list[list[int]], device: torch.device) -> torch.Tensor:
     width = max(len(t) for t in tables)
     padded = [t + [0] * (width - len(t)) for t in tables]
-    return torch.tensor(padded, dtype=torch.long, device=device)
+    return torch.tensor(padded, dtype=torch.long, device=device)  # [B, max_blocks]
 
 
 def _available_host_memory() -> int:

@@ -36,8 +36,8 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(q)
         decoded = meta.num_decode_tokens
         if decoded:
-            out[:decoded] = self._decode(q[:decoded], meta.decode_block_tables,
-                                         meta.decode_context_lens)
+            out[:decoded] = self._decode(q[:decoded], k_flat, v_flat, meta.decode_cache_slots,
+                                         meta.decode_mask)
         for start, q_len, ctx_len, table in zip(meta.prefill_query_starts, meta.prefill_query_lens,
                                                 meta.prefill_context_lens,
                                                 meta.prefill_block_tables):
@@ -67,13 +67,13 @@ class PagedAttention(nn.Module):
                                                  enable_gqa=True)
         return out.transpose(0, 1)  # [Q, n_heads, D]
 
-    def _decode(self, q: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor):
-        # q: [B, n_heads, D]  tables: [B, max_blocks]  ctx_lens: [B]
-        max_len = tables.shape[1] * self.k_cache.shape[1]
-        k = self._gather(self.k_cache, tables, max_len).transpose(1, 2)  # [B, n_kv, L, D]
-        v = self._gather(self.v_cache, tables, max_len).transpose(1, 2)
-        mask = torch.arange(max_len, device=q.device)[None, :] < ctx_lens[:, None]  # [B, L]
-        out = F.scaled_dot_product_attention(q[:, :, None, :], k, v,
-                                             attn_mask=mask[:, None, None, :], scale=self.scale,
+    def _decode(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                cache_slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # q: [B, n_heads, D]  cache_slots: [B * L]  mask: [B, 1, 1, L]
+        batch, length = q.shape[0], mask.shape[-1]
+        k = k_flat.index_select(0, cache_slots).view(batch, length, self.num_kv_heads, -1)
+        v = v_flat.index_select(0, cache_slots).view(batch, length, self.num_kv_heads, -1)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask, scale=self.scale,
                                              enable_gqa=True)  # [B, n_heads, 1, D]
         return out[:, :, 0, :]

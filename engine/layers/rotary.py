@@ -63,15 +63,18 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos(), emb.sin()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # positions: [T]  q: [T, n_heads, D]  k: [T, n_kv_heads, D]
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin for these positions: [T, 1, head_dim] each, computed once per step."""
         needed = int(positions.max()) + 1 if positions.numel() else 1
-        if self.cos is None or self.cos.shape[0] < needed or self.cos.device != q.device:
-            self._build(max(needed, 2 * (0 if self.cos is None else self.cos.shape[0]), 4096),
-                        q.device)
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        if self.cos is None or self.cos.shape[0] < needed or self.cos.device != positions.device:
+            current = 0 if self.cos is None else self.cos.shape[0]
+            self._build(max(needed, 2 * current, 4096), positions.device)
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    # q: [T, n_heads, D]  k: [T, n_kv_heads, D]  cos, sin: [T, 1, D]
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
