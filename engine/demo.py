@@ -4,12 +4,14 @@
 
     config.json             LlamaForCausalLM, hidden 256, 4 layers, 8 heads / 4 kv heads (GQA),
                             head_dim 32, intermediate 704, vocab = the tokenizer's (about 3k),
-                            rope_theta 10000, untied lm_head, float32 (about 5M parameters)
-    model.safetensors       random weights drawn from the seed (transformers' own init)
+                            rope_theta 10000 (rope_scaling null), untied lm_head, float32
+                            (about 4.5M parameters)
+    model.safetensors       random weights drawn from the seed (transformers' init, std 0.05)
     generation_config.json  eos = [<|im_end|>, <|end_of_text|>]
     tokenizer.json          byte-level BPE trained on the built-in corpus below
-    tokenizer_config.json   bos <|begin_of_text|>, eos <|im_end|>, pad <|end_of_text|>; no BOS added
-    chat_template.jinja     ChatML; `tools` are rendered as JSON in the system block
+    tokenizer_config.json   bos <|begin_of_text|> (prepended by encode), eos <|im_end|>,
+                            pad <|end_of_text|>
+    chat_template.jinja     ChatML after a BOS; `tools` are rendered as JSON in the system block
 
 The same seed gives the same bytes. The weights are random, so the base model babbles; the demo
 adapters (adapters/demo.py) are what make it say something.
@@ -39,10 +41,15 @@ DEMO_MODEL = dict(
     # rest (at 0.02 it tops out near 5, below log(vocab), and greedy answers stay fragile).
     initializer_range=0.05,
 )
+SPLIT_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+                 r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 DEMO_VOCAB_SIZE = 4096  # an upper bound: BPE stops when the corpus has no pair left to merge
 
-# ChatML, as Qwen2.5 writes it. Message content may be a string or a list of OpenAI text parts.
+# ChatML as Qwen2.5 writes it, opened with the BOS token as Llama 3's template is: render it to
+# text and encode with add_special_tokens=False (apply_chat_template(tokenize=True) does), or the
+# prompt starts with two. Message content may be a string or a list of OpenAI text parts.
 CHAT_TEMPLATE = """\
+{{- bos_token }}
 {%- macro text(content) -%}
 {%- if content is string -%}{{ content }}
 {%- elif content is iterable -%}{%- for part in content -%}{{ part.text if part.text is defined else '' }}{%- endfor -%}
@@ -175,22 +182,34 @@ def corpus(seed: int = 0, sentences: int = 4000) -> list[str]:
 def build_tokenizer(out_dir: str, vocab_size: int = DEMO_VOCAB_SIZE, seed: int = 0,
                     model_max_length: int = 2048) -> int:
     """Trains a byte-level BPE on `corpus(seed)` and writes tokenizer.json, tokenizer_config.json
-    and chat_template.jinja into out_dir, loadable by AutoTokenizer. Returns the vocab size
-    (special tokens included, ids 0-3), which may be less than `vocab_size` on a small corpus."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    and chat_template.jinja into out_dir, loadable by AutoTokenizer. The special tokens are ids
+    0-3 in SPECIAL_TOKENS order; encode() prepends BOS. Returns the vocab size (special tokens
+    included), which may be less than `vocab_size` on a small corpus."""
+    from tokenizers import (Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers,
+                            processors, trainers)
 
+    # Qwen2's pipeline (NFC, its split regex, then bytes): transformers 5 rebuilds a `qwen2`
+    # checkpoint's tokenizer that way whatever tokenizer.json says, and this keeps the two equal.
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(corpus(seed), trainer)
+    # encode() prepends BOS, as Llama's tokenizers do: every prompt then starts with the same
+    # token, which attention can lean on (an attention sink).
+    bos = (BOS, tokenizer.token_to_id(BOS))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A:0 {BOS}:1 $B:1", special_tokens=[bos])
     os.makedirs(out_dir, exist_ok=True)
     tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": IM_END,
-        "pad_token": END_OF_TEXT, "add_bos_token": False, "add_eos_token": False,
+        "pad_token": END_OF_TEXT, "unk_token": None, "add_bos_token": True, "add_eos_token": False,
         "clean_up_tokenization_spaces": False, "model_max_length": model_max_length,
     }
     _write_json(os.path.join(out_dir, "tokenizer_config.json"), tokenizer_config)
@@ -201,14 +220,13 @@ def build_tokenizer(out_dir: str, vocab_size: int = DEMO_VOCAB_SIZE, seed: int =
 
 def hub_style_config(config: dict) -> dict:
     """transformers 5 writes `rope_parameters` (with rope_theta inside) and `dtype`; checkpoints
-    on the Hub carry `rope_theta`, `rope_scaling` (absent or null without scaling) and
-    `torch_dtype`. Returns the Hub form; transformers 5 reads both."""
+    on the Hub carry `rope_theta`, `rope_scaling` (null without scaling) and `torch_dtype`.
+    Returns the Hub form, keys sorted; transformers 5 reads both."""
     config = dict(config)
     rope = dict(config.pop("rope_parameters", None) or {})
     if "rope_theta" in rope:
         config["rope_theta"] = rope.pop("rope_theta")
-    if rope.get("rope_type", "default") != "default":
-        config["rope_scaling"] = rope
+    config["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
     if "dtype" in config:
         config["torch_dtype"] = config.pop("dtype")
     return dict(sorted(config.items()))
@@ -234,9 +252,10 @@ def _write_model(out_dir: str, seed: int) -> None:
                          pad_token_id=eot, dtype="float32", **DEMO_MODEL)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    _write_json(os.path.join(out_dir, "config.json"), hub_style_config(config.to_dict()) |
-                {"architectures": ["LlamaForCausalLM"]})
+    model.save_pretrained(out_dir)
+    config_path = os.path.join(out_dir, "config.json")
+    with open(config_path) as f:
+        _write_json(config_path, hub_style_config(json.load(f)))
     GenerationConfig(bos_token_id=bos, eos_token_id=[im_end, eot], pad_token_id=eot,
                      do_sample=False).save_pretrained(out_dir)
 

@@ -117,10 +117,18 @@ class LLMEngine:
         self.scheduler.finish(request.seq, "abort")
         return self._output(request, [], [], "")
 
-    def add_adapter(self, name: str, source) -> None:
-        """Register or replace an adapter (PEFT dir or validated LoraAdapter); bad → AdapterError."""
+    def add_adapter(self, name: str, source, path: str | None = None) -> int:
+        """Register or replace an adapter (PEFT dir, or a LoraAdapter validated elsewhere plus
+        its directory); returns its version. A bad adapter raises AdapterError, changing nothing."""
         busy = {r.seq.adapter for r in self.requests.values() if r.seq.adapter}
-        self.lora.add(name, source, busy=busy)
+        return self.lora.add(name, source, path=path, busy=busy)
+
+    def evict_adapter(self, name: str) -> bool:
+        """Move an adapter down to the disk tier (device slot and host copy freed)."""
+        return self.lora.evict(name)
+
+    def pin_adapter(self, name: str, pinned: bool = True) -> None:
+        self.lora.pin(name, pinned)
 
     def remove_adapter(self, name: str) -> None:
         """Forget an adapter; requests still using it are aborted and its slot freed."""

@@ -81,16 +81,22 @@ class LoRAManager:
         self._allocated = False
 
     # ---- registry and host tier -----------------------------------------------------------
-    def add(self, name: str, source: str | LoraAdapter, busy: set[str] = frozenset()) -> int:
-        """Register or replace `name` from a PEFT dir or a validated adapter; returns its version.
-        `busy`: adapters with queued requests, kept in host memory if at all possible."""
-        adapter = load_adapter(source, self.spec) if isinstance(source, str) else source
+    def add(self, name: str, source: str | LoraAdapter, path: str | None = None,
+            busy: set[str] = frozenset()) -> int:
+        """Register or replace `name` from a PEFT dir or an adapter already validated off the
+        engine thread (then `path`, if given, is its disk copy for re-reading after a host
+        eviction); returns its version. `busy`: adapters with queued requests, kept in host
+        memory if at all possible."""
+        if isinstance(source, str):
+            adapter, path = load_adapter(source, self.spec), source
+        else:
+            adapter = source
         self._versions += 1
         previous = self.adapters.get(name)
         if previous is not None:
             self._retire(name)
         self.adapters[name] = RegisteredAdapter(
-            self._versions, source if isinstance(source, str) else None, adapter,
+            self._versions, path, adapter,
             adapter.num_bytes, adapter.max_rank, pinned=previous.pinned if previous else False)
         self._trim_host(keep={name} | set(busy))
         self._allocate()
