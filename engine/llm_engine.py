@@ -127,6 +127,10 @@ class LLMEngine:
         """Move an adapter down to the disk tier (device slot and host copy freed)."""
         return self.lora.evict(name)
 
+    def load_adapter(self, name: str) -> str:
+        """Bring a registered adapter into a device slot now; returns "device" or "host"."""
+        return self.lora.load(name)
+
     def pin_adapter(self, name: str, pinned: bool = True) -> None:
         self.lora.pin(name, pinned)
 

@@ -126,6 +126,18 @@ class LoRAManager:
             self.stats.host_evictions += 1
         return not on_device
 
+    def load(self, name: str) -> str:
+        """Bring an adapter into a device slot ahead of traffic; returns its residency. When
+        every slot is busy it stays in host memory and loads on its first request."""
+        entry = self._get(name)
+        self._host_copy(name, entry)
+        if self._find(name, entry.version) is None:
+            index = self._victim()
+            if index is None:
+                return "host"
+            self._fill(index, name, entry)
+        return "device"
+
     def pin(self, name: str, pinned: bool = True) -> None:
         self._get(name).pinned = pinned
         if pinned and sum(e.pinned for e in self.adapters.values()) >= self.num_slots + 1:
