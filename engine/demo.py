@@ -185,8 +185,16 @@ def build_tokenizer(out_dir: str, vocab_size: int = DEMO_VOCAB_SIZE, seed: int =
     and chat_template.jinja into out_dir, loadable by AutoTokenizer. The special tokens are ids
     0-3 in SPECIAL_TOKENS order; encode() prepends BOS. Returns the vocab size (special tokens
     included), which may be less than `vocab_size` on a small corpus."""
-    from tokenizers import (Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers,
-                            processors, trainers)
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     # Qwen2's pipeline (NFC, its split regex, then bytes): transformers 5 rebuilds a `qwen2`
     # checkpoint's tokenizer that way whatever tokenizer.json says, and this keeps the two equal.

@@ -15,6 +15,7 @@ from itertools import pairwise
 import torch
 from torch import Tensor
 
+from kernels.cpu_dispatch import GatherGroup, Rows, step_plan, workspace
 from kernels.meta import LoRAMeta
 
 
@@ -54,20 +55,74 @@ def lora_expand(out: Tensor, y: Tensor, lora_b: Tensor, ranks: Tensor, scales: T
 
 def apply_lora(out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, ranks: Tensor,
                scales: Tensor, slice_offsets: tuple[int, ...], meta: LoRAMeta) -> None:
-    """lora_shrink then lora_expand, fused per slot: no [n, T, R] intermediate is allocated.
+    """lora_shrink then lora_expand, without the [n, T, R] intermediate: the CPU production path.
 
     out: [T, O]   x: [T, H]   lora_a: [n, S, R, H]   lora_b: [S, O, R]   ranks, scales: [n, S]
+    Slots with many tokens run the per-slot loop; the slots with few tokens, together, one
+    gather-bmm over their tokens (kernels/cpu_dispatch.py says which, once per step).
     """
-    ranks_cpu, scales_cpu = ranks.tolist(), scales.tolist()
-    for slot, start, count in meta.segments:
-        ids = meta.sorted_token_ids[start:start + count].long()  # [c]
-        xs = x.index_select(0, ids).float()                       # [c, H]
-        for i, (lo, hi) in enumerate(pairwise(slice_offsets)):
-            r = ranks_cpu[i][slot]
-            if r:
-                ys = xs @ lora_a[i, slot, :r].float().T           # [c, r]
-                delta = scales_cpu[i][slot] * (ys @ lora_b[slot, lo:hi, :r].float().T)
-                out[:, lo:hi].index_add_(0, ids, delta.to(out.dtype))
+    plan = step_plan(meta)
+    ranks_cpu, scales_cpu = ranks.tolist(), scales.tolist()       # [n][S]
+    offsets = tuple(pairwise(slice_offsets))
+    for item in plan.loop:
+        _apply_slot(out, x, lora_a, lora_b, ranks_cpu, scales_cpu, offsets, item.slot, item.rows)
+    if plan.gather is not None:
+        _apply_gathered(out, x, lora_a, lora_b, ranks, scales, ranks_cpu, offsets, plan.gather)
+
+
+def _apply_slot(out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, ranks_cpu, scales_cpu,
+                offsets, slot: int, rows: Rows) -> None:
+    """One slot's tokens (rows: a contiguous range or an index) times that slot's weights."""
+    contiguous = isinstance(rows, slice)
+    xs = (x[rows] if contiguous else x.index_select(0, rows)).float()  # [c, H]
+    for i, (lo, hi) in enumerate(offsets):
+        r = ranks_cpu[i][slot]
+        if not r:
+            continue
+        ys = (xs @ lora_a[i, slot, :r].float().T) * scales_cpu[i][slot]  # [c, r] fp32
+        delta = (ys @ lora_b[slot, lo:hi, :r].float().T).to(out.dtype)   # [c, hi-lo]
+        if contiguous:
+            out[rows, lo:hi] += delta
+        else:
+            out[:, lo:hi].index_add_(0, rows, delta)
+
+
+def _apply_gathered(out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, ranks: Tensor,
+                    scales: Tensor, ranks_cpu, offsets, group: GatherGroup) -> None:
+    """Each token of the group times its own slot's weights, gathered up to the group's largest
+    rank per slice: a constant number of ops however many slots the group holds.
+
+    The gathered weights land in a reused workspace: fresh multi-MB temporaries every call
+    would be returned to the OS and page-faulted back in (that cost more than the math).
+    Rank padding is never trusted to be zero: when the group mixes ranks, y columns past a
+    token's rank are selected away (not multiplied by 0: padding may hold NaN) and so are the
+    matching B columns."""
+    rows, slots, L = group.rows, group.slots, group.num_tokens
+    xs = None
+    for i, (lo, hi) in enumerate(offsets):
+        slot_ranks = [ranks_cpu[i][s] for s in group.slot_list]
+        r = max(slot_ranks)
+        if not r:
+            continue  # no slot of the group adapts this slice (e.g. k_proj of a q,v adapter)
+        if xs is None:
+            xs = (x if isinstance(rows, slice) else x.index_select(0, rows)).float()  # [L, H]
+        H, width = xs.shape[1], hi - lo
+        space = workspace(L * r * max(H, width), lora_a.dtype, x.device)
+        a = torch.index_select(lora_a[i, :, :r], 0, slots, out=space[:L * r * H].view(L, r, H))
+        ys = torch.bmm(xs.unsqueeze(1), a.float().transpose(1, 2))        # [L, 1, r] fp32
+        ys *= scales[i].index_select(0, slots).view(L, 1, 1)
+        b = torch.index_select(lora_b[:, lo:hi, :r], 0, slots,
+                               out=space[:L * width * r].view(L, width, r)).float()  # [L, width, r]
+        if min(slot_ranks) != r:                                          # mixed ranks
+            keep = (torch.arange(r, device=xs.device)
+                    < ranks[i].index_select(0, slots).view(L, 1, 1))      # [L, 1, r]
+            ys = torch.where(keep, ys, 0.0)
+            b = b.masked_fill_(~keep, 0.0)
+        delta = torch.bmm(ys, b.transpose(1, 2)).view(L, width).to(out.dtype)  # [L, width]
+        if isinstance(rows, slice):
+            out[:, lo:hi] += delta
+        else:
+            out[:, lo:hi].index_add_(0, rows, delta)
 
 
 def oracle_shrink(x: Tensor, lora_a: Tensor, ranks: Tensor, token_slots: Tensor) -> Tensor:

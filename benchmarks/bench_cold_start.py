@@ -1,0 +1,112 @@
+"""Cold-start breakdown of one adapter (rank 16 on every target): Hub -> disk (a loopback Hub),
+disk -> host (parse + validate), host -> device (slot fill), and the time to first token of a
+request for a cold adapter vs a resident one. Prints a markdown table.
+
+    .venv/bin/python -m benchmarks.bench_cold_start [--out /tmp/bench-cold]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import tempfile
+import time
+
+import torch
+from safetensors.torch import save
+from tqdm import tqdm
+
+from adapters.format import load_adapter
+from adapters.hub import fetch_hub_adapter
+from benchmarks.common import build_random_llama
+from engine.config import Config
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from tests.adapters.hub_server import HubServer
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+RANK = 16
+
+
+def peft_bytes(hf: dict, rank: int = RANK) -> dict[str, bytes]:
+    """A rank-`rank` PEFT adapter on every projection of the model described by `hf`."""
+    h, inter = hf["hidden_size"], hf["intermediate_size"]
+    head_dim = hf.get("head_dim") or h // hf["num_attention_heads"]
+    q, kv = hf["num_attention_heads"] * head_dim, hf["num_key_value_heads"] * head_dim
+    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+              "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
+    tensors = {}
+    for layer in range(hf["num_hidden_layers"]):
+        for t in TARGETS:
+            block = "mlp" if t in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            out_f, in_f = shapes[t]
+            key = f"base_model.model.model.layers.{layer}.{block}.{t}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_f) * 0.01
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out_f, rank) * 0.01
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+              "target_modules": list(TARGETS), "bias": "none"}
+    return {"adapter_config.json": json.dumps(config).encode(),
+            "adapter_model.safetensors": save(tensors)}
+
+
+def ttft(llm: LLMEngine, adapter: str) -> float:
+    started = time.perf_counter()
+    llm.add_request([5, 6, 7, 8], SamplingParams(max_tokens=1, temperature=0.0), adapter)
+    while not llm.step():
+        pass
+    while llm.has_unfinished():
+        llm.step()
+    return time.perf_counter() - started
+
+
+def measure(name: str, model_dir: str, work: str) -> dict:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        hf = json.load(f)
+    files = peft_bytes(hf)
+    size_mb = len(files["adapter_model.safetensors"]) / 1e6
+    llm = LLMEngine(Config(model=model_dir, device="cpu", max_loras=2, max_lora_rank=RANK,
+                           max_model_len=256))
+    with HubServer({"bench/cold": {"main": files}}) as hub:
+        t0 = time.perf_counter()
+        fetched = fetch_hub_adapter("bench/cold", endpoint=hub.endpoint,
+                                    cache_dir=os.path.join(work, name, "hf"))
+        hub_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    adapter = load_adapter(fetched.path, llm.lora.spec)
+    host_s = time.perf_counter() - t0
+    llm.add_adapter("cold", adapter, fetched.path)
+    t0 = time.perf_counter()
+    llm.load_adapter("cold")
+    device_s = time.perf_counter() - t0
+    ttft(llm, None)  # warm the model
+    llm.add_adapter("cold2", adapter, fetched.path)
+    llm.evict_adapter("cold2")  # disk tier: the engine re-reads it on first use
+    cold_s = ttft(llm, "cold2")
+    resident_s = min(ttft(llm, "cold") for _ in range(3))
+    return dict(name=name, mb=size_mb, hub=hub_s, host=host_s, device=device_s, cold=cold_s,
+                resident=resident_s)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "bench-cold"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    from engine.demo import build_demo_model
+
+    models = {"demo": build_demo_model(os.path.join(args.out, "demo")),
+              "llama-25M": build_random_llama(os.path.join(args.out, "llama25m"))}
+    rows = [measure(name, path, args.out) for name, path in tqdm(models.items(), desc="models")]
+    print("| model | adapter MB | Hub→disk ms (MB/s) | disk→host ms (MB/s) | host→device ms "
+          "(MB/s) | TTFT cold ms | TTFT resident ms |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        cells = [f"{r[k] * 1e3:.1f} ({r['mb'] / r[k]:.0f})" for k in ("hub", "host", "device")]
+        print(f"| {r['name']} | {r['mb']:.2f} | " + " | ".join(cells) +
+              f" | {r['cold'] * 1e3:.1f} | {r['resident'] * 1e3:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

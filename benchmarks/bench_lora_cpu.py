@@ -1,0 +1,208 @@
+"""Multi-LoRA decode throughput on the CPU: the engine with no adapter, the engine with every
+request on its own rank-16 adapter, and transformers + PEFT mixed-batch generate on the same
+requests, all in one run on one random ~25M Llama (float32).
+
+    python benchmarks/bench_lora_cpu.py [--repeats 3] [--write benchmarks/RESULTS_lora_cpu.md]
+
+Workload: 32 concurrent requests, 32-token prompts, 64-128 output tokens each (drawn once,
+seeded), greedy, ignore_eos. Engine rows: continuous batching, max_loras=32 (every adapter
+resident after a warm-up run that loads the slots). PEFT rows: one static batch with
+`adapter_names=[...]`, run until the longest request is done; only the requested tokens count
+(what a user gets) and the raw rate is noted beside it. Configurations are interleaved
+across repeats and the best of each is kept (the machine is shared; load is reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import Timer, build_random_llama, machine  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+
+logger = logging.getLogger("bench_lora_cpu")
+
+NUM_REQUESTS = 32
+PROMPT_LEN = 32
+RANK = 16
+TARGETS = {
+    "q,v": ("q_proj", "v_proj"),  # PEFT's default for Llama
+    "all seven": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def write_adapters(root: str, hf_config, targets: tuple[str, ...], count: int,
+                   seed: int) -> list[str]:
+    """`count` PEFT adapter dirs of rank RANK on `targets`, random weights (built once)."""
+    import safetensors.torch
+    from peft import LoraConfig
+
+    hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+    head_dim = hidden // hf_config.num_attention_heads
+    kv = hf_config.num_key_value_heads * head_dim
+    shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+              "o_proj": (hidden, hidden), "gate_proj": (hidden, inter),
+              "up_proj": (hidden, inter), "down_proj": (inter, hidden)}  # (in, out)
+    dirs = []
+    for k in range(count):
+        path = os.path.join(root, f"adapter{k:02d}")
+        dirs.append(path)
+        if os.path.isfile(os.path.join(path, "adapter_model.safetensors")):
+            continue
+        g = torch.Generator().manual_seed(seed * 1000 + k)
+        LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=list(targets),
+                   task_type="CAUSAL_LM").save_pretrained(path)
+        tensors = {}
+        for layer in range(hf_config.num_hidden_layers):
+            for target in targets:
+                block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+                prefix = f"base_model.model.model.layers.{layer}.{block}.{target}"
+                fan_in, fan_out = shapes[target]
+                tensors[f"{prefix}.lora_A.weight"] = torch.randn(RANK, fan_in, generator=g) / fan_in**0.5
+                tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, RANK, generator=g) * 0.01
+        safetensors.torch.save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    return dirs
+
+
+def workload(vocab: int) -> tuple[list[list[int]], list[int]]:
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, vocab, (PROMPT_LEN,), generator=g).tolist()
+               for _ in range(NUM_REQUESTS)]
+    lengths = torch.randint(64, 129, (NUM_REQUESTS,), generator=g).tolist()
+    return prompts, lengths
+
+
+def engine_tok_s(llm: LLM, prompts, lengths, adapters) -> float:
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    with Timer() as t:
+        outs = llm.generate(prompts, params, adapters=adapters)
+    return sum(len(o.token_ids) for o in outs) / t.seconds
+
+
+def peft_tok_s(model, prompts, lengths, adapter_names) -> tuple[float, float]:
+    """(useful tok/s, raw tok/s) of one static batch run to the longest request."""
+    ids = torch.tensor(prompts)
+    longest = max(lengths)
+    with torch.inference_mode(), Timer() as t:
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             adapter_names=adapter_names, max_new_tokens=longest,
+                             min_new_tokens=longest, do_sample=False, pad_token_id=0)
+    assert out.shape[1] == PROMPT_LEN + longest
+    return sum(lengths) / t.seconds, len(prompts) * longest / t.seconds
+
+
+def load_peft(path: str, adapter_dirs: list[str]):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = PeftModel.from_pretrained(hf, adapter_dirs[0], adapter_name="a00")
+    for k, d in enumerate(adapter_dirs[1:], start=1):
+        model.load_adapter(d, adapter_name=f"a{k:02d}")
+    return model.eval()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "loragw-bench-lora"))
+    parser.add_argument("--repeats", type=int, default=3, help="runs per config; the best is kept")
+    parser.add_argument("--peft-repeats", type=int, default=1, help="PEFT runs (each ~1 min)")
+    parser.add_argument("--skip-peft", action="store_true")
+    parser.add_argument("--write", metavar="PATH", help="also write the markdown table here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("engine").setLevel(logging.WARNING)
+    from transformers import AutoConfig
+
+    path = build_random_llama(os.path.join(args.work_dir, "llama25m"))
+    hf_config = AutoConfig.from_pretrained(path)
+    adapter_dirs = {name: write_adapters(os.path.join(args.work_dir, name.replace(" ", "_")
+                                                      .replace(",", "")), hf_config, targets,
+                                         NUM_REQUESTS, seed=i)
+                    for i, (name, targets) in enumerate(TARGETS.items())}
+    prompts, lengths = workload(hf_config.vocab_size)
+    load_before = os.getloadavg()
+
+    engines, configs = {}, {}
+    for name, dirs in adapter_dirs.items():  # one engine per adapter set: no slot swaps
+        llm = LLM(path, device="cpu", dtype="float32", max_num_seqs=64, max_loras=NUM_REQUESTS,
+                  max_lora_rank=RANK, lora_backend="torch")
+        for k, d in enumerate(dirs):
+            llm.add_adapter(f"{name}/{k}", d)
+        engines[name] = llm
+        if not configs:
+            configs["(a) engine, no adapter"] = (llm, [None] * NUM_REQUESTS)
+        configs[f"(b) engine, 32 distinct adapters, {name}"] = (
+            llm, [f"{name}/{k}" for k in range(NUM_REQUESTS)])
+    for llm, adapters in configs.values():  # warm-up: fills the slots, first-touch allocations
+        engine_tok_s(llm, prompts, [2] * NUM_REQUESTS, adapters)
+    loads_before = sum(llm.engine.lora.stats.device_loads for llm in engines.values())
+    best = dict.fromkeys(configs, 0.0)
+    runs = [name for _ in range(args.repeats) for name in configs]
+    for name in tqdm(runs, desc="engine runs"):
+        llm, adapters = configs[name]
+        rate = engine_tok_s(llm, prompts, lengths, adapters)
+        best[name] = max(best[name], rate)
+        logger.info("%s: %.0f tok/s", name, rate)
+    loads = sum(llm.engine.lora.stats.device_loads for llm in engines.values()) - loads_before
+    del engines, configs, llm
+
+    peft = {}
+    if not args.skip_peft:
+        for name in TARGETS:
+            model = load_peft(path, adapter_dirs[name])
+            names = [f"a{k:02d}" for k in range(NUM_REQUESTS)]
+            peft_tok_s(model, prompts[:2], [2, 2], names[:2])  # warm-up
+            results = [peft_tok_s(model, prompts, lengths, names)
+                       for _ in tqdm(range(args.peft_repeats), desc=f"PEFT {name}")]
+            peft[name] = max(results)
+            logger.info("PEFT %s: %.1f tok/s (raw %.1f)", name, *peft[name])
+            del model
+    load_after = os.getloadavg()
+
+    base = best["(a) engine, no adapter"]
+    n_tokens = sum(lengths)
+    lines = [f"machine: {machine()}; load average {load_before[0]:.1f} before, "
+             f"{load_after[0]:.1f} after (other jobs share the 2 cores)",
+             f"model: random Llama {hf_config.hidden_size}h x {hf_config.num_hidden_layers} layers "
+             f"(~25M params), float32; {NUM_REQUESTS} requests x {PROMPT_LEN}-token prompts, "
+             f"{min(lengths)}-{max(lengths)} output tokens ({n_tokens} in all), greedy; "
+             f"adapters rank {RANK}; best of {args.repeats} engine runs, {args.peft_repeats} PEFT",
+             f"command: python benchmarks/bench_lora_cpu.py --repeats {args.repeats} "
+             f"--peft-repeats {args.peft_repeats}",
+             "",
+             "| configuration | tok/s | vs (a) no adapter | vs (c) PEFT mixed batch |",
+             "|---|---:|---:|---:|",
+             f"| (a) engine, no adapter | {base:.0f} | 1.00x | |"]
+    for name in TARGETS:
+        rate = best[f"(b) engine, 32 distinct adapters, {name}"]
+        vs_peft = f"{rate / peft[name][0]:.1f}x" if name in peft else "not run"
+        lines.append(f"| (b) engine, 32 distinct adapters, {name} | {rate:.0f} | "
+                     f"{rate / base:.2f}x | {vs_peft} |")
+    for name, (useful, raw) in peft.items():
+        lines.append(f"| (c) transformers + PEFT `adapter_names=`, {name} | {useful:.1f} "
+                     f"(raw {raw:.1f}) | {useful / base:.2f}x | 1.0x |")
+    lines.append("")
+    lines.append(f"Slot loads during the timed engine runs: {loads} (all adapters resident). "
+                 "PEFT: one static batch to the longest request; useful tokens / time "
+                 "(raw = every generated token).")
+    table = "\n".join(lines)
+    print(table)
+    if args.write:
+        with open(args.write, "w") as f:
+            f.write("# LoRA on the CPU: decode throughput\n\n" + table + "\n")
+    logger.debug(json.dumps(best))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The admin API (DESIGN.md): upload, register, list/get with residency, load, evict, pin,
+unpin, delete. Thin handlers over `runtime.resolver` (an AdapterManager).
+
+Adapter ids may hold one '/' (ORG/REPO), so the per-adapter routes take the rest of the path
+and split a trailing action off it: `POST /admin/adapters/org/repo/load`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from litestar import Controller, Request, delete, get, post
+from litestar.datastructures import UploadFile
+
+from adapters.ids import validate_adapter_id
+from gateway.adapter_manager import AdapterInfo, AdapterManager
+from gateway.auth import require_admin_key
+from gateway.errors import APIError
+from gateway.runtime import Runtime
+
+MB = 1024 * 1024
+ACTIONS = ("load", "evict", "pin", "unpin")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+
+
+class AdapterList(msgspec.Struct):
+    data: list[AdapterInfo]
+    object: str = "list"
+
+
+class RegisterRequest(msgspec.Struct, forbid_unknown_fields=True):
+    adapter_id: str
+    source: str
+    replace: bool = False
+
+
+class Deleted(msgspec.Struct):
+    id: str
+    deleted: bool = True
+
+
+def _manager(runtime: Runtime) -> AdapterManager:
+    runtime.check_ready()
+    return runtime.resolver
+
+
+def _id(raw: str) -> str:
+    return validate_adapter_id(raw.strip("/"))
+
+
+class AdminController(Controller):
+    path = "/admin/adapters"
+    guards = [require_admin_key]
+    tags = ["Admin"]
+
+    @get("/")
+    async def list_adapters(self, runtime: Runtime) -> AdapterList:
+        return AdapterList(await _manager(runtime).list())
+
+    @get("/{adapter_id:path}")
+    async def get_adapter(self, adapter_id: str, runtime: Runtime) -> AdapterInfo:
+        return await _manager(runtime).get(_id(adapter_id))
+
+    @post("/", status_code=201)
+    async def upload(self, request: Request[Any, Any, Any], runtime: Runtime) -> AdapterInfo:
+        """multipart: `adapter_id`, `adapter_config` (file), `adapter_model` (file),
+        optional `replace`=true."""
+        manager = _manager(runtime)
+        limit = runtime.config.max_upload_mb * MB
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(runtime.config.max_upload_mb)
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise APIError.bad_request("upload as multipart/form-data with fields adapter_id, "
+                                       "adapter_config and adapter_model")
+        form = await request.form()
+        adapter_id = _text(form, "adapter_id")
+        replace = _flag(_text(form, "replace", required=False) or "")
+        config_raw = await _file(form, "adapter_config")
+        weights_raw = await _file(form, "adapter_model")
+        if len(config_raw) + len(weights_raw) > limit:
+            raise _too_large(runtime.config.max_upload_mb)
+        return await manager.upload(adapter_id, config_raw, weights_raw, replace)
+
+    @post("/register", status_code=201)
+    async def register(self, data: RegisterRequest, runtime: Runtime) -> AdapterInfo:
+        return await _manager(runtime).register(data.adapter_id, data.source, data.replace)
+
+    @post("/{target:path}", status_code=200)
+    async def action(self, target: str, runtime: Runtime) -> AdapterInfo:
+        """`{adapter_id}/load|evict|pin|unpin`."""
+        adapter_id, _, verb = target.strip("/").rpartition("/")
+        if verb not in ACTIONS or not adapter_id:
+            raise APIError(404, f"no admin route POST /admin/adapters/{target.strip('/')}; "
+                                f"use /admin/adapters/ID/{{{'|'.join(ACTIONS)}}}",
+                           code="not_found")
+        manager, adapter_id = _manager(runtime), _id(adapter_id)
+        if verb == "load":
+            return await manager.load(adapter_id)
+        if verb == "evict":
+            return await manager.evict(adapter_id)
+        return await manager.pin(adapter_id, verb == "pin")
+
+    @delete("/{adapter_id:path}", status_code=200)
+    async def delete_adapter(self, adapter_id: str, runtime: Runtime) -> Deleted:
+        adapter_id = _id(adapter_id)
+        await runtime.unload_adapter(adapter_id)  # ends its in-flight requests, then deletes
+        return Deleted(adapter_id)
+
+
+def _too_large(limit_mb: int) -> APIError:
+    return APIError(413, f"the upload is larger than --max-upload-mb {limit_mb} MB; upload a "
+                         "smaller adapter or restart the server with a larger limit",
+                    code="request_too_large")
+
+
+def _text(form, name: str, required: bool = True) -> str | None:
+    value = form.get(name)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        raise APIError.bad_request(f"multipart field {name!r} is required as a text field",
+                                   param=name)
+    return value
+
+
+def _flag(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered not in _TRUE + _FALSE:
+        raise APIError.bad_request(f"replace must be true or false, got {value!r}",
+                                   param="replace")
+    return lowered in _TRUE
+
+
+async def _file(form, name: str) -> bytes:
+    value = form.get(name)
+    if not isinstance(value, UploadFile):
+        raise APIError.bad_request(f"multipart file field {name!r} is required "
+                                   f"({'adapter_config.json' if name == 'adapter_config' else 'adapter_model.safetensors'})",
+                                   param=name)
+    return await value.read()

@@ -1,0 +1,122 @@
+"""The Litestar app: routes, guards, OpenAI-shaped errors, request ids and access logs.
+
+`create_app(config)` owns a Runtime through its lifespan. `create_app(config, runtime=r)`
+serves an already running Runtime without owning it (a second front end on the same engine:
+tests with other keys, the benchmark).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Callable
+
+from litestar import Litestar
+from litestar.datastructures import State
+from litestar.di import Provide
+from litestar.middleware import ASGIMiddleware
+from litestar.openapi import OpenAPIConfig
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.admin_api import AdminController
+from gateway.config import ServerConfig
+from gateway.errors import EXCEPTION_HANDLERS
+from gateway.metrics import Metrics
+from gateway.openai_api import AdapterLoadController, OpenAIController
+from gateway.ops_api import OpsController
+from gateway.router import Router, served_by_hook
+from gateway.runtime import Runtime
+
+access_log = logging.getLogger("gateway.access")
+MB = 1024 * 1024
+REQUEST_ID_HEADER = b"x-request-id"
+_CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
+
+
+def request_id(scope: Scope) -> str:
+    """The client's X-Request-Id when it is sane, else a new one; stored in the scope."""
+    state = scope.setdefault("state", {})
+    rid = state.get("request_id")
+    if rid is None:
+        for key, value in scope.get("headers", ()):
+            if key == REQUEST_ID_HEADER:
+                text = value.decode("latin-1")
+                rid = text if _CLIENT_REQUEST_ID.fullmatch(text) else None
+                break
+        rid = state["request_id"] = rid or uuid.uuid4().hex
+    return rid
+
+
+def _with_request_id(message: Message, rid: str) -> Message:
+    headers = list(message.get("headers") or ())
+    if not any(key.lower() == REQUEST_ID_HEADER for key, _ in headers):
+        headers.append((REQUEST_ID_HEADER, rid.encode("latin-1")))
+    return {**message, "headers": headers}
+
+
+class RequestContextMiddleware(ASGIMiddleware):
+    """Request id in and out, one JSON access-log line and the request counters per request."""
+
+    scopes = ("http",)
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
+        rid = request_id(scope)
+        state = scope["state"]
+        started = state["arrival"] = time.monotonic()
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = _with_request_id(message, rid)
+            await send(message)
+
+        try:
+            await next_app(scope, receive, send_with_id)
+        finally:
+            route = scope.get("path_template") or scope["path"]
+            self.metrics.http_requests.labels(route, str(status)).inc()
+            if "adapter" in state:
+                self.metrics.requests.labels(state["adapter"], str(status)).inc()
+            fields = {"request_id": rid, "method": scope["method"], "route": route,
+                      "model": state.get("model"), "adapter": state.get("adapter"),
+                      "status": status, "latency_ms": round((time.monotonic() - started) * 1e3, 2)}
+            access_log.info(json.dumps(fields), extra=fields)
+
+
+async def _unrouted_request_id(message: Message, scope: Scope) -> None:
+    """before_send hook: requests that matched no route (404/405) get an id too."""
+    if message["type"] == "http.response.start" and "arrival" not in scope.get("state", {}):
+        rid = request_id(scope)
+        message["headers"] = _with_request_id(message, rid)["headers"]
+        access_log.info(json.dumps({"request_id": rid, "method": scope.get("method"),
+                                    "path": scope.get("path"), "status": message["status"]}))
+
+
+def create_app(config: ServerConfig, runtime: Runtime | None = None,
+               on_fatal: Callable[[BaseException], None] | None = None) -> Litestar:
+    """The app; `on_fatal` is called if start-up fails (the server should then exit)."""
+    owned = runtime is None
+    runtime = runtime or Runtime(config, on_fatal=on_fatal)
+    router = Router.from_server_config(config, runtime)
+    return Litestar(
+        route_handlers=[OpenAIController, AdapterLoadController, OpsController, AdminController],
+        lifespan=([runtime.lifespan] if owned else []) + [router.lifespan],
+        state=State({"config": config, "runtime": runtime, "router": router}),
+        dependencies={"runtime": Provide(lambda: runtime, use_cache=True, sync_to_thread=False),
+                      "router": Provide(lambda: router, use_cache=True, sync_to_thread=False)},
+        exception_handlers=EXCEPTION_HANDLERS,
+        middleware=[RequestContextMiddleware(runtime.metrics)],
+        before_send=[_unrouted_request_id, served_by_hook(router.replica_id)],
+        request_max_body_size=config.max_upload_mb * MB,
+        openapi_config=OpenAPIConfig(title="lora-gateway", version="0.1.0",
+                                     description="OpenAI-compatible multi-LoRA serving"),
+        logging_config=None,
+    )

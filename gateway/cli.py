@@ -1,0 +1,116 @@
+"""`loragw`: the command line. One function per subcommand, `cmd_<name>(args) -> exit status`.
+
+Every flag also reads an environment variable, LORAGW_<FLAG> (`--out` -> LORAGW_OUT,
+`--log-level` -> LORAGW_LOG_LEVEL); a flag on the command line wins over the variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DEMO_DIR = os.path.join("~", ".cache", "lora-gateway", "demo")
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def env_var(flag: str) -> str:
+    """`--max-lora-rank` -> `LORAGW_MAX_LORA_RANK`."""
+    return "LORAGW_" + flag.lstrip("-").upper().replace("-", "_")
+
+
+def add_flag(parser: argparse.ArgumentParser, flag: str, **kwargs) -> argparse.Action:
+    """parser.add_argument(flag, ...) with its default taken from LORAGW_<FLAG> when that is set.
+    `store_true` flags read 1/true/yes/on or 0/false/no/off; `append` flags read a
+    comma-separated list, and flags given on the command line are added to it."""
+    name = env_var(flag)
+    value = os.environ.get(name)
+    action = kwargs.get("action")
+    if value is not None:
+        if action == "store_true":
+            if value.strip().lower() not in TRUE + FALSE:
+                parser.error(f"{name}={value!r}: expected one of {', '.join(TRUE + FALSE[:-1])}")
+            kwargs["default"] = value.strip().lower() in TRUE
+        elif action == "append":
+            kwargs["default"] = [item.strip() for item in value.split(",") if item.strip()]
+        else:
+            choices = kwargs.get("choices")
+            if choices is not None and kwargs.get("type", str)(value) not in choices:
+                parser.error(f"{name}={value!r}: expected one of {', '.join(map(str, choices))}")
+            kwargs["default"] = value  # argparse applies `type` to string defaults
+    kwargs["help"] = f"{kwargs.get('help', '')} [env {name}]".strip()
+    return parser.add_argument(flag, **kwargs)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Builds the demo base model and the demo adapters (idempotent) and prints their paths."""
+    from adapters.demo import build_demo_adapters
+    from engine.demo import build_demo_model
+
+    model = build_demo_model(args.out, seed=args.seed)
+    logger.info("demo model: %s", model)
+    adapters = build_demo_adapters(model, args.out, seed=args.seed)
+    for name, path in adapters.items():
+        logger.info("demo adapter %s: %s", name, path)
+    # The output is the product here: one `model PATH` line, then `adapter NAME=PATH` lines,
+    # in the form `loragw serve --adapter` takes.
+    sys.stdout.write(f"model {model}\n")
+    sys.stdout.writelines(f"adapter {name}={path}\n" for name, path in adapters.items())
+    return 0
+
+
+def not_implemented(name: str, issue: str) -> Callable[[argparse.Namespace], int]:
+    def command(args: argparse.Namespace) -> int:
+        sys.stderr.write(f"loragw {name}: not implemented yet: see issue '{issue}'\n")
+        return 2
+    return command
+
+
+cmd_serve = not_implemented("serve", "gateway: loragw serve, the OpenAI-compatible server")
+cmd_bench = not_implemented("bench", "benchmarks: loragw bench, the serving benchmark")
+
+
+def add_demo_parser(subparsers) -> None:
+    parser = subparsers.add_parser("demo", help="build the demo base model and demo adapters")
+    add_flag(parser, "--out", default=DEFAULT_DEMO_DIR,
+             help=f"directory for model/ and adapters/ (default {DEFAULT_DEMO_DIR})")
+    add_flag(parser, "--seed", type=int, default=0, help="seed for weights and training")
+    parser.set_defaults(command=cmd_demo)
+
+
+def add_serve_parser(subparsers) -> None:
+    parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible API")
+    parser.set_defaults(command=cmd_serve, takes_any_arguments=True)  # until it is written
+
+
+def add_bench_parser(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="serving benchmark")
+    parser.set_defaults(command=cmd_bench, takes_any_arguments=True)  # until it is written
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="loragw", description="lora-gateway: one base model, many LoRA adapters, one API.")
+    add_flag(parser, "--log-level", default="INFO",
+             choices=("DEBUG", "INFO", "WARNING", "ERROR"), type=str.upper, help="logging level")
+    subparsers = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
+    for add in (add_serve_parser, add_demo_parser, add_bench_parser):
+        add(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "takes_any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.command(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Prometheus metrics, one CollectorRegistry per app (tests run several apps in one process).
+
+Counters and histograms are recorded as requests finish; gauges (queue depth, running
+sequences, KV blocks, device slots) and the engine's adapter counters (loads, evictions, hits
+per tier) are read from an `EngineSnapshot` taken on the engine thread at scrape time, so they
+are live and never torn mid-step. Events outside the engine (Hub downloads to the disk tier)
+are counted in `TierStats` by the adapter manager.
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+BASE_LABEL = "base"  # the adapter label of requests for the base model
+TIERS = ("device", "host", "disk")
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """The engine's counters at one instant between steps (taken on the engine thread)."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    slots_total: int
+    slots_in_use: int  # slots a running sequence holds
+    residency: dict[str, str]  # registered adapter -> "device" | "host" | "disk"
+    preemptions: int
+    step_errors: int = 0  # engine steps that failed (their requests were failed, not the server)
+    # adapter events per tier, as the engine counts them
+    loads: dict[str, int] = field(default_factory=dict)
+    evictions: dict[str, int] = field(default_factory=dict)
+    hits: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_free
+
+    @property
+    def resident(self) -> list[str]:
+        return [name for name, tier in self.residency.items() if tier == "device"]
+
+
+@dataclass
+class TierStats:
+    """Adapter events the gateway side counts (e.g. Hub downloads to disk), added to the
+    engine's own counts; the adapter manager increments these."""
+
+    loads: Tally = field(default_factory=Tally)
+    evictions: Tally = field(default_factory=Tally)
+    hits: Tally = field(default_factory=Tally)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter("loragw_http_requests", "HTTP requests by route and status",
+                                     ["route", "status"], registry=r)
+        self.requests = Counter("loragw_requests", "Generation requests by adapter and status",
+                                ["adapter", "status"], registry=r)
+        self.prompt_tokens = Counter("loragw_prompt_tokens", "Prompt tokens by adapter",
+                                     ["adapter"], registry=r)
+        self.completion_tokens = Counter("loragw_completion_tokens",
+                                         "Generated tokens by adapter", ["adapter"], registry=r)
+        self.ttft = Histogram("loragw_time_to_first_token_seconds", "Arrival to first token",
+                              ["adapter"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("loragw_time_per_output_token_seconds",
+                              "Mean time between output tokens after the first", ["adapter"],
+                              buckets=TOKEN_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("loragw_e2e_request_latency_seconds", "Arrival to last token",
+                             ["adapter"], buckets=LATENCY_BUCKETS, registry=r)
+        self.adapter_load_seconds = Histogram("loragw_adapter_load_seconds",
+                                              "Time to load an adapter into a tier", ["tier"],
+                                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tiers = TierStats()
+        self.snapshot: EngineSnapshot | None = None  # set by the /metrics handler per scrape
+        self.gateway_inflight = 0  # sequences admitted by the gateway, set per scrape
+        self.gateway_capacity = 0
+        r.register(_LiveCollector(self))
+
+    def observe_sequence(self, adapter: str | None, ttft: float | None, e2e: float,
+                         num_output_tokens: int) -> None:
+        """One finished choice: latency histograms and its generated tokens."""
+        label = adapter or BASE_LABEL
+        if ttft is not None:
+            self.ttft.labels(label).observe(ttft)
+            if num_output_tokens > 1:
+                self.tpot.labels(label).observe((e2e - ttft) / (num_output_tokens - 1))
+        self.e2e.labels(label).observe(e2e)
+        self.completion_tokens.labels(label).inc(num_output_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _LiveCollector(Collector):
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def collect(self):
+        m, snap = self.metrics, self.metrics.snapshot
+        yield _gauge("loragw_gateway_inflight_sequences",
+                     "Sequences the gateway has admitted (running or queued)", m.gateway_inflight)
+        yield _gauge("loragw_gateway_capacity_sequences",
+                     "Sequences admitted before 429 (max_num_seqs + max_waiting)",
+                     m.gateway_capacity)
+        if snap is not None:
+            yield _gauge("loragw_num_requests_waiting", "Sequences queued in the engine",
+                         snap.num_waiting)
+            yield _gauge("loragw_num_requests_running", "Sequences running in the engine",
+                         snap.num_running)
+            yield _gauge("loragw_kv_blocks_used", "KV-cache blocks in use", snap.kv_blocks_used)
+            yield _gauge("loragw_kv_blocks_total", "KV-cache blocks", snap.kv_blocks_total)
+            yield _gauge("loragw_lora_slots_used", "Device adapter slots held by running "
+                         "sequences", snap.slots_in_use)
+            yield _gauge("loragw_lora_slots_resident", "Device adapter slots holding an "
+                         "adapter", len(snap.resident))
+            yield _gauge("loragw_lora_slots_total", "Device adapter slots", snap.slots_total)
+            adapters = GaugeMetricFamily("loragw_adapters", "Registered adapters per tier",
+                                         labels=["tier"])
+            for tier in TIERS:
+                adapters.add_metric([tier], sum(t == tier for t in snap.residency.values()))
+            yield adapters
+            for name, doc, value in (("preemptions", "Sequences preempted", snap.preemptions),
+                                     ("engine_step_errors", "Engine steps that failed",
+                                      snap.step_errors)):
+                family = CounterMetricFamily(f"loragw_{name}", doc)
+                family.add_metric([], value)
+                yield family
+        for name in ("loads", "evictions", "hits"):
+            family = CounterMetricFamily(f"loragw_adapter_{name}", f"Adapter {name} per tier",
+                                         labels=["tier"])
+            engine_counts = getattr(snap, name) if snap is not None else {}
+            ours = getattr(m.tiers, name)
+            for tier in TIERS:
+                family.add_metric([tier], engine_counts.get(tier, 0) + ours[tier])
+            yield family
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)

@@ -1,0 +1,33 @@
+"""Operations routes, open to everyone: /health (alive), /ready (can serve), /metrics."""
+
+from __future__ import annotations
+
+from litestar import Controller, Response, get
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from gateway.protocol import Health
+from gateway.runtime import Runtime
+
+
+class OpsController(Controller):
+    path = "/"
+    tags = ["Operations"]
+
+    @get("/health")
+    async def health(self) -> Health:
+        """The process is alive (a liveness probe); says nothing about the model."""
+        return Health(status="ok")
+
+    @get("/ready")
+    async def ready(self, runtime: Runtime) -> Health:
+        """200 once the model and start-up adapters are loaded and the engine loop answers;
+        503 otherwise (a readiness and startup probe)."""
+        await runtime.probe()
+        return Health(status="ready")
+
+    @get("/metrics", media_type=CONTENT_TYPE_LATEST)
+    async def metrics(self, runtime: Runtime) -> Response[bytes]:
+        """Prometheus text format; engine gauges are read live at each scrape."""
+        metrics = runtime.metrics
+        metrics.snapshot = await runtime.snapshot()
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,231 @@
+"""The OpenAI (and vLLM-extension) request and response bodies, as msgspec Structs.
+
+Requests keep unknown fields out of the way (ignored), so clients that send newer OpenAI fields
+still work; fields we accept but do not implement yet are refused by the handlers with a 400.
+Ranges live in the types (`Meta`), so the OpenAPI schema states them and decoding enforces them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+MAX_N = 128  # choices per request, as OpenAI
+MAX_LOGPROBS = 20
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1 - MAX_N)]  # seed + i stays an int64
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+TokenId = Annotated[int, Meta(ge=0)]
+
+
+# ---- requests ------------------------------------------------------------------------------
+class StreamOptions(Struct):
+    include_usage: bool = False
+
+
+class ResponseFormat(Struct):
+    type: str
+    json_schema: dict[str, Any] | None = None
+
+
+class SamplingRequest(Struct, kw_only=True):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str
+    max_tokens: PositiveInt | None = None  # default: the rest of the context window
+    temperature: Annotated[float, Meta(ge=0.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM extension
+    stop_token_ids: list[TokenId] | None = None  # vLLM extension
+    logit_bias: dict[str, float] | None = None  # not supported yet unless empty
+    response_format: ResponseFormat | None = None  # not supported yet unless type "text"
+    user: str | None = None  # accepted, ignored
+
+
+class CompletionRequest(SamplingRequest, kw_only=True):
+    # str | list[str] | list[int] | list[list[int]]; msgspec allows one array type per union,
+    # so list items are a union and the handler checks the list is homogeneous.
+    prompt: str | list[str | TokenId | list[TokenId]]
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False  # only false is supported
+    suffix: str | None = None  # not supported
+    best_of: int | None = None  # only None or n
+
+
+class TextPart(Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct, omit_defaults=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None  # wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[dict[str, Any]] | None = None  # not supported yet
+    tool_choice: str | dict[str, Any] | None = None  # "none" / "auto" without tools only
+    parallel_tool_calls: bool | None = None
+
+
+class LoadLoRAAdapterRequest(Struct):
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False  # vLLM: replace an adapter already loaded under this name
+
+
+class UnloadLoRAAdapterRequest(Struct):
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM sends it; ignored
+
+
+# ---- responses -----------------------------------------------------------------------------
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None
+    object: str = "text_completion"
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobOut(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[TokenLogprobOut]
+
+
+class AssistantMessage(Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+
+
+class Delta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None
+    residency: Literal["device", "host", "disk"]  # extension: where the weights are now
+    max_model_len: int
+    object: str = "model"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class ErrorBody(Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(Struct):
+    error: ErrorBody
+
+
+class Health(Struct, omit_defaults=True):
+    status: str
+    detail: str | None = None
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def sse(payload: Struct) -> bytes:
+    """One server-sent event carrying `payload` as JSON."""
+    return b"data: " + _encoder.encode(payload) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

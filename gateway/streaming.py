@@ -1,0 +1,404 @@
+"""Engine requests behind one HTTP request, and how their increments become OpenAI responses.
+
+A `GenerationJob` owns the engine streams of one request (one per choice: prompts x n), each
+read by its own pump task that hands every increment to the consumer's sink. `close()` is synchronous, idempotent and safe inside a
+cancelled scope: it aborts every unfinished sequence (freeing its KV blocks and adapter slot)
+and gives the request's capacity back. Every job is closed by whoever finishes with it: the
+collector for a whole response, the SSE generator's `finally` and the streaming response's
+after-response hook for a stream (a client that disconnects cancels the stream; whichever
+runs first closes the job).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field
+
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import RequestOutput
+from engine.sequence import TokenLogprob
+from gateway.errors import APIError
+from gateway.metrics import BASE_LABEL, Metrics
+from gateway.protocol import (
+    SSE_DONE,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    Delta,
+    ErrorBody,
+    ErrorResponse,
+    TokenLogprobOut,
+    TopLogprob,
+    Usage,
+    sse,
+)
+
+logger = logging.getLogger(__name__)
+_background: set[asyncio.Task] = set()
+
+
+def spawn(coro: Coroutine) -> None:
+    """Run a clean-up coroutine to completion as its own task, outside any cancelled scope."""
+    task = asyncio.ensure_future(_quietly(coro))
+    _background.add(task)
+    task.add_done_callback(_background.discard)
+
+
+async def _quietly(coro: Coroutine) -> None:
+    try:
+        await coro
+    except Exception:
+        logger.debug("clean-up step failed", exc_info=True)
+
+
+@dataclass(slots=True, eq=False)
+class Choice:
+    """One engine request, which is one OpenAI choice."""
+
+    index: int
+    request_id: str
+    prompt_index: int
+    num_prompt_tokens: int
+    stream: AsyncIterator[RequestOutput] | None = None
+    started: bool = False  # its pump reads the engine stream (whose clean-up then aborts it)
+    finished: bool = False
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+    first_token_at: float | None = None
+
+
+Sink = Callable[[Choice, "RequestOutput | BaseException"], None]
+
+
+@dataclass(eq=False)
+class GenerationJob:
+    """The engine requests of one HTTP request. `start(sink)` starts one pump task per choice;
+    each output, after accounting, goes to the sink (one finished output per choice, then
+    nothing more for it), and so does any engine error."""
+
+    id: str  # the response id: cmpl-... or chatcmpl-...
+    engine: AsyncEngine
+    choices: list[Choice]
+    adapter: str | None
+    metrics: Metrics
+    arrival: float  # time.monotonic() when the HTTP request arrived
+    on_close: Callable[[GenerationJob], None] = lambda job: None
+    _sink: Sink | None = None
+    _early: list[tuple[Choice, RequestOutput]] = field(default_factory=list)  # before start()
+    _pumps: list[asyncio.Task] = field(default_factory=list)
+    closed: bool = False
+
+    @property
+    def usage(self) -> Usage:
+        prompts = {c.prompt_index: c.num_prompt_tokens for c in self.choices}
+        prompt = sum(prompts.values())
+        completion = sum(c.num_output_tokens for c in self.choices)
+        return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                     total_tokens=prompt + completion)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Choices whose finished output the sink is still to get (read before start())."""
+        return sum(not c.finished for c in self.choices)
+
+    def start(self, sink: Sink) -> None:
+        """Start reading the engine streams into `sink`.
+
+        Each engine stream is read by its own task, even when there is one: a client that
+        disconnects cancels the response inside an anyio cancel scope, which would cancel
+        the engine stream's own clean-up (its abort) again at every await. A pump task is
+        cancelled exactly once, so the abort it runs on the way out completes.
+        """
+        assert self._sink is None, "a job is consumed once"
+        self._sink = sink
+        self._pumps = [asyncio.ensure_future(self._pump(c)) for c in self.choices]
+        for choice, out in self._early:
+            self._deliver(choice, out)
+
+    def _deliver(self, choice: Choice, out: RequestOutput | BaseException) -> None:
+        if choice.finished:
+            return  # an output that raced with abort()
+        if self._sink is None:
+            self._early.append((choice, out))
+            return
+        if not isinstance(out, BaseException):
+            self._account(choice, out)
+        self._sink(choice, out)
+
+    async def _pump(self, choice: Choice) -> None:
+        choice.started = True
+        out = None
+        try:
+            async for out in choice.stream:
+                self._deliver(choice, out)
+        except Exception as exc:  # the engine failed this sequence: hand it to the consumer
+            self._deliver(choice, exc)
+            return
+        if out is None or not out.finished:
+            self._deliver(choice, RuntimeError(f"engine stream {choice.request_id} ended "
+                                               "without finishing"))
+
+    def _account(self, choice: Choice, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if choice.first_token_at is None and out.new_token_ids:
+            choice.first_token_at = now
+        choice.num_output_tokens = out.num_output_tokens
+        if out.finished:
+            choice.finished, choice.finish_reason = True, out.finish_reason
+            ttft = None if choice.first_token_at is None else choice.first_token_at - self.arrival
+            if out.finish_reason == "abort":
+                self.metrics.completion_tokens.labels(self.adapter or BASE_LABEL).inc(
+                    out.num_output_tokens)
+            else:
+                self.metrics.observe_sequence(self.adapter, ttft, now - self.arrival,
+                                              out.num_output_tokens)
+
+    def abort(self) -> None:
+        """End every unfinished choice now with finish_reason "abort" (its adapter is being
+        unloaded, or the server is stopping): the consumer gets a last output per choice and
+        finishes normally; the sequences are aborted in the engine."""
+        self._cancel_pumps()
+        for choice in self.choices:
+            if choice.finished:
+                continue
+            if not choice.started:
+                spawn(self.engine.abort(choice.request_id))
+            self._deliver(choice, RequestOutput(
+                choice.request_id, [], "", [], True, "abort", None, choice.num_prompt_tokens,
+                choice.num_output_tokens))
+
+    def close(self) -> None:
+        """Abort what is unfinished and give the capacity back; idempotent, synchronous."""
+        if self.closed:
+            return
+        self.closed = True
+        self._cancel_pumps()
+        for choice in self.choices:
+            if choice.finished:
+                continue
+            label = self.adapter or BASE_LABEL
+            self.metrics.completion_tokens.labels(label).inc(choice.num_output_tokens)
+            if not choice.started:
+                # Never iterated (its pump never ran), so nothing else will abort it.
+                spawn(self.engine.abort(choice.request_id))
+        self.on_close(self)
+
+    def _cancel_pumps(self) -> None:
+        """Cancel each pump once: the CancelledError lands in its stream's __anext__, whose
+        finally then awaits the engine's abort. A second cancel would land in that await and
+        cancel the engine call itself (AsyncEngine.call does not survive that)."""
+        pumps, self._pumps = self._pumps, []
+        for task in pumps:
+            task.cancel()
+
+    async def aclose(self) -> None:
+        """close() as a coroutine, for Litestar's after-response hook."""
+        self.close()
+
+
+# ---- whole responses and SSE streams ---------------------------------------------------------
+async def collect(job: GenerationJob, fmt: Format, disconnected: asyncio.Future | None = None):
+    """Run the job to the end and build one whole response; 499 if `disconnected` (a task
+    that ends when the client goes away) ends first."""
+    loop = asyncio.get_running_loop()
+    parts: dict[int, list[RequestOutput]] = {c.index: [] for c in job.choices}
+    done = loop.create_future()
+    pending = job.num_unfinished
+
+    def sink(choice: Choice, out: RequestOutput | BaseException) -> None:
+        nonlocal pending
+        if done.done():
+            return
+        if isinstance(out, BaseException):
+            done.set_exception(out)
+            return
+        parts[choice.index].append(out)
+        pending -= out.finished
+        if pending == 0:
+            done.set_result(None)
+
+    try:
+        job.start(sink)
+        if pending == 0 and not done.done():
+            done.set_result(None)
+        waiting = {done} if disconnected is None else {done, disconnected}
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if not done.done():
+            raise APIError(499, "the client closed the connection before the response was "
+                                "ready", code="client_closed_request")
+        done.result()  # raises what the engine raised
+    finally:
+        job.close()
+        if disconnected is not None:
+            disconnected.cancel()
+    return fmt.whole(job, parts)
+
+
+async def stream_sse(job: GenerationJob, fmt: Format,
+                     include_usage: bool) -> AsyncIterator[bytes]:
+    """`data: {chunk}` events, a finish chunk per choice, optional usage, then [DONE]."""
+    queue: asyncio.Queue = asyncio.Queue()
+    try:
+        for chunk in fmt.head(job):
+            yield sse(chunk)
+        pending = job.num_unfinished
+        job.start(lambda choice, out: queue.put_nowait((choice, out)))
+        while pending:
+            choice, out = await queue.get()
+            if isinstance(out, BaseException):
+                raise out
+            delta = fmt.delta(choice, out)
+            if delta is not None:
+                yield sse(delta)
+            if out.finished:
+                pending -= 1
+                yield sse(fmt.finish(choice))
+        if include_usage:
+            yield sse(fmt.usage_chunk(job.usage))
+    except Exception as exc:  # headers are gone: report in-band, as OpenAI and vLLM do
+        logger.exception("stream failed")
+        yield sse(ErrorResponse(ErrorBody(message=f"generation failed: {exc}",
+                                          type="server_error", code="internal_error")))
+    finally:
+        job.close()
+    yield SSE_DONE
+
+
+# ---- OpenAI shapes ---------------------------------------------------------------------------
+class TokenText:
+    """Token id -> its text as logprobs show it (special tokens included), cached."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = (self.tokenizer.decode([token_id]) if self.tokenizer is not None
+                    else f"token_id:{token_id}")
+            self._cache[token_id] = text
+        return text
+
+
+class Format:
+    """How an endpoint shapes increments: chunks for a stream, or one whole response."""
+
+    def __init__(self, job: GenerationJob, model: str, token_text: TokenText, logprobs: bool):
+        self.id, self.model, self.token_text = job.id, model, token_text
+        self.logprobs = logprobs
+        self.created = int(time.time())
+
+    def head(self, job: GenerationJob) -> list:
+        return []
+
+    def delta(self, choice: Choice, out: RequestOutput):
+        raise NotImplementedError
+
+    def finish(self, choice: Choice):
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: Usage):
+        raise NotImplementedError
+
+    def whole(self, job: GenerationJob, parts: dict[int, list[RequestOutput]]):
+        raise NotImplementedError
+
+
+class CompletionFormat(Format):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.offsets: dict[int, int] = {}  # text_offset of each choice's next token
+
+    def _logprobs(self, index: int, entries: list[TokenLogprob]) -> CompletionLogprobs:
+        text = self.token_text
+        tokens = [text(e.token_id) for e in entries]
+        offsets, at = [], self.offsets.get(index, 0)
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        self.offsets[index] = at
+        return CompletionLogprobs(
+            tokens=tokens, token_logprobs=[e.logprob for e in entries],
+            top_logprobs=[{text(t): lp for t, lp in e.top} for e in entries], text_offset=offsets)
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None):
+        return CompletionResponse(id=self.id, created=self.created, model=self.model,
+                                  choices=choices, usage=usage)
+
+    def delta(self, choice: Choice, out: RequestOutput):
+        logprobs = self._logprobs(choice.index, out.new_logprobs) if self.logprobs else None
+        if not out.new_text and not (logprobs and logprobs.tokens):
+            return None
+        return self._chunk([CompletionChoice(choice.index, out.new_text, logprobs, None)])
+
+    def finish(self, choice: Choice):
+        return self._chunk([CompletionChoice(choice.index, "", None, choice.finish_reason)])
+
+    def usage_chunk(self, usage: Usage):
+        return self._chunk([], usage)
+
+    def whole(self, job: GenerationJob, parts: dict[int, list[RequestOutput]]):
+        choices = []
+        for c in job.choices:
+            outs = parts[c.index]
+            logprobs = (self._logprobs(c.index, [e for o in outs for e in o.new_logprobs])
+                        if self.logprobs else None)
+            choices.append(CompletionChoice(c.index, "".join(o.new_text for o in outs),
+                                            logprobs, c.finish_reason))
+        return self._chunk(choices, job.usage)
+
+
+class ChatFormat(Format):
+    def _logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs:
+        text = self.token_text
+
+        def top(token_id: int, logprob: float) -> TopLogprob:
+            token = text(token_id)
+            return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+
+        return ChatLogprobs(content=[
+            TokenLogprobOut(token=text(e.token_id), logprob=e.logprob,
+                            bytes=list(text(e.token_id).encode()),
+                            top_logprobs=[top(t, lp) for t, lp in e.top]) for e in entries])
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None):
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
+                                   choices=choices, usage=usage)
+
+    def head(self, job: GenerationJob) -> list:
+        return [self._chunk([ChatChunkChoice(c.index, Delta(role="assistant", content=""))])
+                for c in job.choices]
+
+    def delta(self, choice: Choice, out: RequestOutput):
+        logprobs = self._logprobs(out.new_logprobs) if self.logprobs else None
+        if not out.new_text and not (logprobs and logprobs.content):
+            return None
+        return self._chunk([ChatChunkChoice(choice.index, Delta(content=out.new_text),
+                                            logprobs)])
+
+    def finish(self, choice: Choice):
+        return self._chunk([ChatChunkChoice(choice.index, Delta(), None, choice.finish_reason)])
+
+    def usage_chunk(self, usage: Usage):
+        return self._chunk([], usage)
+
+    def whole(self, job: GenerationJob, parts: dict[int, list[RequestOutput]]):
+        choices = []
+        for c in job.choices:
+            outs = parts[c.index]
+            logprobs = (self._logprobs([e for o in outs for e in o.new_logprobs])
+                        if self.logprobs else None)
+            message = AssistantMessage(content="".join(o.new_text for o in outs))
+            choices.append(ChatChoice(c.index, message, logprobs, c.finish_reason))
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model,
+                                      choices=choices, usage=job.usage)

@@ -1,0 +1,210 @@
+"""LoRA-aware scheduling, watched step by step on the engine itself: slots are never
+oversubscribed or overwritten under a running sequence, waiting adapters do not stall resident
+ones, requests without an adapter never reach the LoRA kernels, and everything is freed."""
+
+import json
+import os
+
+import pytest
+import safetensors.torch
+import torch
+
+import kernels
+from engine import LLM, SamplingParams
+
+TARGETS = ("q_proj", "v_proj", "down_proj")
+SHAPES = {"q_proj": (64, 64), "v_proj": (64, 32), "down_proj": (128, 64)}  # (in, out)
+NUM_ADAPTERS = 5
+# Each test takes about a second; a scheduler that stalls would spin in generate() forever.
+pytestmark = pytest.mark.timeout(120)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def write_adapter(path: str, rank: int, seed: int) -> str:
+    """A PEFT-format adapter on TARGETS of every layer, written without PEFT."""
+    os.makedirs(path)
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                   "target_modules": list(TARGETS)}, f)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(2):
+        for target in TARGETS:
+            block = "mlp" if target == "down_proj" else "self_attn"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{target}"
+            fan_in, fan_out = SHAPES[target]
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * 0.3
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.3
+    safetensors.torch.save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[str, dict[str, str]]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("lora-scheduling")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.15)
+    model.save_pretrained(root / "base")
+    adapters = {f"ad{k}": write_adapter(str(root / f"ad{k}"), rank=(1, 4, 8, 16, 2)[k], seed=k)
+                for k in range(NUM_ADAPTERS)}
+    return str(root / "base"), adapters
+
+
+def make_llm(checkpoint, **kwargs) -> LLM:
+    base, adapters = checkpoint
+    llm = LLM(base, device="cpu", dtype="float32", lora_backend="torch", **kwargs)
+    for name, path in adapters.items():
+        llm.add_adapter(name, path)
+    return llm
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (int(torch.randint(2, 20, (1,), generator=g)),), generator=g)
+            .tolist() for _ in range(n)]
+
+
+def assert_all_free(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.has_unfinished()
+    assert engine.num_free_kv_blocks == engine.block_manager.num_blocks
+    assert all(slot.ref_count == 0 for slot in engine.lora.slots)
+    assert engine.lora.slots_in_use == 0
+
+
+class SlotWatch:
+    """Checks the slot invariants every step, from inside LoRAManager.prepare and _fill."""
+
+    def __init__(self, llm: LLM, monkeypatch):
+        self.engine, self.lora = llm.engine, llm.engine.lora
+        self.held: dict[int, tuple[int, int]] = {}  # seq_id -> (slot, version) while running
+        self.steps = self.max_distinct = 0
+        lora, prepare, fill = self.lora, self.lora.prepare, self.lora._fill
+
+        def watched_prepare(batch):
+            self.check(batch)
+            return prepare(batch)
+
+        def watched_fill(index, name, entry):
+            assert lora.slots[index].ref_count == 0, (
+                f"slot {index} ({lora.slots[index].adapter}) refilled with {name} while "
+                f"{lora.slots[index].ref_count} running sequences use it")
+            return fill(index, name, entry)
+
+        monkeypatch.setattr(lora, "prepare", watched_prepare)
+        monkeypatch.setattr(lora, "_fill", watched_fill)
+
+    def check(self, batch) -> None:
+        lora = self.lora
+        self.steps += 1
+        distinct = {seq.adapter for seq in batch.seqs if seq.adapter}
+        self.max_distinct = max(self.max_distinct, len(distinct))
+        assert len(distinct) <= lora.num_slots, f"{len(distinct)} adapters in a step, {lora.num_slots} slots"
+        for seq in batch.seqs:
+            if seq.adapter is None:
+                assert seq.lora_slot == -1
+                continue
+            slot = lora.slots[seq.lora_slot]
+            assert slot.adapter == seq.adapter and not slot.stale
+            assert slot.version == lora.adapters[seq.adapter].version
+            held = self.held.setdefault(seq.seq_id, (seq.lora_slot, slot.version))
+            assert held == (seq.lora_slot, slot.version), f"seq {seq.seq_id} moved slots mid-run"
+        users = [0] * lora.num_slots
+        for seq in self.engine.scheduler.running:
+            if seq.adapter is not None:
+                users[seq.lora_slot] += 1
+        assert [s.ref_count for s in lora.slots] == users, "slot ref counts != running users"
+
+
+def test_more_adapters_than_slots_never_oversubscribe_or_overwrite(checkpoint, monkeypatch):
+    ps = prompts(12)
+    adapters = [f"ad{k % NUM_ADAPTERS}" if k % 4 != 3 else None for k in range(12)]
+    params = [greedy(6 + 3 * (k % 4)) for k in range(12)]
+    reference = make_llm(checkpoint, max_loras=NUM_ADAPTERS).generate(ps, params, adapters)
+    llm = make_llm(checkpoint, max_loras=2, max_num_seqs=8)
+    watch = SlotWatch(llm, monkeypatch)
+    outputs = llm.generate(ps, params, adapters)
+    for k, (out, ref) in enumerate(zip(outputs, reference, strict=True)):
+        assert out.token_ids == ref.token_ids, f"request {k} ({adapters[k]}) differs with 2 slots"
+    assert watch.max_distinct == 2, "the test never filled both slots"
+    assert llm.engine.lora.stats.device_evictions > 0, "the test never reused a slot"
+    assert_all_free(llm)
+
+
+def test_waiting_adapter_does_not_stall_resident_ones(checkpoint):
+    llm = make_llm(checkpoint, max_loras=1)
+    engine = llm.engine
+    ps = prompts(3, seed=1)
+    long_a = engine.add_request(ps[0], greedy(24), adapter="ad0")
+    engine.step()  # long_a takes the only slot
+    waiting_b = engine.add_request(ps[1], greedy(3), adapter="ad1")
+    short_a = engine.add_request(ps[2], greedy(3), adapter="ad0")  # queued behind waiting_b
+    b_seq = engine.sequence(waiting_b)
+    finished = []
+    for _ in range(100):  # 30 tokens' worth of steps, with room to spare
+        if not engine.has_unfinished():
+            break
+        for out in engine.step():
+            if out.finished:
+                finished.append(out.request_id)
+        if long_a not in finished:
+            assert b_seq.num_computed_tokens == 0 and b_seq.lora_slot == -1, (
+                "ad1 got ad0's slot while ad0 still had a running request")
+    assert finished == [short_a, long_a, waiting_b], "short_a must overtake waiting_b"
+    assert_all_free(llm)
+
+
+def test_requests_without_adapters_never_reach_the_lora_kernels(checkpoint, monkeypatch):
+    llm = make_llm(checkpoint, max_loras=2)
+    ps = prompts(4, seed=2)
+    calls = []
+    apply_lora = kernels.apply_lora
+    monkeypatch.setattr(kernels, "apply_lora", lambda *a, **k: (calls.append(1), apply_lora(*a, **k)))
+    steps = []  # (step has adapter tokens, kernel calls in it)
+    prepare = llm.engine.lora.prepare
+
+    def watched_prepare(batch):
+        steps.append([any(seq.adapter for seq in batch.seqs), len(calls)])
+        return prepare(batch)
+
+    monkeypatch.setattr(llm.engine.lora, "prepare", watched_prepare)
+    base_alone = llm.generate(ps, greedy(8))
+    assert not calls, "a batch without adapters called the LoRA kernels"
+
+    steps.clear()
+    mixed = llm.generate(ps + ps[:1], [greedy(8)] * 4 + [greedy(2)], [None] * 4 + ["ad3"])
+    counts = [b - a for (_, a), (_, b) in zip(steps, [*steps[1:], [None, len(calls)]], strict=True)]
+    with_lora = [has for has, _ in steps]
+    assert with_lora[:2] == [True, True] and not any(with_lora[2:]), with_lora
+    assert all(n > 0 for n in counts[:2]) and not any(counts[2:]), counts
+    assert [o.token_ids for o in mixed[:4]] == [o.token_ids for o in base_alone]
+    assert_all_free(llm)
+
+
+def test_abort_releases_the_slot_at_once(checkpoint):
+    llm = make_llm(checkpoint, max_loras=1)
+    engine = llm.engine
+    running = engine.add_request(prompts(1)[0], greedy(50), adapter="ad2")
+    engine.step()
+    waiting = engine.add_request(prompts(1, seed=3)[0], greedy(2), adapter="ad4")
+    engine.step()
+    assert engine.sequence(waiting).lora_slot == -1 and engine.lora.slots_in_use == 1
+    engine.abort(running)
+    assert engine.lora.slots_in_use == 0
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.lora.resident() == ["ad4"]
+    assert_all_free(llm)
+

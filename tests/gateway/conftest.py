@@ -1,0 +1,151 @@
+"""One live gateway for the whole directory: the demo base model plus eight random PEFT
+adapters, served by uvicorn on a loopback port with --max-loras 4, and the offline engine on
+the same model and adapters as the reference its outputs must equal."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from adapters.format import BaseModelSpec, load_adapter
+from engine import LLM
+from gateway.app import create_app
+from gateway.config import ServerConfig
+from gateway.server import BackgroundServer
+
+NUM_ADAPTERS = 8
+MAX_LORAS = 4
+MAX_MODEL_LEN = 512
+ADAPTERS = [f"lora-{i}" for i in range(NUM_ADAPTERS)]
+BASE = "demo-base"
+
+
+def write_random_adapter(out_dir: str, hf_config: dict, seed: int, rank: int = 8,
+                         scale: float = 0.1) -> str:
+    """A PEFT LoRA on q_proj and v_proj with random A and B (B nonzero, unlike PEFT's init)
+    large enough that greedy outputs differ from the base model's."""
+    hidden = hf_config["hidden_size"]
+    heads, kv_heads = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
+    head_dim = hf_config.get("head_dim") or hidden // heads
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(hf_config["num_hidden_layers"]):
+        for proj, out_features in (("q_proj", heads * head_dim), ("v_proj", kv_heads * head_dim)):
+            key = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, hidden, generator=g) * scale
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out_features, rank, generator=g) * scale
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+              "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0, "bias": "none"}
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> str:
+    from engine.demo import build_demo_model
+
+    return build_demo_model(str(tmp_path_factory.mktemp("gateway-demo")))
+
+
+@pytest.fixture(scope="session")
+def hf_config(model_dir) -> dict:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def adapter_dirs(model_dir, hf_config, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("gateway-adapters")
+    spec = BaseModelSpec.from_hf_config(hf_config, max_lora_rank=16)
+    paths = {}
+    for i, name in enumerate(ADAPTERS):
+        paths[name] = write_random_adapter(str(root / name), hf_config, seed=100 + i)
+        load_adapter(paths[name], spec)  # a valid PEFT adapter for this base model
+    return paths
+
+
+@pytest.fixture(scope="session")
+def server_config(model_dir, adapter_dirs) -> ServerConfig:
+    return ServerConfig(model=model_dir, served_model_name=BASE, device="cpu",
+                        max_model_len=MAX_MODEL_LEN, max_num_seqs=32, max_loras=MAX_LORAS,
+                        adapter=tuple(f"{n}={p}" for n, p in adapter_dirs.items()))
+
+
+@pytest.fixture(scope="session")
+def server(server_config):
+    """The live server; `server.runtime` is its Runtime (engine counters for assertions)."""
+    app = create_app(server_config)
+    with BackgroundServer(app) as background:
+        background.runtime = app.state.runtime
+        deadline = time.monotonic() + 120
+        while httpx.get(background.url + "/ready").status_code != 200:
+            assert time.monotonic() < deadline, "server never became ready"
+            time.sleep(0.05)
+        yield background
+
+
+@pytest.fixture(scope="session")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+@pytest.fixture(scope="session")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def offline(model_dir, adapter_dirs) -> LLM:
+    """The offline engine with the server's model, context and adapters: the reference."""
+    llm = LLM(model_dir, device="cpu", max_model_len=MAX_MODEL_LEN, max_loras=MAX_LORAS)
+    for name, path in adapter_dirs.items():
+        llm.add_adapter(name, path)
+    return llm
+
+
+@pytest.fixture(scope="session")
+def base_name() -> str:
+    return BASE
+
+
+@pytest.fixture(scope="session")
+def adapter_names() -> list[str]:
+    return list(ADAPTERS)
+
+
+@pytest.fixture(scope="session")
+def make_adapter(hf_config):
+    """make_adapter(dir, seed) writes a random PEFT adapter for the demo model; returns dir."""
+    return lambda out_dir, seed: write_random_adapter(str(out_dir), hf_config, seed)
+
+
+@pytest.fixture(scope="session")
+def wait_idle():
+    """wait_idle(runtime): until no sequence, KV block, slot or admitted request is held."""
+    return _wait_idle
+
+
+def engine_idle(runtime) -> bool:
+    llm = runtime.llm
+    return (llm.num_running == 0 and llm.num_waiting == 0
+            and llm.num_free_kv_blocks == llm.block_manager.num_blocks
+            and llm.lora.slots_in_use == 0 and runtime.inflight == 0)
+
+
+def _wait_idle(runtime, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not engine_idle(runtime):
+        assert time.monotonic() < deadline, "sequences, KV blocks or slots still held"
+        time.sleep(0.02)
