@@ -89,10 +89,15 @@ class AsyncEngine:
                     return
                 inbox, self._inbox = self._inbox, []
             for fn, future in inbox:
+                if not future.set_running_or_notify_cancel():
+                    continue  # the caller went away before we got to it
                 try:
                     future.set_result(fn())
                 except BaseException as exc:  # handed back to the caller, never kills the loop
                     future.set_exception(exc)
+            # Requests ended outside a step (abort, adapter removal) tell their streams too.
+            for out in self.engine.drain_aborted():
+                self._deliver(out.request_id, out)
             if self.engine.has_unfinished():
                 self._step()
 

@@ -64,6 +64,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
         self.requests: dict[str, _Request] = {}
+        self._aborted: list[RequestOutput] = []  # final outputs of requests ended between steps
         logger.info("engine ready in %.1f s: %s", time.perf_counter() - started, config.model)
 
     # ---- requests -------------------------------------------------------------------------
@@ -115,7 +116,14 @@ class LLMEngine:
         if request is None:
             return None
         self.scheduler.finish(request.seq, "abort")
-        return self._output(request, [], [], "")
+        out = self._output(request, [], [], "")
+        self._aborted.append(out)
+        return out
+
+    def drain_aborted(self) -> list[RequestOutput]:
+        """Final outputs of requests aborted since the last call (for streams to close)."""
+        aborted, self._aborted = self._aborted, []
+        return aborted
 
     def add_adapter(self, name: str, source, path: str | None = None) -> int:
         """Register or replace an adapter (PEFT dir, or a LoraAdapter validated elsewhere plus

@@ -1,6 +1,6 @@
 """The adapter residency manager: disk store, host copies, device slots, and the registry.
 
-A drop-in for `runtime.AdapterResolver` (resolve, list_models, load, unload, residency,
+The adapter service the handlers use (resolve, list_models, load, unload, residency,
 check_loaded) plus the admin verbs (upload, register, load, evict, pin, unpin, delete, get,
 list). Tiers: the disk store under --adapter-dir (known again after a restart, parsed lazily on
 first use), host copies and device slots inside the engine (LRU, see engine/lora.py).
@@ -294,7 +294,7 @@ class AdapterManager:
             await self.engine.call(self.llm.remove_adapter, adapter_id)
         del self.records[adapter_id]
 
-    # ---- AdapterResolver compatibility ---------------------------------------------------
+    # ---- what the OpenAI handlers call ----------------------------------------------------------
     def list_models(self) -> list[AdapterRecord]:
         return list(self.records.values())
 

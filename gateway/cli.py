@@ -70,7 +70,10 @@ def not_implemented(name: str, issue: str) -> Callable[[argparse.Namespace], int
     return command
 
 
-cmd_serve = not_implemented("serve", "gateway: loragw serve, the OpenAI-compatible server")
+def cmd_serve(args: argparse.Namespace) -> int:
+    from gateway.server import serve_main
+
+    return serve_main(args.serve_argv)
 cmd_bench = not_implemented("bench", "benchmarks: loragw bench, the serving benchmark")
 
 
@@ -83,8 +86,9 @@ def add_demo_parser(subparsers) -> None:
 
 
 def add_serve_parser(subparsers) -> None:
-    parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible API")
-    parser.set_defaults(command=cmd_serve, takes_any_arguments=True)  # until it is written
+    # The serve flags live with the server (gateway/config.py); `loragw serve --help` shows them.
+    parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible API", add_help=False)
+    parser.set_defaults(command=cmd_serve)
 
 
 def add_bench_parser(subparsers) -> None:
@@ -104,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "serve":  # everything after `serve` belongs to the server's parser
+        return cmd_serve(argparse.Namespace(serve_argv=argv[1:]))
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and not getattr(args, "takes_any_arguments", False):

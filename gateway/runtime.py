@@ -11,16 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from tqdm import tqdm
 
-from adapters.errors import AdapterNotFound
-from adapters.ids import validate_adapter_id
 from engine.async_engine import AsyncEngine
 from engine.config import Config
 from engine.llm_engine import LLMEngine
@@ -33,89 +30,6 @@ from gateway.streaming import Choice, GenerationJob, TokenText
 
 logger = logging.getLogger(__name__)
 ENGINE_PROBE_TIMEOUT_S = 10.0
-HUB_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*/[A-Za-z0-9_][A-Za-z0-9._-]*(@.+)?")
-
-
-@dataclass(slots=True)
-class AdapterRecord:
-    name: str
-    source: str
-    created: int
-
-
-class AdapterResolver:
-    """Which `model` names are adapters, and getting adapters in and out of the engine.
-
-    Local PEFT directories for now. A later issue replaces the internals (Hub fetch on first
-    use under --hub-allow, the disk store, the Redis registry) behind the same four methods.
-    """
-
-    def __init__(self, base_name: str, engine: AsyncEngine, llm: LLMEngine, metrics: Metrics):
-        self.base_name, self.engine, self.llm, self.metrics = base_name, engine, llm, metrics
-        self.records: dict[str, AdapterRecord] = {}
-        self._pending: set[str] = set()  # names being loaded: one load per name at a time
-
-    async def resolve(self, model: str) -> str | None:
-        """The adapter to run `model` with; None for the base model; 404 for anything else."""
-        if model == self.base_name:
-            return None
-        if model in self.records:
-            return model
-        raise APIError.model_not_found(model)
-
-    def list_models(self) -> list[AdapterRecord]:
-        return list(self.records.values())
-
-    async def load(self, name: str, source: str, replace: bool = False) -> AdapterRecord:
-        validate_adapter_id(name)
-        if name == self.base_name:
-            raise APIError.bad_request(f"{name!r} is the base model's name; pick another "
-                                       "adapter name", param="lora_name")
-        if name in self._pending:
-            raise APIError(409, f"adapter {name!r} is being loaded right now; retry when that "
-                                "load finishes", code="adapter_busy")
-        if name in self.records and not replace:
-            raise APIError.bad_request(f"adapter {name!r} is already loaded; unload it first or "
-                                       "pass load_inplace=true to replace it",
-                                       param="lora_name", code="adapter_exists")
-        path = _local_path(source)
-        self._pending.add(name)
-        try:
-            started = time.perf_counter()
-            # The engine parses and validates on its thread and keeps the path as the disk
-            # tier, so it can drop the host copy under --max-cpu-loras and re-read it later.
-            await self.engine.call(self.llm.add_adapter, name, path)
-            self.metrics.adapter_load_seconds.labels("host").observe(
-                time.perf_counter() - started)
-            record = AdapterRecord(name, source, int(time.time()))
-            self.records[name] = record
-        finally:
-            self._pending.discard(name)
-        logger.info("adapter %s loaded from %s", name, source)
-        return record
-
-    def check_loaded(self, name: str) -> None:
-        if name not in self.records:
-            raise AdapterNotFound(f"adapter {name!r} is not loaded; GET /v1/models lists the "
-                                  "loaded ones")
-
-    async def unload(self, name: str) -> None:
-        """Forget the adapter and free its host tensors and device slot."""
-        self.check_loaded(name)
-        await self.engine.call(self.llm.remove_adapter, name)
-        del self.records[name]
-        logger.info("adapter %s unloaded", name)
-
-    def residency(self, name: str, snapshot: EngineSnapshot) -> str:
-        return snapshot.residency.get(name, "disk")
-
-
-def _local_path(source: str) -> str:
-    path = os.path.expanduser(source.removeprefix("file://"))
-    if source.startswith("hf://") or (not os.path.exists(path) and HUB_ID.fullmatch(source)):
-        raise APIError.bad_request(f"adapter source {source!r} looks like a Hub id; Hub sources "
-                                   "are not supported yet, pass a local PEFT directory")
-    return path
 
 
 class Runtime:

@@ -23,6 +23,7 @@ import uvicorn
 
 from gateway.app import create_app
 from gateway.config import DEMO_DIR, ServerConfig, add_serve_arguments
+from gateway.demo_examples import demo_examples
 from gateway.runtime import Runtime
 
 logger = logging.getLogger("gateway")
@@ -41,6 +42,9 @@ def serve_main(argv: list[str] | None = None) -> int:
         config = ServerConfig.from_args(ns)
         if config.demo:
             config = prepare_demo(config)
+            names = [spec.split("=", 1)[0] for spec in config.adapter]
+            sys.stdout.write(demo_examples(config.host, config.port, config.model_name, names))
+            sys.stdout.flush()
         Runtime(config).engine_config()  # checks the model directory before we bind a port
     except ValueError as exc:
         logger.error("%s", exc)
