@@ -87,13 +87,13 @@ def main() -> None:
     roof = roofline_tokens_per_s(llm, 32)
     eng32, _ = engine_run(llm, prompts(32, vocab), [decode] * 32)
     hf32, _ = hf_run(hf, prompts(32, vocab), decode)
-    rows.append(("batch 32, %d tokens each" % decode, eng32, hf32,
+    rows.append((f"batch 32, {decode} tokens each", eng32, hf32,
                  f"engine {eng32 / roof:.0%} of roofline {roof:.0f} tok/s; "
                  f"transformers {hf32 / roof:.0%}"))
 
     eng1, _ = engine_run(llm, prompts(1, vocab), [decode])
     hf1, _ = hf_run(hf, prompts(1, vocab), decode)
-    rows.append(("batch 1, %d tokens" % decode, eng1, hf1, f"{eng1 / hf1:.2f}x transformers"))
+    rows.append((f"batch 1, {decode} tokens", eng1, hf1, f"{eng1 / hf1:.2f}x transformers"))
 
     g = torch.Generator().manual_seed(3)
     lengths = torch.randint(8, 129 if not args.quick else 33, (32,), generator=g).tolist()
@@ -102,7 +102,7 @@ def main() -> None:
     _, padded = hf_run(hf, prompts(32, vocab, seed=5), max(lengths))
     hf_time = padded / _  # seconds
     hfv = toks / hf_time
-    rows.append(("32 requests, 8-%d tokens" % max(lengths), engv, hfv,
+    rows.append((f"32 requests, 8-{max(lengths)} tokens", engv, hfv,
                  f"{engv / hfv:.2f}x transformers static batching"))
 
     print(f"\nmachine: {machine()}; model: random Llama, {n_params / 1e6:.1f}M params, float32")
