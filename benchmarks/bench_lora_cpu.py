@@ -15,7 +15,6 @@ across repeats and the best of each is kept (the machine is shared; load is repo
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -118,8 +117,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per config; the best is kept")
     parser.add_argument("--peft-repeats", type=int, default=1, help="PEFT runs (each ~1 min)")
     parser.add_argument("--skip-peft", action="store_true")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--write", metavar="PATH", help="also write the markdown table here")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("engine").setLevel(logging.WARNING)
     from transformers import AutoConfig
@@ -178,8 +180,7 @@ def main() -> None:
              f"(~25M params), float32; {NUM_REQUESTS} requests x {PROMPT_LEN}-token prompts, "
              f"{min(lengths)}-{max(lengths)} output tokens ({n_tokens} in all), greedy; "
              f"adapters rank {RANK}; best of {args.repeats} engine runs, {args.peft_repeats} PEFT",
-             f"command: python benchmarks/bench_lora_cpu.py --repeats {args.repeats} "
-             f"--peft-repeats {args.peft_repeats}",
+             "command: python benchmarks/bench_lora_cpu.py " + " ".join(sys.argv[1:]),
              "",
              "| configuration | tok/s | vs (a) no adapter | vs (c) PEFT mixed batch |",
              "|---|---:|---:|---:|",
@@ -201,7 +202,6 @@ def main() -> None:
     if args.write:
         with open(args.write, "w") as f:
             f.write("# LoRA on the CPU: decode throughput\n\n" + table + "\n")
-    logger.debug(json.dumps(best))
 
 
 if __name__ == "__main__":

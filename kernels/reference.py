@@ -1,9 +1,17 @@
 """Plain-PyTorch LoRA kernels: the meaning of each Triton kernel, and the CPU production path.
 
-Per-slot form: for each slot that has tokens, gather its tokens (index_select), multiply by
-the rank-r slice of its weights (a rank-8 adapter in a rank-64 pool does rank-8 work), and
-scatter back. Math runs in float32 whatever the input dtype (bf16 matmuls on CPU are ~100x
-slower than fp32, and the kernels accumulate in fp32 too).
+`lora_shrink` / `lora_expand`, per-slot form: for each slot that has tokens, gather its tokens
+(index_select), multiply by the rank-r slice of its weights (a rank-8 adapter in a rank-64
+pool does rank-8 work), and scatter back.
+
+`apply_lora`, the CPU production path: the same per-slot loop for slots with many tokens
+(prefill chunks, popular adapters; a chunk's contiguous rows are sliced, not gathered), and
+one gather-bmm over the tokens of all the other slots (decode steps with many distinct
+adapters), so a step's op count does not grow with its number of adapters. Which slot goes
+which way is decided once per step (kernels/cpu_dispatch.py).
+
+Math runs in float32 whatever the input dtype (bf16 matmuls on CPU are ~100x slower than
+fp32, and the kernels accumulate in fp32 too).
 
 `oracle_shrink` / `oracle_apply` are the float64 per-token loops the tests compare against.
 """

@@ -36,11 +36,14 @@ def make_prompts(vocab_size: int) -> list[list[int]]:
 
 def hf_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # No end-of-sequence tokens at all (the engine runs with ignore_eos): min_new_tokens would
+    # instead forbid them, which is a different distribution.
+    model.generation_config.eos_token_id = None
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
         ids = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                             min_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+                             do_sample=False, pad_token_id=0)
         outputs.append(ids[0, len(prompt):].tolist())
     return outputs
 
