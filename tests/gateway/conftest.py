@@ -75,8 +75,11 @@ def adapter_dirs(model_dir, hf_config, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def server_config(model_dir, adapter_dirs) -> ServerConfig:
+def server_config(model_dir, adapter_dirs, tmp_path_factory) -> ServerConfig:
+    # Its own adapter store: the default (~/.cache/lora-gateway/adapters) is shared with
+    # `make demo` and every other run on the machine.
     return ServerConfig(model=model_dir, served_model_name=BASE, device="cpu",
+                        adapter_dir=str(tmp_path_factory.mktemp("adapter-store")),
                         max_model_len=MAX_MODEL_LEN, max_num_seqs=32, max_loras=MAX_LORAS,
                         adapter=tuple(f"{n}={p}" for n, p in adapter_dirs.items()))
 

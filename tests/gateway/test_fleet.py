@@ -165,7 +165,8 @@ def fleet(model_dir, adapter_dirs, tmp_path_factory):
                  "--served-model-name", "demo-base", "--device", "cpu",
                  "--max-model-len", "256", "--max-num-seqs", "4", "--max-loras", str(SLOTS),
                  "--port", str(port), "--redis-url", redis_server.url, "--replica-id", rid,
-                 "--advertise-url", urls[rid], "--api-key", "fleet-key", *adapters],
+                 "--advertise-url", urls[rid], "--api-key", "fleet-key",
+                 "--adapter-dir", str(workdir / f"{rid}-store"), *adapters],
                 cwd=REPO, env=env, stdout=logs[rid], stderr=subprocess.STDOUT)
         fleet = Fleet(redis_server, procs, urls)
         deadline = time.monotonic() + START_TIMEOUT_S
