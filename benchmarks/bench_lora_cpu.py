@@ -2,14 +2,15 @@
 request on its own rank-16 adapter, and transformers + PEFT mixed-batch generate on the same
 requests, all in one run on one random ~25M Llama (float32).
 
-    python benchmarks/bench_lora_cpu.py [--repeats 3] [--write benchmarks/RESULTS_lora_cpu.md]
+    python benchmarks/bench_lora_cpu.py [--repeats 3] [--threads N] [--write RESULTS.md]
 
 Workload: 32 concurrent requests, 32-token prompts, 64-128 output tokens each (drawn once,
 seeded), greedy, ignore_eos. Engine rows: continuous batching, max_loras=32 (every adapter
 resident after a warm-up run that loads the slots). PEFT rows: one static batch with
 `adapter_names=[...]`, run until the longest request is done; only the requested tokens count
-(what a user gets) and the raw rate is noted beside it. Configurations are interleaved
-across repeats and the best of each is kept (the machine is shared; load is reported).
+(what a user gets) and the raw rate is noted beside it; plain transformers `generate` the same
+way for scale. Each round runs every configuration once and the best of each is kept (the
+machine is shared; the load average is reported).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import os
 import sys
 import tempfile
+from functools import partial
 
 import torch
 from tqdm import tqdm
@@ -80,21 +82,24 @@ def workload(vocab: int) -> tuple[list[list[int]], list[int]]:
     return prompts, lengths
 
 
-def engine_tok_s(llm: LLM, prompts, lengths, adapters) -> float:
+def engine_tok_s(llm: LLM, prompts, lengths, adapters) -> tuple[float, float]:
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
     with Timer() as t:
         outs = llm.generate(prompts, params, adapters=adapters)
-    return sum(len(o.token_ids) for o in outs) / t.seconds
+    rate = sum(len(o.token_ids) for o in outs) / t.seconds
+    return rate, rate
 
 
-def peft_tok_s(model, prompts, lengths, adapter_names) -> tuple[float, float]:
-    """(useful tok/s, raw tok/s) of one static batch run to the longest request."""
+def hf_tok_s(model, prompts, lengths, adapter_names=None) -> tuple[float, float]:
+    """(useful tok/s, raw tok/s) of one static batch run to the longest request; with
+    `adapter_names`, PEFT's mixed-adapter batch."""
     ids = torch.tensor(prompts)
     longest = max(lengths)
+    extra = {} if adapter_names is None else {"adapter_names": adapter_names}
     with torch.inference_mode(), Timer() as t:
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                             adapter_names=adapter_names, max_new_tokens=longest,
-                             min_new_tokens=longest, do_sample=False, pad_token_id=0)
+                             max_new_tokens=longest, min_new_tokens=longest, do_sample=False,
+                             pad_token_id=0, **extra)
     assert out.shape[1] == PROMPT_LEN + longest
     return sum(lengths) / t.seconds, len(prompts) * longest / t.seconds
 
@@ -114,9 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "loragw-bench-lora"))
-    parser.add_argument("--repeats", type=int, default=3, help="runs per config; the best is kept")
-    parser.add_argument("--peft-repeats", type=int, default=1, help="PEFT runs (each ~1 min)")
-    parser.add_argument("--skip-peft", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; each config's best is kept")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--write", metavar="PATH", help="also write the markdown table here")
     args = parser.parse_args()
@@ -124,7 +127,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("engine").setLevel(logging.WARNING)
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = build_random_llama(os.path.join(args.work_dir, "llama25m"))
     hf_config = AutoConfig.from_pretrained(path)
@@ -133,70 +136,63 @@ def main() -> None:
                                          NUM_REQUESTS, seed=i)
                     for i, (name, targets) in enumerate(TARGETS.items())}
     prompts, lengths = workload(hf_config.vocab_size)
-    load_before = os.getloadavg()
+    names = [f"a{k:02d}" for k in range(NUM_REQUESTS)]
 
-    engines, configs = {}, {}
+    # Every configuration: name -> a run returning (useful tok/s, raw tok/s).
+    runs, engines = {}, []
     for name, dirs in adapter_dirs.items():  # one engine per adapter set: no slot swaps
         llm = LLM(path, device="cpu", dtype="float32", max_num_seqs=64, max_loras=NUM_REQUESTS,
                   max_lora_rank=RANK, lora_backend="torch")
         for k, d in enumerate(dirs):
-            llm.add_adapter(f"{name}/{k}", d)
-        engines[name] = llm
-        if not configs:
-            configs["(a) engine, no adapter"] = (llm, [None] * NUM_REQUESTS)
-        configs[f"(b) engine, 32 distinct adapters, {name}"] = (
-            llm, [f"{name}/{k}" for k in range(NUM_REQUESTS)])
-    for llm, adapters in configs.values():  # warm-up: fills the slots, first-touch allocations
-        engine_tok_s(llm, prompts, [2] * NUM_REQUESTS, adapters)
-    loads_before = sum(llm.engine.lora.stats.device_loads for llm in engines.values())
-    best = dict.fromkeys(configs, 0.0)
-    runs = [name for _ in range(args.repeats) for name in configs]
-    for name in tqdm(runs, desc="engine runs"):
-        llm, adapters = configs[name]
-        rate = engine_tok_s(llm, prompts, lengths, adapters)
-        best[name] = max(best[name], rate)
-        logger.info("%s: %.0f tok/s", name, rate)
-    loads = sum(llm.engine.lora.stats.device_loads for llm in engines.values()) - loads_before
-    del engines, configs, llm
+            llm.add_adapter(names[k], d)
+        engines.append(llm)
+        if not runs:
+            runs["(a) engine, no adapter"] = partial(engine_tok_s, llm, prompts, lengths,
+                                                     [None] * NUM_REQUESTS)
+        runs[f"(b) engine, 32 distinct adapters, {name}"] = partial(engine_tok_s, llm, prompts,
+                                                                    lengths, names)
+    for name, dirs in adapter_dirs.items():
+        runs[f"(c) transformers + PEFT `adapter_names=`, {name}"] = partial(
+            hf_tok_s, load_peft(path, dirs), prompts, lengths, names)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    runs["(d) transformers generate, no adapter"] = partial(hf_tok_s, hf, prompts, lengths)
 
-    peft = {}
-    if not args.skip_peft:
-        for name in TARGETS:
-            model = load_peft(path, adapter_dirs[name])
-            names = [f"a{k:02d}" for k in range(NUM_REQUESTS)]
-            peft_tok_s(model, prompts[:2], [2, 2], names[:2])  # warm-up
-            results = [peft_tok_s(model, prompts, lengths, names)
-                       for _ in tqdm(range(args.peft_repeats), desc=f"PEFT {name}")]
-            peft[name] = max(results)
-            logger.info("PEFT %s: %.1f tok/s (raw %.1f)", name, *peft[name])
-            del model
-    load_after = os.getloadavg()
+    for llm in engines:  # warm-up: fills the slots, first-touch allocations
+        engine_tok_s(llm, prompts, [2] * NUM_REQUESTS, names)
+    loads_before = sum(llm.engine.lora.stats.device_loads for llm in engines)
+    best: dict[str, tuple[float, float]] = {}
+    load_avg = []
+    for _ in tqdm(range(args.repeats), desc="rounds (every config once)"):
+        load_avg.append(os.getloadavg()[0])
+        for name, run in runs.items():
+            result = run()
+            best[name] = max(best.get(name, (0.0, 0.0)), result)
+            logger.info("%s: %.0f tok/s (raw %.0f)", name, *result)
+    loads = sum(llm.engine.lora.stats.device_loads for llm in engines) - loads_before
 
-    base = best["(a) engine, no adapter"]
-    n_tokens = sum(lengths)
-    lines = [f"machine: {machine()}; load average {load_before[0]:.1f} before, "
-             f"{load_after[0]:.1f} after (other jobs share the 2 cores)",
+    base = best["(a) engine, no adapter"][0]
+    lines = [f"machine: {machine()}; 1-minute load average at the start of each round: "
+             f"{', '.join(f'{x:.1f}' for x in load_avg)} (other jobs share the 2 cores)",
              f"model: random Llama {hf_config.hidden_size}h x {hf_config.num_hidden_layers} layers "
              f"(~25M params), float32; {NUM_REQUESTS} requests x {PROMPT_LEN}-token prompts, "
-             f"{min(lengths)}-{max(lengths)} output tokens ({n_tokens} in all), greedy; "
-             f"adapters rank {RANK}; best of {args.repeats} engine runs, {args.peft_repeats} PEFT",
+             f"{min(lengths)}-{max(lengths)} output tokens ({sum(lengths)} in all), greedy; "
+             f"adapters rank {RANK}, max_loras={NUM_REQUESTS}; best of {args.repeats} "
+             "interleaved rounds",
              "command: python benchmarks/bench_lora_cpu.py " + " ".join(sys.argv[1:]),
              "",
-             "| configuration | tok/s | vs (a) no adapter | vs (c) PEFT mixed batch |",
-             "|---|---:|---:|---:|",
-             f"| (a) engine, no adapter | {base:.0f} | 1.00x | |"]
-    for name in TARGETS:
-        rate = best[f"(b) engine, 32 distinct adapters, {name}"]
-        vs_peft = f"{rate / peft[name][0]:.1f}x" if name in peft else "not run"
-        lines.append(f"| (b) engine, 32 distinct adapters, {name} | {rate:.0f} | "
-                     f"{rate / base:.2f}x | {vs_peft} |")
-    for name, (useful, raw) in peft.items():
-        lines.append(f"| (c) transformers + PEFT `adapter_names=`, {name} | {useful:.1f} "
-                     f"(raw {raw:.1f}) | {useful / base:.2f}x | 1.0x |")
-    lines.append("")
-    lines.append(f"Slot loads during the timed engine runs: {loads} (all adapters resident). "
-                 "PEFT: one static batch to the longest request; useful tokens / time "
-                 "(raw = every generated token).")
+             "| configuration | tok/s | vs (a) engine, no adapter | (b) vs this |",
+             "|---|---:|---:|---:|"]
+    for name, (useful, raw) in best.items():
+        row = f"| {name} | {useful:.0f}"
+        row += f" (raw {raw:.0f})" if name[1] in "cd" else ""
+        row += f" | {useful / base:.2f}x | "
+        if name[1] == "c":
+            targets = name.rsplit(", ", 1)[1]
+            row += f"{best[f'(b) engine, 32 distinct adapters, {targets}'][0] / useful:.1f}x"
+        lines.append(row + " |")
+    lines += ["", f"Engine: continuous batching; slot loads during the timed runs: {loads} (all "
+              "adapters resident). transformers/PEFT: one static batch run to the longest "
+              "request; tok/s counts the requested tokens, raw counts every generated one."]
     table = "\n".join(lines)
     print(table)
     if args.write:
