@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -91,6 +91,7 @@ class LoRAManager:
             adapter, path = load_adapter(source, self.spec), source
         else:
             adapter = source
+        adapter = self._to_host(adapter)
         self._versions += 1
         previous = self.adapters.get(name)
         if previous is not None:
@@ -187,9 +188,17 @@ class LoRAManager:
             self.stats.host_evictions += 1
             excess -= 1
 
+    def _to_host(self, adapter: LoraAdapter) -> LoraAdapter:
+        """Host copies live in pinned memory on CUDA, so slot fills are async DMA copies."""
+        if self.device.type != "cuda":
+            return adapter
+        modules = {key: replace(m, lora_a=m.lora_a.pin_memory(), lora_b=m.lora_b.pin_memory())
+                   for key, m in adapter.modules.items()}
+        return replace(adapter, modules=modules)
+
     def _host_copy(self, name: str, entry: RegisteredAdapter) -> LoraAdapter:
         if entry.host is None:  # the disk tier: re-read and re-validate
-            entry.host = load_adapter(entry.path, self.spec)
+            entry.host = self._to_host(load_adapter(entry.path, self.spec))
             self.stats.host_loads += 1
             self._trim_host(keep={name})
         entry.last_used = time.monotonic()
