@@ -21,6 +21,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from engine.structured import GrammarCompiler, GuidedState
 from engine.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class _Request:
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None
     stop_reason: str | int | None = None
+    guided: GuidedState | None = None  # structured output's matcher, if params.guided
 
 
 class LLMEngine:
@@ -64,6 +66,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
         self.requests: dict[str, _Request] = {}
+        self._grammars: GrammarCompiler | None = None  # built by the first guided request
         self._aborted: list[RequestOutput] = []  # final outputs of requests ended between steps
         logger.info("engine ready in %.1f s: %s", time.perf_counter() - started, config.model)
 
@@ -102,12 +105,13 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if adapter is not None:
             self.lora.check_known(adapter)
+        guided = self.grammars.new_state(params.guided) if params.guided is not None else None
         seq = Sequence(prompt_ids, params, adapter=adapter, request_id=request_id or "",
                        arrival=time.monotonic())
         self.scheduler.add(seq)
         detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
                  if self.tokenizer is not None else None)
-        self.requests[seq.request_id] = _Request(seq, detok)
+        self.requests[seq.request_id] = _Request(seq, detok, guided=guided)
         return seq.request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -159,17 +163,20 @@ class LLMEngine:
         if not batch.seqs:
             return []
         lora_meta = self.lora.prepare(batch)  # None when no row has an adapter
-        logits = self.runner.run(batch, lora_meta, self.lora.backend)  # [num_sampling, vocab]
         sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+        masks = self._fill_masks(sampling)  # on the mask thread, during the forward pass
+        logits = self.runner.run(batch, lora_meta, self.lora.backend)  # [num_sampling, vocab]
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
         if not sampling:
             return []
-        sampled = self.sampler(logits, sampling)
+        sampled = self.sampler(logits, sampling, masks.result() if masks else None)
         outputs = []
         for seq, token, logprob in zip(sampling, sampled.token_ids, sampled.logprobs):
             request = self.requests[seq.request_id]
             seq.token_ids.append(token)
+            if request.guided is not None:
+                request.guided.accept(token)
             if logprob is not None:
                 seq.logprobs.append(logprob)
             text = request.detokenizer.step([token]) if request.detokenizer else ""
@@ -193,9 +200,29 @@ class LLMEngine:
         if request.detokenizer is not None and request.detokenizer.stop_reason is not None:
             request.stop_reason = request.detokenizer.stop_reason
             return "stop"
+        if request.guided is not None and request.guided.done:
+            return "stop"  # the grammar accepted a stop token: the output is complete
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return "length"
         return None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler, built on first use (needs the tokenizer)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs a tokenizer, and this model has none")
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size,
+                                             sorted(self.eos_token_ids))
+        return self._grammars
+
+    def _fill_masks(self, sampling: list[Sequence]):
+        """A future of the TokenMask of the constrained rows of `sampling`, or None."""
+        if self._grammars is None:
+            return None  # no request has ever been guided
+        states = [(i, r.guided) for i, seq in enumerate(sampling)
+                  if (r := self.requests[seq.request_id]).guided is not None]
+        return self._grammars.fill_async(states) if states else None
 
     def _output(self, request: _Request, tokens: list[int], logprobs: list[TokenLogprob],
                 text: str) -> RequestOutput:

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence, TokenLogprob
+from engine.structured import TokenMask
 
 
 @dataclass(slots=True)
@@ -42,14 +43,18 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
 
     @torch.inference_mode()
-    def __call__(self, logits: Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """logits: [B, V] float32, row b belongs to seqs[b]. Returns one token per row."""
+    def __call__(self, logits: Tensor, seqs: list[Sequence],
+                 mask: TokenMask | None = None) -> SamplerOutput:
+        """logits: [B, V] float32, row b belongs to seqs[b]. Returns one token per row.
+        `mask` (structured output) removes disallowed tokens of its rows, after raw logprobs."""
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), (logits.shape, len(seqs))
         params = [s.params for s in seqs]
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         # Logprobs are of the raw model distribution, so take them before anything edits logits.
         raw = torch.log_softmax(logits[want_logprobs].float(), dim=-1) if want_logprobs else None
 
+        if mask is not None:
+            logits = mask.apply(logits)  # a masked copy; unconstrained rows keep their values
         penalized = [i for i, p in enumerate(params) if needs_penalties(p)]
         if penalized:
             logits = logits.clone()  # never edit the caller's tensor

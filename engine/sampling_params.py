@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured import GuidedDecoding
+
 
 @dataclass
 class SamplingParams:
@@ -29,6 +31,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    guided: GuidedDecoding | None = None  # structured output (engine/structured.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

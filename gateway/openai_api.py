@@ -15,6 +15,7 @@ from litestar.openapi import ResponseSpec
 from litestar.response import Stream
 
 from engine.sampling_params import SamplingParams
+from engine.structured import GuidedDecoding, tool_call_schema
 from engine.tokenizer import encode_chat
 from gateway.auth import require_admin_key, require_api_key
 from gateway.errors import APIError
@@ -100,16 +101,14 @@ class OpenAIController(Controller):
         if (forwarded := await router.route(request, data.model)) is not None:
             return forwarded  # served by a replica that holds the adapter
         _refuse_unsupported(data)
-        if data.tools and data.tool_choice != "none":
-            raise APIError.not_supported("tool calling", "tools")
-        if data.tool_choice not in (None, "none", "auto"):
-            raise APIError.not_supported("tool_choice other than 'none' or 'auto'", "tool_choice")
+        tool_names = _tool_names(data)  # None: no tools in play
         if data.top_logprobs is not None and not data.logprobs:
             raise APIError.bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
         prompt = await _off_loop_if_large(chat_prompt, data, runtime)
         logprobs = (data.top_logprobs or 0) if data.logprobs else None
         job = await _start(request, runtime, data, [prompt], adapter, logprobs, "chatcmpl")
-        fmt = ChatFormat(job, data.model, runtime.token_text, data.logprobs)
+        fmt = ChatFormat(job, data.model, runtime.token_text, data.logprobs,
+                         tool_names=tool_names)
         return await _respond(request, job, fmt, data)
 
     @get("/models")
@@ -175,9 +174,68 @@ async def _resolve(request: Request, runtime: Runtime, model: str) -> str | None
 def _refuse_unsupported(data: SamplingRequest) -> None:
     if data.logit_bias:
         raise APIError.not_supported("logit_bias", "logit_bias")
-    if data.response_format is not None and data.response_format.type != "text":
-        raise APIError.not_supported(f"response_format {data.response_format.type!r}",
-                                     "response_format")
+
+
+def guided_decoding(data: SamplingRequest) -> GuidedDecoding | None:
+    """The one structured-output constraint a request asks for (response_format, vLLM's
+    guided_*, or a forced tool call), or None."""
+    asked: list[tuple[str, GuidedDecoding]] = []
+    fmt = data.response_format
+    try:
+        if fmt is not None and fmt.type == "json_object":
+            asked.append(("response_format", GuidedDecoding("json_object")))
+        elif fmt is not None and fmt.type == "json_schema":
+            schema = (fmt.json_schema or {}).get("schema")
+            if schema is None:
+                raise ValueError("response_format json_schema needs json_schema.schema")
+            asked.append(("response_format", GuidedDecoding("json_schema", schema)))
+        elif fmt is not None and fmt.type != "text":
+            raise ValueError(f"response_format type must be text, json_object or json_schema, "
+                             f"got {fmt.type!r}")
+        if data.guided_json is not None:
+            asked.append(("guided_json", GuidedDecoding("json_schema", data.guided_json)))
+        if data.guided_regex is not None:
+            asked.append(("guided_regex", GuidedDecoding("regex", data.guided_regex)))
+        if data.guided_choice is not None:
+            asked.append(("guided_choice", GuidedDecoding("choice", data.guided_choice)))
+        names = _tool_names(data) if isinstance(data, ChatCompletionRequest) else None
+        if names is not None and data.tool_choice not in (None, "auto"):
+            asked.append(("tool_choice",
+                          GuidedDecoding("json_schema", tool_call_schema(data.tools, names))))
+    except ValueError as exc:
+        raise APIError.bad_request(str(exc), param="response_format") from None
+    if len(asked) > 1:
+        raise APIError.bad_request(f"only one structured-output constraint per request, got "
+                                   f"{', '.join(name for name, _ in asked)}",
+                                   param=asked[1][0])
+    return asked[0][1] if asked else None
+
+
+def _tool_names(data: ChatCompletionRequest) -> list[str] | None:
+    """The tools the output may call (all of them, or the named one); None when none may."""
+    if not data.tools and data.tool_choice not in (None, "none", "auto"):
+        raise APIError.bad_request("tool_choice needs tools", param="tool_choice")
+    if not data.tools or data.tool_choice == "none":
+        return None
+    names = []
+    for tool in data.tools:
+        function = tool.get("function") if tool.get("type", "function") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise APIError.bad_request("each tool must be {\"type\": \"function\", \"function\": "
+                                       "{\"name\": ..., \"parameters\": {...}}}", param="tools")
+        names.append(function["name"])
+    choice = data.tool_choice
+    if choice in (None, "auto", "required"):
+        return names
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        if name not in names:
+            raise APIError.bad_request(f"tool_choice names {name!r}, which is not in tools "
+                                       f"({', '.join(names)})", param="tool_choice")
+        return [name]
+    raise APIError.bad_request("tool_choice must be none, auto, required or "
+                               "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+                               param="tool_choice")
 
 
 def completion_prompts(data: CompletionRequest, runtime: Runtime) -> list[list[int]]:
@@ -217,7 +275,8 @@ def chat_prompt(data: ChatCompletionRequest, runtime: Runtime) -> list[int]:
         raise APIError.bad_request("this model has no tokenizer; use /v1/completions with "
                                    "token-id prompts", param="messages")
     try:
-        return encode_chat(runtime.llm.tokenizer, messages)
+        tools = data.tools if data.tool_choice != "none" else None
+        return encode_chat(runtime.llm.tokenizer, messages, tools=tools or None)
     except Exception as exc:  # ValueError (no template) or a template that raised
         raise APIError.bad_request(f"the chat template could not render these messages: "
                                    f"{exc}", param="messages") from None
@@ -252,6 +311,7 @@ def sampling_params(data: SamplingRequest, prompt_len: int, limit: int, logprobs
             f"{prompt_len} prompt tokens{asked}; shorten the prompt or lower max_tokens",
             param="max_tokens" if requested else "prompt", code="context_length_exceeded")
     stop = [data.stop] if isinstance(data.stop, str) else list(data.stop or [])
+    guided = guided_decoding(data)
     try:
         return SamplingParams(
             max_tokens=requested or limit - prompt_len,
@@ -263,7 +323,7 @@ def sampling_params(data: SamplingRequest, prompt_len: int, limit: int, logprobs
             frequency_penalty=data.frequency_penalty or 0.0,
             presence_penalty=data.presence_penalty or 0.0, stop=stop,
             stop_token_ids=list(data.stop_token_ids or []), ignore_eos=data.ignore_eos,
-            logprobs=logprobs)
+            logprobs=logprobs, guided=guided)
     except ValueError as exc:
         raise APIError.bad_request(str(exc)) from None
 

@@ -51,7 +51,10 @@ class SamplingRequest(Struct, kw_only=True):
     ignore_eos: bool = False  # vLLM extension
     stop_token_ids: list[TokenId] | None = None  # vLLM extension
     logit_bias: dict[str, float] | None = None  # not supported yet unless empty
-    response_format: ResponseFormat | None = None  # not supported yet unless type "text"
+    response_format: ResponseFormat | None = None  # text, json_object, json_schema
+    guided_json: dict[str, Any] | str | None = None  # vLLM extensions: structured output
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     user: str | None = None  # accepted, ignored
 
 
@@ -83,8 +86,8 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     max_completion_tokens: PositiveInt | None = None  # wins over max_tokens
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[dict[str, Any]] | None = None  # not supported yet
-    tool_choice: str | dict[str, Any] | None = None  # "none" / "auto" without tools only
+    tools: list[dict[str, Any]] | None = None  # [{"type": "function", "function": {...}}]
+    tool_choice: str | dict[str, Any] | None = None  # none, auto, required, or a named function
     parallel_tool_calls: bool | None = None
 
 
@@ -146,9 +149,22 @@ class ChatLogprobs(Struct):
     content: list[TokenLogprobOut]
 
 
+class FunctionCall(Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None  # a JSON object, as a string
+
+
+class ToolCall(Struct, omit_defaults=True):
+    id: str
+    type: str  # "function"
+    function: FunctionCall
+    index: int | None = None  # set in stream deltas only
+
+
 class AssistantMessage(Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(Struct):
@@ -170,6 +186,7 @@ class ChatCompletionResponse(Struct):
 class Delta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChunkChoice(Struct):

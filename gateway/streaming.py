@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import RequestOutput
 from engine.sequence import TokenLogprob
+from engine.structured import parse_tool_call
 from gateway.errors import APIError
 from gateway.metrics import BASE_LABEL, Metrics
 from gateway.protocol import (
@@ -36,7 +38,9 @@ from gateway.protocol import (
     Delta,
     ErrorBody,
     ErrorResponse,
+    FunctionCall,
     TokenLogprobOut,
+    ToolCall,
     TopLogprob,
     Usage,
     sse,
@@ -359,6 +363,25 @@ class CompletionFormat(Format):
 
 
 class ChatFormat(Format):
+    """With `tool_names` (tools in play), each choice's text is held back until it ends and
+    sent as a tool call when it parses as one of those tools, else as content."""
+
+    def __init__(self, *args, tool_names: list[str] | None = None):
+        super().__init__(*args)
+        self.tool_names = tool_names
+        self.held: dict[int, str] = {}  # choice index -> text held back (tool mode)
+
+    def _message(self, choice: Choice, text: str) -> tuple[str | None, list[ToolCall] | None]:
+        """(content, tool_calls) of a finished choice's text; a call sets finish_reason."""
+        call = parse_tool_call(text, self.tool_names) if self.tool_names else None
+        if call is None:
+            return text, None
+        if choice.finish_reason == "stop":
+            choice.finish_reason = "tool_calls"
+        name, arguments = call
+        return None, [ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", type="function",
+                               function=FunctionCall(name=name, arguments=arguments))]
+
     def _logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs:
         text = self.token_text
 
@@ -381,6 +404,16 @@ class ChatFormat(Format):
 
     def delta(self, choice: Choice, out: RequestOutput):
         logprobs = self._logprobs(out.new_logprobs) if self.logprobs else None
+        if self.tool_names:  # hold the text until the choice ends: it may be a tool call
+            text = self.held.get(choice.index, "") + out.new_text
+            self.held[choice.index] = text
+            if not out.finished:
+                return None
+            content, calls = self._message(choice, text)
+            if calls is not None:
+                calls[0].index = 0
+            return self._chunk([ChatChunkChoice(
+                choice.index, Delta(content=content or None, tool_calls=calls), logprobs)])
         if not out.new_text and not (logprobs and logprobs.content):
             return None
         return self._chunk([ChatChunkChoice(choice.index, Delta(content=out.new_text),
@@ -398,7 +431,8 @@ class ChatFormat(Format):
             outs = parts[c.index]
             logprobs = (self._logprobs([e for o in outs for e in o.new_logprobs])
                         if self.logprobs else None)
-            message = AssistantMessage(content="".join(o.new_text for o in outs))
+            content, calls = self._message(c, "".join(o.new_text for o in outs))
+            message = AssistantMessage(content=content, tool_calls=calls)
             choices.append(ChatChoice(c.index, message, logprobs, c.finish_reason))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model,
                                       choices=choices, usage=job.usage)

@@ -1,19 +1,25 @@
-"""How the CPU production path (kernels/reference.py `apply_lora`) splits one step's tokens.
+"""How the CPU production path (kernels/reference.py `apply_lora`) splits one step's tokens,
+and the per-step and per-pool data it precomputes for that.
 
 Two ways to add the LoRA delta on a CPU, each fast for one traffic shape:
 
-- per-slot loop: for each slot, take its tokens and multiply by that slot's weights. The
-  weights are read once per slot, but each slot costs ~5 small ops per output slice: with 32
-  distinct adapters in a decode step that is ~160 op dispatches per projection, which cost
-  more than the math.
-- gather-bmm: copy each token's own A and B rows (only up to the step's largest rank) and run
-  one batched matmul over tokens: a constant number of ops however many adapters share the
-  step, but a slot's weights are copied once per *token* that uses it.
+- per-slot loop: for each slot, take its tokens and multiply by that slot's weights. A slot's
+  weights are read once, by a real GEMM, but each slot costs ~5 small ops per output slice:
+  with 32 distinct adapters in a decode step that is ~160 op dispatches per projection.
+- embedding bags over tokens: the pool laid out once as bag tables (`BagTables`: A as
+  [S*H, R] rows, B as [S*R, O] rows, scales folded in), then one `F.embedding_bag` per token
+  group reads each token's own rows: a constant number of ops however many adapters share the
+  step, and no weight copy. (The fallback, for pools without a version counter: gather-bmm,
+  which copies each token's A and B rows, then one bmm.)
 
-So a slot with many tokens (prefill, a popular adapter) runs the loop, and the slots with few
-tokens go through one gather-bmm together, when there are enough of them to pay for it.
-`use_per_slot_loop` is that rule; the thresholds were measured on the 25M-parameter Llama of
-benchmarks/bench_lora_cpu.py (hidden 512/1376, rank 16, 2 cores).
+So a prefill chunk (a long contiguous run of one slot's tokens) runs the loop, and every other
+slot goes into one bag group, unless it would be alone there. `use_per_slot_loop` is that
+rule. Measured per layer of the 25M Llama in benchmarks/bench_lora_cpu.py (all seven targets,
+rank 16, one thread; loop us / bags us), k slots of c tokens each:
+    decode rows (interleaved):   k=32 c=1 3787/437   k=2 c=1 250/156   k=2 c=128 2436/1777
+    one slot:                    k=1 c=1 128/145     k=1 c=128 640/886
+    prefill chunks (contiguous): k=2 c=16 366/328    k=4 c=32 979/893  k=4 c=64 1503/1621
+                                 k=8 c=64 3064/3157  k=2 c=128 1248/1605
 
 The plan depends only on the step's LoRAMeta, so it is built once per step and reused by every
 projection: `step_plan(meta)` caches it on the meta object it was given.
@@ -22,27 +28,28 @@ projection: `step_plan(meta)` caches it on the meta object it was given.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 from torch import Tensor
 
 from kernels.meta import LoRAMeta
 
-# A slot with at least this many tokens in the step runs the per-slot loop (its weights are
-# read once instead of copied per token). Measured per layer, all seven targets, rank 16, k
-# slots of c tokens each (loop us / gather-bmm us): c=4: k=2 399/343, k=8 1439/1289;
-# c=6: k=2 338/431, k=8 1759/1756; c=1: k=32 5116/1228.
-LOOP_MIN_TOKENS = 5
-# Fewer small slots than this run the per-slot loop too: one slot costs the loop 122 us and
-# a gather-bmm 188 us; two slots of one token cost 244 vs 212.
+# A slot whose tokens in the step are one contiguous run of at least this many (a prefill
+# chunk) runs the per-slot loop: one GEMM per slice beats a bag per token from about here.
+LOOP_MIN_RUN = 48
+# A bag group of fewer slots than this runs the per-slot loop instead (one slot of one token:
+# loop 128 us, bags 145 us; two: 250 vs 156).
 GATHER_MIN_SLOTS = 2
 
 
-def use_per_slot_loop(num_tokens: int, num_small_slots: int) -> bool:
-    """Whether a slot with `num_tokens` tokens in this step runs the per-slot loop, given that
-    `num_small_slots` slots of the step have fewer than LOOP_MIN_TOKENS tokens."""
-    return num_tokens >= LOOP_MIN_TOKENS or num_small_slots < GATHER_MIN_SLOTS
+def use_per_slot_loop(num_tokens: int, contiguous: bool, num_small_slots: int) -> bool:
+    """Whether a slot with `num_tokens` tokens this step (one contiguous run or not) runs the
+    per-slot loop, given that `num_small_slots` slots of the step are not long runs."""
+    long_run = contiguous and num_tokens >= LOOP_MIN_RUN
+    return long_run or num_small_slots < GATHER_MIN_SLOTS
 
 
 Rows = slice | Tensor  # a contiguous range of token rows, or an int64 index of them
@@ -60,6 +67,16 @@ class GatherGroup:
     slots: Tensor     # [L] int64: slot of each of those tokens
     slot_list: tuple[int, ...]  # the distinct slots of the group (their ranks bound the work)
     num_tokens: int   # L
+    bag_indices: dict[int, Tensor] = field(default_factory=dict)  # filled by bag_index
+
+    def bag_index(self, width: int) -> Tensor:
+        """[L, width] int64: row slot(t) * width + k of a [S * width, ...] bag table, k < width
+        (built once per step and width, shared by every projection)."""
+        index = self.bag_indices.get(width)
+        if index is None:
+            k = torch.arange(width, device=self.slots.device)
+            index = self.bag_indices[width] = self.slots.view(-1, 1) * width + k
+        return index
 
 
 @dataclass(slots=True)
@@ -68,33 +85,33 @@ class StepPlan:
     gather: GatherGroup | None
 
 
-def _rows(ids: list[int], device: torch.device) -> Rows:
-    if ids[-1] - ids[0] == len(ids) - 1:  # ids ascend within a slot (stable sort)
-        return slice(ids[0], ids[-1] + 1)
-    return torch.tensor(ids, dtype=torch.int64, device=device)
-
-
 def make_step_plan(meta: LoRAMeta) -> StepPlan:
-    """Split the step's slots into looped ones and one gathered group (see use_per_slot_loop)."""
+    """Split the step's slots into looped ones and one bag group (see use_per_slot_loop)."""
     device = meta.sorted_token_ids.device
     sorted_ids = meta.sorted_token_ids.tolist()                   # [T]
-    num_small = sum(1 for _, _, count in meta.segments if count < LOOP_MIN_TOKENS)
+    segments = [(slot, sorted_ids[start:start + count]) for slot, start, count in meta.segments]
+    # ids ascend within a slot (stable sort): a run when last - first == count - 1
+    runs = [ids[-1] - ids[0] == len(ids) - 1 for _, ids in segments]
+    num_small = sum(1 for (_, ids), run in zip(segments, runs, strict=True)
+                    if not (run and len(ids) >= LOOP_MIN_RUN))
     loop, gathered = [], []
-    for slot, start, count in meta.segments:
-        if use_per_slot_loop(count, num_small):
-            loop.append(LoopSlot(slot, _rows(sorted_ids[start:start + count], device)))
+    for (slot, ids), run in zip(segments, runs, strict=True):
+        if use_per_slot_loop(len(ids), run, num_small):
+            rows = (slice(ids[0], ids[-1] + 1) if run
+                    else torch.tensor(ids, dtype=torch.int64, device=device))
+            loop.append(LoopSlot(slot, rows))
         else:
-            gathered.append((slot, start, count))
+            gathered.append((slot, ids))
     group = None
     if gathered:
-        num_tokens = sum(count for _, _, count in gathered)
+        num_tokens = sum(len(ids) for _, ids in gathered)
         if num_tokens == meta.num_tokens:  # every token: no gather of x, no scatter of out
             rows, slots = slice(None), meta.token_slots.to(torch.int64)
         else:
-            ids = [t for _, start, count in gathered for t in sorted_ids[start:start + count]]
-            rows = torch.tensor(ids, dtype=torch.int64, device=device)
+            rows = torch.tensor([t for _, ids in gathered for t in ids], dtype=torch.int64,
+                                device=device)
             slots = meta.token_slots.index_select(0, rows).to(torch.int64)
-        group = GatherGroup(rows, slots, tuple(slot for slot, _, _ in gathered), num_tokens)
+        group = GatherGroup(rows, slots, tuple(slot for slot, _ in gathered), num_tokens)
     return StepPlan(tuple(loop), group)
 
 
@@ -137,3 +154,69 @@ def workspace(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
             buffer = torch.empty(numel, dtype=dtype, device=device)
         _workspace.buffers[key] = buffer
     return buffer
+
+
+@dataclass(slots=True)
+class BagTables:
+    """A projection's slot pool laid out for F.embedding_bag (float32): rank padding zeroed,
+    scales folded into B, so one bag per token reads exactly its own slot's rows.
+
+    R_i = the largest rank any slot has for slice i (0: no slot adapts it).
+    a: [S * H, sum R_i]: row s * H + h = lora_a[i, s, :R_i, h] for every slice i, side by side
+    b: per slice, [S * R_i, width_i]: row s * R_i + r = scales[i, s] * lora_b[s, o_i + :, r]
+    """
+
+    a: Tensor
+    b: tuple[Tensor | None, ...]
+    cols: tuple[int, ...]     # n+1: slice i's ranks are columns cols[i]:cols[i+1] of a
+    key: tuple                # versions of the pool tensors it was built from, and the offsets
+
+
+def _build_tables(lora_a: Tensor, lora_b: Tensor, ranks: Tensor, scales: Tensor,
+                  slice_offsets: tuple[int, ...], key: tuple) -> BagTables:
+    n, S, _, H = lora_a.shape
+    widths = ranks.amax(dim=1).tolist()                           # [n] R_i
+    a_parts, b_parts = [], []
+    for i, (lo, hi) in enumerate(pairwise(slice_offsets)):
+        r = widths[i]
+        if not r:
+            b_parts.append(None)
+            continue
+        keep = torch.arange(r, device=ranks.device) < ranks[i].view(S, 1)   # [S, r]
+        a = torch.where(keep.unsqueeze(2), lora_a[i, :, :r].float(), 0.0)   # [S, r, H]
+        a_parts.append(a.transpose(1, 2))                                    # [S, H, r]
+        b = torch.where(keep.unsqueeze(1), lora_b[:, lo:hi, :r].float(), 0.0)  # [S, width, r]
+        b = b * scales[i].view(S, 1, 1)
+        b_parts.append(b.transpose(1, 2).reshape(S * r, hi - lo))           # [S * r, width]
+    cols = [0]
+    for r in widths:
+        cols.append(cols[-1] + r)
+    a = (torch.cat(a_parts, dim=2).reshape(S * H, cols[-1]) if a_parts
+         else lora_a.new_zeros(S * H, 0, dtype=torch.float32))
+    return BagTables(a, tuple(b_parts), tuple(cols), key)
+
+
+_tables: dict[int, tuple[weakref.ref, BagTables]] = {}
+
+
+def bag_tables(lora_a: Tensor, lora_b: Tensor, ranks: Tensor, scales: Tensor,
+               slice_offsets: tuple[int, ...]) -> BagTables | None:
+    """The pool's BagTables, rebuilt only when one of its tensors was written since (their
+    version counters: slot fills write them in place). None when a pool tensor is an
+    inference tensor (no version counter, so no safe cache): use the gather-bmm then.
+
+    Costs a float32 copy of the pool, and one full rebuild per projection after any slot
+    fill (~0.3 ms per 5 MB of pool on 2 cores)."""
+    pool = (lora_a, lora_b, ranks, scales)
+    if any(t.is_inference() for t in pool):
+        return None
+    key = (*(t._version for t in pool), tuple(slice_offsets))
+    entry = _tables.get(id(lora_a))
+    if entry is not None and entry[0]() is lora_a and entry[1].key == key:
+        return entry[1]
+    with torch.inference_mode(False):
+        tables = _build_tables(lora_a, lora_b, ranks, scales, tuple(slice_offsets), key)
+    if entry is None or entry[0]() is not lora_a:
+        weakref.finalize(lora_a, _tables.pop, id(lora_a), None)
+    _tables[id(lora_a)] = (weakref.ref(lora_a), tables)
+    return tables

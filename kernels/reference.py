@@ -21,9 +21,10 @@ from __future__ import annotations
 from itertools import pairwise
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.cpu_dispatch import GatherGroup, Rows, step_plan, workspace
+from kernels.cpu_dispatch import BagTables, GatherGroup, Rows, bag_tables, step_plan, workspace
 from kernels.meta import LoRAMeta
 
 
@@ -75,7 +76,11 @@ def apply_lora(out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, ranks: Te
     for item in plan.loop:
         _apply_slot(out, x, lora_a, lora_b, ranks_cpu, scales_cpu, offsets, item.slot, item.rows)
     if plan.gather is not None:
-        _apply_gathered(out, x, lora_a, lora_b, ranks, scales, ranks_cpu, offsets, plan.gather)
+        tables = bag_tables(lora_a, lora_b, ranks, scales, slice_offsets)
+        if tables is not None:
+            _apply_bagged(out, x, tables, ranks_cpu, offsets, plan.gather)
+        else:
+            _apply_gathered(out, x, lora_a, lora_b, ranks, scales, ranks_cpu, offsets, plan.gather)
 
 
 def _apply_slot(out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, ranks_cpu, scales_cpu,
@@ -91,6 +96,31 @@ def _apply_slot(out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, ranks_cp
         delta = (ys @ lora_b[slot, lo:hi, :r].float().T).to(out.dtype)   # [c, hi-lo]
         if contiguous:
             out[rows, lo:hi] += delta
+        else:
+            out[:, lo:hi].index_add_(0, rows, delta)
+
+
+def _apply_bagged(out: Tensor, x: Tensor, tables: BagTables, ranks_cpu, offsets,
+                  group: GatherGroup) -> None:
+    """Each token of the group times its own slot's weights as embedding bags: one bag over H
+    rows of the A table (every slice at once), then per slice one bag over R_i rows of its B
+    table. No weight is copied, and the op count does not depend on the number of slots."""
+    rows = group.rows
+    active = [i for i in range(len(offsets))
+              if tables.b[i] is not None and any(ranks_cpu[i][s] for s in group.slot_list)]
+    if not active:
+        return  # no slot of the group adapts this projection (e.g. o_proj of a q,v adapter)
+    xs = (x if isinstance(rows, slice) else x.index_select(0, rows)).float()     # [L, H]
+    H = xs.shape[1]
+    y = F.embedding_bag(group.bag_index(H), tables.a, per_sample_weights=xs.contiguous(),
+                        mode="sum")                                              # [L, sum R_i]
+    for i in active:
+        (lo, hi), c0, c1 = offsets[i], tables.cols[i], tables.cols[i + 1]
+        delta = F.embedding_bag(group.bag_index(c1 - c0), tables.b[i],
+                                per_sample_weights=y[:, c0:c1].contiguous(), mode="sum")
+        delta = delta.to(out.dtype)                                              # [L, hi-lo]
+        if isinstance(rows, slice):
+            out[:, lo:hi] += delta
         else:
             out[:, lo:hi].index_add_(0, rows, delta)
 

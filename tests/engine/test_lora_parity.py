@@ -230,14 +230,18 @@ def test_bad_adapters_are_refused_and_the_engine_keeps_serving(world, tmp_path):
 
 
 def test_replacing_an_adapter_serves_the_new_weights(world):
+    """With another adapter in the batch, decode steps take the bag path and its cached
+    tables: the refilled slot must be seen there too."""
     llm = world.llm(lora_backend="torch", max_loras=2)
-    prompts, old = [world.prompts[i] for i in QV], [world.expected[i] for i in QV]
-    first = llm.generate(prompts, GREEDY, adapters=["qv-r16"] * len(QV))
-    assert [o.token_ids for o in first] == old
+    other = REQUESTS.index("attn-r1")
+    prompts = [world.prompts[i] for i in (*QV, other)]
+    adapters = ["qv-r16"] * len(QV) + ["attn-r1"]
+    first = llm.generate(prompts, GREEDY, adapters=adapters)
+    assert [o.token_ids for o in first] == [world.expected[i] for i in (*QV, other)]
     llm.add_adapter("qv-r16", world.replacement)  # same name, new weights, old copy in a slot
-    again = llm.generate(prompts, GREEDY, adapters=["qv-r16"] * len(QV))
-    assert [o.token_ids for o in again] == world.expected_replacement
-    assert world.expected_replacement != old, "the replacement weights change nothing"
+    again = llm.generate(prompts, GREEDY, adapters=adapters)
+    assert [o.token_ids for o in again] == [*world.expected_replacement, world.expected[other]]
+    assert world.expected_replacement != [world.expected[i] for i in QV], "no change to see"
     assert llm.engine.lora.residency("qv-r16") == "device"
 
 

@@ -1,36 +1,39 @@
-"""The CPU production path's split of a step: per-slot loop vs one gather-bmm (cpu_dispatch)."""
+"""The CPU production path's split of a step (per-slot loop vs one group of per-token bags)
+and the bag tables it reads (kernels/cpu_dispatch.py)."""
 
 import pytest
 import torch
 from lora_cases import DTYPES, POPULARITIES, RANKS, covering_cases, make_problem, run_checks
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import apply_lora, cpu_dispatch, make_lora_meta
+from kernels import apply_lora, cpu_dispatch, make_lora_meta, reference
 from kernels.cpu_dispatch import (
     GATHER_MIN_SLOTS,
-    LOOP_MIN_TOKENS,
+    LOOP_MIN_RUN,
+    bag_tables,
     make_step_plan,
     step_plan,
     use_per_slot_loop,
 )
 
 
-def test_rule_loops_busy_slots_and_gathers_many_small_ones():
-    assert use_per_slot_loop(512, num_small_slots=0)              # prefill chunk
-    assert use_per_slot_loop(LOOP_MIN_TOKENS, num_small_slots=31)  # a popular adapter
-    assert not use_per_slot_loop(1, num_small_slots=32)           # decode, distinct adapters
-    assert not use_per_slot_loop(LOOP_MIN_TOKENS - 1, num_small_slots=GATHER_MIN_SLOTS)
-    assert use_per_slot_loop(1, num_small_slots=GATHER_MIN_SLOTS - 1)  # too few to batch
+def test_rule_loops_prefill_chunks_and_groups_the_rest():
+    assert use_per_slot_loop(512, contiguous=True, num_small_slots=3)      # a prefill chunk
+    assert not use_per_slot_loop(LOOP_MIN_RUN - 1, contiguous=True, num_small_slots=2)
+    assert not use_per_slot_loop(512, contiguous=False, num_small_slots=2)  # popular, decoding
+    assert not use_per_slot_loop(1, contiguous=True, num_small_slots=32)   # distinct adapters
+    assert use_per_slot_loop(1, contiguous=True, num_small_slots=GATHER_MIN_SLOTS - 1)  # alone
 
 
-def test_plan_loops_a_prefill_chunk_and_gathers_the_decode_rows():
-    # rows 0-2: decode on slots 3, 1, 5; row 3: no adapter; rows 4-11: a prefill chunk on slot 1
-    slots = torch.tensor([3, 1, 5, -1] + [2] * 8)
+def test_plan_loops_a_prefill_chunk_and_groups_the_decode_rows():
+    # rows 0-2: decode on slots 3, 1, 5; row 3: no adapter; then a prefill chunk on slot 2
+    slots = torch.tensor([3, 1, 5, -1] + [2] * LOOP_MIN_RUN)
     plan = make_step_plan(make_lora_meta(slots, num_slots=6))
-    assert [(item.slot, item.rows) for item in plan.loop] == [(2, slice(4, 12))]
+    assert [(item.slot, item.rows) for item in plan.loop] == [(2, slice(4, 4 + LOOP_MIN_RUN))]
     group = plan.gather
     assert group.rows.tolist() == [1, 0, 2] and group.slots.tolist() == [1, 3, 5]
     assert group.slot_list == (1, 3, 5) and group.num_tokens == 3
+    assert group.bag_index(4).tolist()[0] == [4, 5, 6, 7]  # slot 1, four rows per slot
 
 
 def test_plan_of_an_all_decode_step_reads_x_in_place():
@@ -52,17 +55,62 @@ def test_plan_is_built_once_per_step():
 CASES = covering_cases({"popularity": POPULARITIES, "rank": RANKS, "dtype": DTYPES}, seed=3)
 
 
-@pytest.mark.parametrize("strategy", ["loop", "gather"])
+@pytest.mark.parametrize("strategy", ["loop", "bags", "gather-bmm"])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_each_strategy_alone_matches_oracle(case, strategy, monkeypatch):
     """Forced down one path for every slot, over the poisoned grid (NaN rank padding)."""
     loop = strategy == "loop"
-    monkeypatch.setattr(cpu_dispatch, "use_per_slot_loop", lambda count, num_small: loop)
+    monkeypatch.setattr(cpu_dispatch, "use_per_slot_loop", lambda count, run, small: loop)
+    if strategy == "gather-bmm":  # what pools without a version counter get
+        monkeypatch.setattr(reference, "bag_tables", lambda *args: None)
     problem = make_problem(case)
     meta = make_lora_meta(problem.token_slots, case.S)
     plan = step_plan(meta)
     assert not (plan.gather if loop else plan.loop)
     run_checks(problem, case, "torch", meta)
+
+
+def pool(S=4, R=8, H=16, widths=(12, 6)):
+    offsets = (0, widths[0], sum(widths))
+    return dict(lora_a=torch.randn(len(widths), S, R, H), lora_b=torch.randn(S, offsets[-1], R),
+                ranks=torch.full((len(widths), S), R, dtype=torch.int32),
+                scales=torch.ones(len(widths), S), slice_offsets=offsets)
+
+
+def test_bag_tables_are_rebuilt_after_a_slot_is_written():
+    p = pool()
+    tables = bag_tables(**p)
+    assert bag_tables(**p) is tables
+    p["lora_b"][2, :, :3].copy_(torch.randn(18, 3))  # what LoRAManager._fill does
+    assert bag_tables(**p) is not tables
+    tables = bag_tables(**p)
+    p["ranks"][1, 0] = 0
+    assert bag_tables(**p) is not tables
+
+
+def test_new_weights_in_a_slot_are_served_at_once():
+    p = pool()
+    meta = make_lora_meta(torch.tensor([0, 1, 2, 3]), 4)
+    x = torch.randn(4, 16)
+    before = torch.zeros(4, 18)
+    apply_lora(before, x, **p, meta=meta)
+    p["lora_a"][:, 2].mul_(-1.0)  # slot 2 now holds other weights
+    after = torch.zeros(4, 18)
+    apply_lora(after, x, **p, meta=meta)
+    torch.testing.assert_close(after[2], -before[2])
+    torch.testing.assert_close(after[[0, 1, 3]], before[[0, 1, 3]])
+
+
+def test_inference_tensor_pools_fall_back_to_gather_bmm():
+    with torch.inference_mode():
+        p = pool()
+    assert bag_tables(**p) is None
+    meta = make_lora_meta(torch.tensor([0, 1, 2, 3]), 4)
+    out, x = torch.zeros(4, 18), torch.randn(4, 16)
+    with torch.inference_mode():
+        apply_lora(out, x, **p, meta=meta)
+    want = reference.oracle_apply(torch.zeros(4, 18), x, **p, token_slots=meta.token_slots)
+    torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
 
 
 class CountOps(TorchDispatchMode):
