@@ -160,14 +160,14 @@ def main() -> None:
     for llm in engines:  # warm-up: fills the slots, first-touch allocations
         engine_tok_s(llm, prompts, [2] * NUM_REQUESTS, names)
     loads_before = sum(llm.engine.lora.stats.device_loads for llm in engines)
-    best: dict[str, tuple[float, float]] = {}
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
     load_avg = []
     for _ in tqdm(range(args.repeats), desc="rounds (every config once)"):
         load_avg.append(os.getloadavg()[0])
         for name, run in runs.items():
-            result = run()
-            best[name] = max(best.get(name, (0.0, 0.0)), result)
-            logger.info("%s: %.0f tok/s (raw %.0f)", name, *result)
+            results[name].append(run())
+            logger.info("%s: %.0f tok/s (raw %.0f)", name, *results[name][-1])
+    best = {name: max(values) for name, values in results.items()}
     loads = sum(llm.engine.lora.stats.device_loads for llm in engines) - loads_before
 
     base = best["(a) engine, no adapter"][0]
@@ -180,8 +180,8 @@ def main() -> None:
              "interleaved rounds",
              "command: python benchmarks/bench_lora_cpu.py " + " ".join(sys.argv[1:]),
              "",
-             "| configuration | tok/s | vs (a) engine, no adapter | (b) vs this |",
-             "|---|---:|---:|---:|"]
+             "| configuration | best tok/s | vs (a) engine, no adapter | (b) vs this | every run |",
+             "|---|---:|---:|---:|---|"]
     for name, (useful, raw) in best.items():
         row = f"| {name} | {useful:.0f}"
         row += f" (raw {raw:.0f})" if name[1] in "cd" else ""
@@ -189,6 +189,7 @@ def main() -> None:
         if name[1] == "c":
             targets = name.rsplit(", ", 1)[1]
             row += f"{best[f'(b) engine, 32 distinct adapters, {targets}'][0] / useful:.1f}x"
+        row += " | " + ", ".join(f"{u:.0f}" for u, _ in results[name])
         lines.append(row + " |")
     lines += ["", f"Engine: continuous batching; slot loads during the timed runs: {loads} (all "
               "adapters resident). transformers/PEFT: one static batch run to the longest "
