@@ -58,8 +58,10 @@ class LLM:
         engine = self.engine
         # Validate everything before queueing anything, so a bad prompt changes nothing.
         tokenized = [engine.tokenize(p) for p in prompts]
-        for ids, p in zip(tokenized, params_list):
+        for ids, p, adapter in zip(tokenized, params_list, adapters):
             engine.validate(ids, p)
+            if adapter is not None:
+                engine.lora.check_known(adapter)
         results: dict[str, GenerationOutput] = {}
         order = []
         for ids, p, adapter in zip(tokenized, params_list, adapters):

@@ -141,10 +141,11 @@ class LoRAManager:
 
     def pin(self, name: str, pinned: bool = True) -> None:
         self._get(name).pinned = pinned
-        if pinned and sum(e.pinned for e in self.adapters.values()) >= self.num_slots + 1:
+        # At least one slot must stay evictable, or other adapters' requests could never run.
+        if pinned and sum(e.pinned for e in self.adapters.values()) >= self.num_slots:
             self._get(name).pinned = False
-            raise AdapterError(f"cannot pin {name!r}: pinning more adapters than --max-loras "
-                               f"({self.num_slots}) slots would starve the others", )
+            raise AdapterError(f"cannot pin {name!r}: pinning every one of the --max-loras "
+                               f"({self.num_slots}) slots would starve other adapters; raise --max-loras")
 
     def check_known(self, name: str) -> None:
         self._get(name)

@@ -256,8 +256,6 @@ def test_removed_adapter_cannot_be_used(world):
     assert [o.token_ids for o in still] == world.expected[:2], "other adapters after remove"
 
 
-@pytest.mark.xfail(strict=True, reason="LLM.generate checks adapters only while queueing: the "
-                   "requests before an unknown adapter stay queued and run in the next call")
 def test_unknown_adapter_queues_nothing(world):
     llm = world.llm(lora_backend="torch", max_loras=2)
     with pytest.raises(ValueError, match="not registered"):
