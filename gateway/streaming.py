@@ -312,6 +312,10 @@ class Format:
         raise NotImplementedError
 
     def usage_chunk(self, usage: Usage):
+        """The stream_options.include_usage chunk: no choices, just usage."""
+        return self._chunk([], usage)
+
+    def _chunk(self, choices: list, usage: Usage | None = None):
         raise NotImplementedError
 
     def whole(self, job: GenerationJob, parts: dict[int, list[RequestOutput]]):
@@ -347,9 +351,6 @@ class CompletionFormat(Format):
 
     def finish(self, choice: Choice):
         return self._chunk([CompletionChoice(choice.index, "", None, choice.finish_reason)])
-
-    def usage_chunk(self, usage: Usage):
-        return self._chunk([], usage)
 
     def whole(self, job: GenerationJob, parts: dict[int, list[RequestOutput]]):
         choices = []
@@ -421,9 +422,6 @@ class ChatFormat(Format):
 
     def finish(self, choice: Choice):
         return self._chunk([ChatChunkChoice(choice.index, Delta(), None, choice.finish_reason)])
-
-    def usage_chunk(self, usage: Usage):
-        return self._chunk([], usage)
 
     def whole(self, job: GenerationJob, parts: dict[int, list[RequestOutput]]):
         choices = []
