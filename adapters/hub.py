@@ -30,9 +30,14 @@ from huggingface_hub.errors import (
 )
 
 from adapters.errors import AdapterError, AdapterNotFound
-from adapters.format import PICKLE_SUFFIXES
 from adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
-from adapters.sources import HUB_SCHEME, pickle_refusal, validate_repo_id, validate_revision
+from adapters.sources import (
+    HUB_SCHEME,
+    PICKLE_SUFFIXES,
+    pickle_refusal,
+    validate_repo_id,
+    validate_revision,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -1,14 +1,6 @@
 """RedisRegistry: the registry a fleet of replicas shares through one Redis (``--redis-url``).
 
-Keys, under ``prefix`` (default ``loragw:``):
-    catalog          hash   adapter_id -> CatalogEntry JSON
-    replica:{id}     string ReplicaState JSON, expiring ttl_s after the last heartbeat
-    replicas         set    replica ids, pruned of expired ones whenever it is read
-    epoch            string a random token, set by the first replica to find it missing: a new
-                            token means Redis lost its data, so every replica restores its writes
-    events           pub/sub channel of AdapterEvent JSON ("deleted" | "replaced")
-
-Catalog writes are Lua scripts that compare, write and publish in one step. When Redis is away
+What it keeps in Redis, and how each write stays atomic: adapters.redis_layout. When Redis is away
 the replica keeps serving: reads answer from the last known catalog (and ``replicas()`` from this
 replica alone, so the router serves locally), writes queue up, ``healthy`` is False, and a
 reconnect loop retries with capped exponential backoff. When Redis answers again, even empty,
@@ -21,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -31,6 +22,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from adapters.redis_layout import RedisLayout
 from adapters.registry import (
     AdapterEvent,
     CatalogEntry,
@@ -38,11 +30,8 @@ from adapters.registry import (
     ReplicaState,
     catalog_changes,
     decode_all,
-    decode_entry,
     decode_event,
-    decode_state,
     deliver,
-    encode,
     stamp,
 )
 
@@ -51,36 +40,6 @@ logger = logging.getLogger(__name__)
 REDIS_ERRORS = (RedisError, OSError)  # OSError covers refused/reset sockets and timeouts
 _NOTHING = object()
 T = TypeVar("T")
-
-# KEYS: catalog, events   ARGV: adapter_id, entry JSON, origin
-_PUT = """
-local old = redis.call('HGET', KEYS[1], ARGV[1])
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-if not old then return 0 end
-local o, n = cjson.decode(old), cjson.decode(ARGV[2])
-if o.sha256 == n.sha256 and o.version == n.version then return 0 end
-redis.call('PUBLISH', KEYS[2], cjson.encode({kind='replaced', adapter_id=ARGV[1],
-                                             version=n.version, origin=ARGV[3]}))
-return 1
-"""
-# KEYS: catalog, events   ARGV: adapter_id, origin
-_DELETE = """
-local old = redis.call('HGET', KEYS[1], ARGV[1])
-if not old then return 0 end
-redis.call('HDEL', KEYS[1], ARGV[1])
-redis.call('PUBLISH', KEYS[2], cjson.encode({kind='deleted', adapter_id=ARGV[1],
-                                             version=cjson.decode(old).version, origin=ARGV[2]}))
-return 1
-"""
-# KEYS: replica index   ARGV: state key prefix.  Returns live states; drops expired ids.
-_LIVE_REPLICAS = """
-local out = {}
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  local v = redis.call('GET', ARGV[1] .. id)
-  if v then out[#out + 1] = v else redis.call('SREM', KEYS[1], id) end
-end
-return out
-"""
 
 
 class RedisRegistry:
@@ -111,12 +70,7 @@ class RedisRegistry:
         retry, t = Retry(NoBackoff(), 1), timeout_s
         self._redis = Redis.from_url(url, socket_timeout=t, socket_connect_timeout=t, retry=retry)
         self._where = url.rpartition("@")[2]  # for logs: no password
-        self._k_catalog, self._k_index = f"{prefix}catalog", f"{prefix}replicas"
-        self._k_state_prefix, self._k_epoch = f"{prefix}replica:", f"{prefix}epoch"
-        self._channel = f"{prefix}events"
-        self._put_script = self._redis.register_script(_PUT)
-        self._delete_script = self._redis.register_script(_DELETE)
-        self._live_script = self._redis.register_script(_LIVE_REPLICAS)
+        self._layout = RedisLayout(self._redis, prefix)
 
         self._healthy = False
         self._closing = False
@@ -157,10 +111,7 @@ class RedisRegistry:
         await self._close_pubsub()
         if deregister and self._healthy:
             with contextlib.suppress(*REDIS_ERRORS):
-                async with self._redis.pipeline(transaction=True) as pipe:
-                    pipe.delete(self._k_state_prefix + self.replica_id)
-                    pipe.srem(self._k_index, self.replica_id)
-                    await pipe.execute()
+                await self._layout.remove_state(self.replica_id)
         if self._pending:
             logger.warning("registry: closing; Redis never got writes to %s", sorted(self._pending))
         self._healthy = False
@@ -175,18 +126,17 @@ class RedisRegistry:
             self._pending[entry.adapter_id] = entry
 
     async def get_adapter(self, adapter_id: str) -> CatalogEntry | None:
-        ok, raw = await self._attempt(lambda: self._redis.hget(self._k_catalog, adapter_id))
+        ok, entry = await self._attempt(lambda: self._layout.read_entry(adapter_id))
         if not ok:
             return self._catalog.get(adapter_id)
-        found = decode_all(decode_entry, [raw] if raw else [])
-        if not found:
+        if entry is None:
             self._catalog.pop(adapter_id, None)
             return None
-        self._catalog[adapter_id] = found[0]
-        return found[0]
+        self._catalog[adapter_id] = entry
+        return entry
 
     async def list_adapters(self) -> list[CatalogEntry]:
-        ok, fresh = await self._attempt(self._fetch_catalog)
+        ok, fresh = await self._attempt(self._layout.read_catalog)
         if ok:
             self._catalog = fresh
         return sorted(self._catalog.values(), key=lambda e: e.adapter_id)
@@ -208,10 +158,9 @@ class RedisRegistry:
 
     async def replicas(self) -> list[ReplicaState]:
         """Live replicas, this one included; only this one while Redis is away."""
-        keys, args = [self._k_index], [self._k_state_prefix]
-        ok, raw = await self._attempt(lambda: self._live_script(keys=keys, args=args))
+        ok, live = await self._attempt(self._layout.live_replicas)
         if ok:
-            return sorted(decode_all(decode_state, raw), key=lambda s: s.replica_id)
+            return live
         return [self._state] if self._state is not None else []
 
     def subscribe(self, callback: EventCallback) -> None:
@@ -230,50 +179,34 @@ class RedisRegistry:
             return False, None
 
     async def _apply(self, adapter_id: str, entry: CatalogEntry | None) -> bool:
-        """Write one catalog change (None = delete) with its announcement, atomically."""
-        keys = [self._k_catalog, self._channel]
-        if entry is None:
-            return bool(await self._delete_script(keys=keys, args=[adapter_id, self.replica_id]))
-        await self._put_script(keys=keys, args=[adapter_id, encode(entry), self.replica_id])
-        return True
-
-    async def _fetch_catalog(self) -> dict[str, CatalogEntry]:
-        raw = await self._redis.hgetall(self._k_catalog)
-        return {e.adapter_id: e for e in decode_all(decode_entry, raw.values())}
+        """Write one catalog change (None = delete) as this replica, announced to the fleet."""
+        return await self._layout.write_entry(adapter_id, entry, origin=self.replica_id)
 
     async def _write_state(self) -> bytes | None:
         """Store this replica's state with a fresh expiry; returns the epoch token seen."""
         if self._state is None:
-            return await self._redis.get(self._k_epoch)
+            return await self._layout.read_epoch()
         self._state = stamp(self._state)
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(self._k_state_prefix + self.replica_id, encode(self._state), px=self._ttl_ms)
-            pipe.sadd(self._k_index, self.replica_id)
-            pipe.get(self._k_epoch)
-            *_, epoch = await pipe.execute()
-        return epoch
+        return await self._layout.write_state(self._state, self._ttl_ms)
 
     async def _sync(self) -> None:
         """(Re)join Redis: subscribe, restore lost entries, replay queued writes, re-register."""
         async with self._sync_lock:
             await self._close_pubsub()
             self._pubsub = self._redis.pubsub()
-            await self._pubsub.subscribe(self._channel)  # before replaying: we hear our own events
+            # Subscribed before replaying, so we hear our own events.
+            await self._pubsub.subscribe(self._layout.events_channel)
             self._listener = asyncio.create_task(self._listen(self._pubsub), name="registry-events")
 
-            await self._redis.set(self._k_epoch, uuid.uuid4().hex, nx=True)
-            epoch = await self._redis.get(self._k_epoch)
+            epoch = await self._layout.claim_epoch()
             lost = self._epoch is not None and epoch != self._epoch
             self._epoch = epoch
             if lost:  # Redis came back empty: put back what we wrote, unless someone already did
                 logger.warning("registry: Redis %s lost its data; restoring ours", self._where)
-                async with self._redis.pipeline(transaction=False) as pipe:
-                    for adapter_id, entry in self._own.items():
-                        pipe.hsetnx(self._k_catalog, adapter_id, encode(entry))
-                    await pipe.execute()
+                await self._layout.restore_entries(self._own)
             await self._replay()
             await self._write_state()
-            fresh = await self._fetch_catalog()
+            fresh = await self._layout.read_catalog()
             missed = [] if lost else list(catalog_changes(self._catalog, fresh))
             self._catalog = {**self._catalog, **fresh} if lost else fresh
             await self._replay()  # writes queued while we were fetching

@@ -24,7 +24,8 @@ from adapters.errors import AdapterError
 from adapters.errors import short_repr as _show
 
 if TYPE_CHECKING:
-    from adapters.format import BaseModelSpec, LoraConfig
+    from adapters.format import BaseModelSpec
+    from adapters.lora_config import LoraConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

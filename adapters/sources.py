@@ -22,7 +22,6 @@ from typing import Literal
 
 from adapters.errors import AdapterError, AdapterNotFound, InvalidAdapterId
 from adapters.errors import short_repr as _show
-from adapters.format import MAX_CONFIG_BYTES, PICKLE_SUFFIXES
 from adapters.ids import validate_adapter_id
 from adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
 
@@ -30,6 +29,8 @@ HUB_SCHEME = "hf://"
 MAX_REPO_ID_LEN = 96  # the Hub's own limit
 _REVISION = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._/-]{0,255}")
 _FORMS = "a local directory, hf://ORG/REPO[@REVISION] or ORG/REPO"
+MAX_CONFIG_BYTES = 1 << 20
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")  # refused, never opened
 
 
 class InvalidSource(AdapterError):
@@ -170,7 +171,7 @@ def read_adapter_files(folder: str) -> tuple[bytes, bytes]:
 def pickle_refusal(where: str, pickled: list[str]) -> str:
     return (
         f"adapter at {where} has pickled weights ({', '.join(pickled)}) and no {WEIGHTS_FILE};"
-        " pickles are refused because unpickling can run arbitrary code. Convert them to"
+        " pickles are refused because unpickling can run arbitrary code; convert them to"
         f" {WEIGHTS_FILE}: load with PEFT in a trusted environment, then"
         " save_pretrained(dir, safe_serialization=True)"
     )

@@ -6,23 +6,20 @@ Layout (ids are NAME or ORG/NAME, see adapters.ids; names starting with '.' are 
     root/.versions.json           last version of each deleted id, so a version never repeats
     root/<id>/adapter_config.json
     root/<id>/adapter_model.safetensors
-    root/<id>/meta.json           StoredAdapter, less its path
+    root/<id>/meta.json           StoredAdapter, less its path (see adapters.store_meta)
     root/.tmp-*  .old-*  .del-*   a change in flight; recovered at start (see _recover)
 
-A put writes a complete copy into root/.tmp-*, fsyncs every file and the directory, then makes
-it visible with one rename (or, replacing, one atomic exchange with the old copy; where the
-filesystem cannot exchange, the old copy is renamed to .old-* first and restored at start if
-the process died in between). Before that last step a failure leaves the tree as it was; after
-it, nothing is raised. The store does not validate adapters: callers run
+A put writes a complete copy into root/.tmp-*, fsyncs every file and the directory (see
+adapters.durable_fs), then makes it visible with one rename (or, replacing, one atomic exchange
+with the old copy; where the filesystem cannot exchange, the old copy is renamed to .old-* first
+and restored at start if the process died in between). Before that last step a failure leaves
+the tree as it was; after it, nothing is raised. The store does not validate adapters: callers run
 adapters.format.load_adapter_bytes first.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import dataclasses
-import errno
 import fcntl
 import hashlib
 import json
@@ -32,17 +29,15 @@ import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 
-import msgspec
-
+from adapters.durable_fs import exchange, fsync_dir, write_synced
 from adapters.errors import AdapterError, AdapterNotFound, InvalidAdapterId
 from adapters.ids import validate_adapter_id
 from adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
+from adapters.store_meta import META_FILE, StoredAdapter, StoredMeta, encode_meta, read_meta
 
 logger = logging.getLogger(__name__)
 
-META_FILE = "meta.json"
 VERSIONS_FILE = ".versions.json"
 TMP, OLD, DEL = ".tmp-", ".old-", ".del-"
 
@@ -51,30 +46,6 @@ class AdapterExists(AdapterError):
     """The id is taken and the request did not ask to replace it (HTTP 409)."""
 
     status = 409
-
-
-@dataclass(frozen=True)
-class StoredMeta:
-    """What the caller knows about an adapter it validated: filled from the LoraAdapter."""
-
-    source: str  # "upload", "hf://ORG/REPO@<commit sha>" or "/abs/dir"
-    revision: str | None = None  # the Hub revision asked for
-    rank: int = 0  # LoraAdapter.max_rank
-    targets: tuple[str, ...] = ()  # LoraAdapter.targets
-
-
-@dataclass(frozen=True)
-class StoredAdapter:
-    adapter_id: str
-    version: int  # 1 on first put; +1 on every replace, also across delete and re-put
-    sha256: str  # hex digest of adapter_model.safetensors
-    num_bytes: int  # size of adapter_model.safetensors
-    source: str
-    revision: str | None
-    rank: int
-    targets: tuple[str, ...]
-    created_at: float  # unix time of this version's put
-    path: str = field(default="", compare=False)  # folder with the PEFT files; not persisted
 
 
 class AdapterStore:
@@ -98,17 +69,17 @@ class AdapterStore:
         return path
 
     def get(self, adapter_id: str) -> StoredAdapter | None:
-        return _read_meta(self.path(adapter_id), adapter_id)
+        return read_meta(self.path(adapter_id), adapter_id)
 
     def list(self) -> list[StoredAdapter]:
         found = []
         for name in _entries(self.root):
-            meta = _read_meta(os.path.join(self.root, name), name)
+            meta = read_meta(os.path.join(self.root, name), name)
             if meta is not None:
                 found.append(meta)
                 continue
             for sub in _entries(os.path.join(self.root, name)):
-                meta = _read_meta(os.path.join(self.root, name, sub), f"{name}/{sub}")
+                meta = read_meta(os.path.join(self.root, name, sub), f"{name}/{sub}")
                 found.extend([meta] if meta else [])
         return sorted(found, key=lambda m: m.adapter_id)
 
@@ -138,13 +109,13 @@ class AdapterStore:
             made_parent = not os.path.isdir(parent)
             tmp = tempfile.mkdtemp(prefix=TMP, dir=self.root)
             try:
-                _write(os.path.join(tmp, CONFIG_FILE), config_raw)
-                _write(os.path.join(tmp, WEIGHTS_FILE), weights_raw)
-                _write(os.path.join(tmp, META_FILE), _encode(stored))
-                _fsync_dir(tmp)
+                write_synced(os.path.join(tmp, CONFIG_FILE), config_raw)
+                write_synced(os.path.join(tmp, WEIGHTS_FILE), weights_raw)
+                write_synced(os.path.join(tmp, META_FILE), encode_meta(stored))
+                fsync_dir(tmp)
                 if made_parent:
                     os.makedirs(parent)
-                    _fsync_dir(self.root)
+                    fsync_dir(self.root)
                 self._commit(tmp, target)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -173,7 +144,7 @@ class AdapterStore:
                 os.rmdir(trash)
                 raise
             with contextlib.suppress(OSError):
-                _fsync_dir(os.path.dirname(target))
+                fsync_dir(os.path.dirname(target))
             self._tidy(trash, os.path.dirname(target))
         logger.info("deleted adapter %s version %d", adapter_id, old.version)
         return old
@@ -193,7 +164,7 @@ class AdapterStore:
         """NAME and NAME/X cannot both be adapters: one's folder would hold the other's."""
         if "/" in adapter_id:
             org = adapter_id.split("/")[0]
-            if _read_meta(os.path.join(self.root, org), org) is not None:
+            if read_meta(os.path.join(self.root, org), org) is not None:
                 raise AdapterExists(f"adapter id {adapter_id!r} is under adapter {org!r}; "
                                     f"'{org}/...' ids cannot be used while {org!r} exists")  # fmt: skip
         elif old is None and os.path.isdir(target) and any(_entries(target)):
@@ -206,7 +177,7 @@ class AdapterStore:
         if not os.path.lexists(target):
             os.rename(tmp, target)
             leftover = None
-        elif _exchange(tmp, target):
+        elif exchange(tmp, target):
             leftover = tmp  # now holds the old copy
         else:  # no atomic exchange here: park the old copy where _recover can restore it
             leftover = tempfile.mkdtemp(prefix=OLD, dir=self.root)
@@ -223,9 +194,9 @@ class AdapterStore:
                     os.rmdir(leftover)
                 raise
         try:
-            _fsync_dir(parent)
+            fsync_dir(parent)
             if parent != self.root:
-                _fsync_dir(self.root)
+                fsync_dir(self.root)
         except OSError as e:
             logger.warning("adapter stored, but fsync of %s failed: %s", parent, e)
         if leftover is not None:
@@ -247,7 +218,7 @@ class AdapterStore:
             path = os.path.join(self.root, name)
             if name.startswith(OLD) and os.path.isdir(path):
                 parked = os.path.join(path, "x")
-                meta = _read_meta(parked, None)
+                meta = read_meta(parked, None)
                 target = self._path_or_none(meta.adapter_id) if meta else None
                 if target is not None and not os.path.lexists(target):
                     logger.warning("restoring %s after an interrupted replace", meta.adapter_id)
@@ -260,7 +231,7 @@ class AdapterStore:
             with contextlib.suppress(OSError):
                 if not os.listdir(os.path.join(self.root, name)):
                     os.rmdir(os.path.join(self.root, name))
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def _path_or_none(self, adapter_id: str) -> str | None:
         try:
@@ -280,9 +251,9 @@ class AdapterStore:
 
     def _write_versions(self, versions: dict[str, int]) -> None:
         path = os.path.join(self.root, VERSIONS_FILE)
-        _write(path + ".tmp", json.dumps(versions, sort_keys=True).encode())
+        write_synced(path + ".tmp", json.dumps(versions, sort_keys=True).encode())
         os.replace(path + ".tmp", path)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
 
 def _entries(folder: str) -> list[str]:
@@ -300,67 +271,3 @@ def _is_component(name: str) -> bool:
         return "/" not in validate_adapter_id(name)
     except InvalidAdapterId:
         return False
-
-
-def _encode(stored: StoredAdapter) -> bytes:
-    record = msgspec.to_builtins(stored)
-    del record["path"]
-    return msgspec.json.format(msgspec.json.encode(record), indent=2) + b"\n"
-
-
-def _read_meta(folder: str, adapter_id: str | None) -> StoredAdapter | None:
-    """The adapter stored in folder, or None if folder holds no complete adapter."""
-    try:
-        with open(os.path.join(folder, META_FILE), "rb") as f:
-            raw = f.read()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    try:
-        meta = msgspec.json.decode(raw, type=StoredAdapter)
-    except msgspec.DecodeError as e:
-        logger.warning("ignoring %s: unreadable %s (%s)", folder, META_FILE, e)
-        return None
-    if adapter_id is not None and meta.adapter_id != adapter_id:
-        logger.warning("ignoring %s: its %s names %r", folder, META_FILE, meta.adapter_id)
-        return None
-    return dataclasses.replace(meta, path=folder)
-
-
-def _write(path: str, data: bytes) -> None:
-    with open(path, "xb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
-_libc = ctypes.CDLL(None, use_errno=True)
-_renameat2 = getattr(_libc, "renameat2", None)
-if _renameat2 is not None:
-    _renameat2.argtypes = [
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_uint,
-    ]
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
-    if _renameat2 is None:
-        return False
-    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), b)

@@ -1,8 +1,13 @@
 """Time per decode step of a 32-request batch on the demo model with 0%, 50% and 100% of the
 rows under a grammar (xgrammar masks filled on a worker thread during the forward pass).
-Constrained rows use a regex of 1000 lowercase letters and spaces, so none ends early.
+Constrained rows use a grammar that cannot end within the run, so the batch stays full:
+`--grammar regex` 1000 lowercase letters and spaces, `--grammar json` a JSON array of at least
+300 objects {"id": integer, "tag": enum, "name": string}.
 
-    .venv/bin/python -m benchmarks.bench_structured [--steps 40]
+    .venv/bin/python -m benchmarks.bench_structured [--steps 40] [--rounds 5] [--grammar json]
+
+The three settings run in turn, round after round, so slow drift of the machine (other
+processes, frequency) lands on all three alike; each median is over every round's steps.
 """
 
 from __future__ import annotations
@@ -21,13 +26,20 @@ from engine.sampling_params import SamplingParams
 from engine.structured import GuidedDecoding
 
 BATCH = 32
-REGEX = "[a-z ]{1000}"  # longer than any run: no row ends early
+GRAMMARS = {  # longer than any run: no row ends early
+    "regex": GuidedDecoding("regex", "[a-z ]{1000}"),
+    "json": GuidedDecoding("json_schema", {"type": "array", "minItems": 300, "items": {
+        "type": "object", "properties": {"id": {"type": "integer"},
+                                         "tag": {"enum": ["red", "green", "blue"]},
+                                         "name": {"type": "string", "maxLength": 12}},
+        "required": ["id", "tag", "name"]}}),
+}
 
 
-def step_times(llm: LLM, constrained: int, steps: int) -> list[float]:
+def step_times(llm: LLM, constrained: int, steps: int, grammar: GuidedDecoding) -> list[float]:
     engine = llm.engine
     for i in range(BATCH):
-        guided = GuidedDecoding("regex", REGEX) if i < constrained else None
+        guided = grammar if i < constrained else None
         engine.add_request(f"request {i}:", SamplingParams(max_tokens=steps + 8, temperature=1.0,
                                                            ignore_eos=True, guided=guided))
     while any(s.num_output_tokens == 0 for r in engine.requests.values() for s in [r.seq]):
@@ -45,14 +57,20 @@ def step_times(llm: LLM, constrained: int, steps: int) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=40, help="decode steps per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--grammar", choices=sorted(GRAMMARS), default="regex")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     llm = LLM(build_demo_model(tempfile.mkdtemp()), max_num_seqs=BATCH, max_model_len=512)
-    step_times(llm, BATCH, 4)  # warm up: compile the grammar, touch every code path
-    rows = []
-    for constrained in (0, BATCH // 2, BATCH):
-        rows.append((constrained, statistics.median(step_times(llm, constrained, args.steps))))
+    grammar = GRAMMARS[args.grammar]
+    step_times(llm, BATCH, 4, grammar)  # warm up: compile the grammar, touch every code path
+    settings = (0, BATCH // 2, BATCH)
+    times: dict[int, list[float]] = {c: [] for c in settings}
+    for _ in range(args.rounds):
+        for constrained in settings:
+            times[constrained] += step_times(llm, constrained, args.steps, grammar)
+    rows = [(c, statistics.median(times[c])) for c in settings]
     base = rows[0][1]
     print(f"| constrained rows (of {BATCH}) | median decode step (ms) | vs unconstrained |")
     print("|---|---|---|")

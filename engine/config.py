@@ -47,6 +47,11 @@ class Config:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # host-memory LRU of parsed adapters; None = max(max_loras, 16)
     lora_backend: str = "auto"
+    # Aging for adapter slots: once a request has been refused a slot for this many scheduling
+    # steps, one resident adapter stops admitting new requests until its slot drains and
+    # passes to it. Counted in steps, not seconds, so it bounds the wait in forward passes
+    # whatever the hardware and is deterministic in tests. None turns aging off.
+    lora_starvation_steps: int | None = 32
     seed: int = 0
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -63,6 +68,9 @@ class Config:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.lora_starvation_steps is not None and self.lora_starvation_steps < 1:
+            raise ValueError(f"lora_starvation_steps must be at least 1 (or None to disable "
+                             f"aging), got {self.lora_starvation_steps}")
         if self.lora_backend not in LORA_BACKENDS:
             raise ValueError(f"lora_backend must be one of {LORA_BACKENDS}, got {self.lora_backend!r}")
         context = self.hf_config.get("max_position_embeddings", 4096)

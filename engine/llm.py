@@ -29,14 +29,15 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, block_size: int = 16,
                  num_kv_blocks: int | None = None, max_model_len: int | None = None,
                  max_loras: int = 4, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
-                 lora_backend: str = "auto",
+                 lora_backend: str = "auto", lora_starvation_steps: int | None = 32,
                  seed: int = 0):
         self.config = Config(model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                              num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
                              max_loras=max_loras, max_lora_rank=max_lora_rank,
                              max_cpu_loras=max_cpu_loras,
-                             lora_backend=lora_backend, seed=seed)
+                             lora_backend=lora_backend,
+                             lora_starvation_steps=lora_starvation_steps, seed=seed)
         self.engine = LLMEngine(self.config)
 
     @property

@@ -176,7 +176,7 @@ class LLMEngine:
             request = self.requests[seq.request_id]
             seq.token_ids.append(token)
             if request.guided is not None:
-                request.guided.accept(token)
+                request.guided.advance(token)  # the matcher accepts it on the mask thread
             if logprob is not None:
                 seq.logprobs.append(logprob)
             text = request.detokenizer.step([token]) if request.detokenizer else ""

@@ -70,6 +70,7 @@ class LoRAManager:
         self.num_slots = config.max_loras
         self.max_rank = config.max_lora_rank
         self.max_host = config.max_cpu_loras or max(config.max_loras, 16)
+        self.starvation_steps = config.lora_starvation_steps
         self.device, self.dtype = device, dtype
         self.backend = resolve_lora_backend(config.lora_backend, device)
         self.spec = BaseModelSpec.from_hf_config(config.hf_config, config.max_lora_rank)
@@ -243,6 +244,21 @@ class LoRAManager:
         if slot.stale and slot.ref_count == 0:
             self._clear(seq.lora_slot)
         seq.lora_slot = -1
+
+    def drain_for(self, waited: int) -> str | None:
+        """Aging: once a request has waited `lora_starvation_steps` steps for a slot, the
+        adapter whose slot should take no new sequences until it goes idle and changes hands:
+        the unpinned slot with the fewest running sequences (the soonest idle), least recently
+        used on ties. None before then, when disabled, or while a replaced or removed adapter's
+        slot is draining already. Never evicts: the slot's running sequences finish first."""
+        if self.starvation_steps is None or waited < self.starvation_steps:
+            return None
+        if any(slot.adapter is None or slot.stale for slot in self.slots):
+            return None
+        candidates = [s for s in self.slots if not self.adapters[s.adapter].pinned]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda s: (s.ref_count, s.last_used)).adapter
 
     def _find(self, name: str, version: int) -> int | None:
         for index, slot in enumerate(self.slots):

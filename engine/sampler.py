@@ -104,21 +104,28 @@ class Sampler:
         q = torch.empty(len(seqs), vocab, device=device)
         shared = [i for i, s in enumerate(seqs) if s.generator is None]
         if shared:
-            q[shared] = torch.empty(len(shared), vocab, device=device).exponential_(
-                generator=self._generator(device))
+            q[shared] = exponential((len(shared), vocab), self._generator(device), device)
         for i, s in enumerate(seqs):
             if s.generator is not None:
                 # Sequence makes a CPU generator; drawing there keeps a seed's stream the same on
                 # every device, at the price of one [V] copy per seeded row.
-                noise = torch.empty(vocab, device=s.generator.device).exponential_(generator=s.generator)
-                q[i] = noise.to(device)
-        # exponential_ may return exactly 0; 0/0 would be NaN and win the argmax.
+                q[i] = exponential((vocab,), s.generator, s.generator.device).to(device)
+        # The noise may be exactly 0; 0/0 would be NaN and win the argmax.
         return q.clamp_(min=torch.finfo(q.dtype).tiny)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if device not in self._generators:
             self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[device]
+
+
+def exponential(shape: tuple[int, ...], generator: torch.Generator,
+                device: torch.device) -> Tensor:
+    """Exponential(1) samples as -log(1 - U), U ~ Uniform[0, 1).
+
+    Same distribution as Tensor.exponential_, which on CPU costs ~6x more (15 ms per step for
+    32 rows of a 32k vocab, more than the model's forward pass on small models)."""
+    return torch.rand(shape, generator=generator, device=device).neg_().log1p_().neg_()
 
 
 def apply_penalties(logits: Tensor, seqs: list[Sequence]) -> Tensor:

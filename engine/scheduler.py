@@ -5,10 +5,19 @@ their prompt is still being prefilled), then waiting sequences are admitted whil
 budget, `max_num_seqs`, KV blocks and adapter slots allow. A prompt larger than the budget is
 prefilled in chunks across steps. When KV blocks run out, the most recently admitted running
 sequence is preempted: its blocks are freed and it is recomputed later from its tokens.
+
+Adapter slots and aging. A waiting sequence whose adapter has no slot is skipped and the ones
+behind it go ahead, so a busy resident adapter could keep its slot forever. Every step a
+sequence is skipped for want of a slot counts against it; once the longest-waiting one has
+waited `lora_starvation_steps` steps, the slot policy names one resident adapter (the slot that
+will go idle soonest) which then admits no new sequences until that slot has drained and been
+handed over. Running sequences are never preempted or moved for this; requests without an
+adapter and adapters in the other slots are admitted as before, in arrival order.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -16,12 +25,18 @@ from typing import Protocol
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
 
+logger = logging.getLogger(__name__)
+
 
 class SlotPolicy(Protocol):
     """Adapter slot admission (the LoRA manager); a sequence runs only while it holds one."""
 
     def acquire(self, seq: Sequence) -> bool: ...
     def release(self, seq: Sequence) -> None: ...
+
+    def drain_for(self, waited: int) -> str | None:
+        """The resident adapter that should admit no new sequences, so that its slot drains for
+        a sequence refused a slot in `waited` steps; None while no slot need drain."""
 
 
 @dataclass(slots=True)
@@ -53,6 +68,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        # Waiting sequences skipped for want of an adapter slot -> steps skipped so far.
+        self.slot_waits: dict[Sequence, int] = {}
+        self.draining: str | None = None  # the adapter admitting no one this step (aging)
 
     def add(self, seq: Sequence) -> None:
         # The engine checked that the whole request fits the cache, so preemption always ends.
@@ -87,6 +105,7 @@ class Scheduler:
         self.running = deque(running)
 
         # Admit new work only when nothing had to be preempted this step (it would thrash).
+        self._age()
         skipped: list[Sequence] = []
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
@@ -95,9 +114,11 @@ class Scheduler:
             if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + num_new):
                 break
             self.waiting.popleft()
-            if self.slots is not None and not self.slots.acquire(seq):
+            if not self._takes_slot(seq):
                 skipped.append(seq)  # its adapter has no slot yet; let others go ahead
+                self.slot_waits[seq] = self.slot_waits.get(seq, 0) + 1
                 continue
+            self.slot_waits.pop(seq, None)
             self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -105,6 +126,20 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return self._order(scheduled)
+
+    def _age(self) -> None:
+        """Pick this step's draining adapter from the longest wait for a slot (see above)."""
+        waited = max(self.slot_waits.values(), default=0)
+        draining = self.slots.drain_for(waited) if self.slots is not None and waited else None
+        if draining is not None and draining != self.draining:
+            logger.info("adapter %s admits no new requests until its slot drains: a request "
+                        "has waited %d steps for a slot", draining, waited)
+        self.draining = draining
+
+    def _takes_slot(self, seq: Sequence) -> bool:
+        if self.slots is None or seq.adapter is None:
+            return True
+        return seq.adapter != self.draining and self.slots.acquire(seq)
 
     @staticmethod
     def _order(scheduled: list[tuple[Sequence, int]]) -> ScheduledBatch:
@@ -132,6 +167,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.slot_waits.pop(seq, None)
         self.block_manager.free(seq)
         if self.slots is not None and seq.status == SequenceStatus.RUNNING:
             self.slots.release(seq)

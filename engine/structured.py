@@ -3,13 +3,19 @@
 A request's `SamplingParams.guided` (a `GuidedDecoding`) is compiled once per distinct spec by
 xgrammar (LRU-cached), and each request gets its own matcher (`GuidedState`). Every step:
 
-    mask = matcher.fill_next_token_bitmask()      one packed int32 bitmask row per constrained row
-    logits[row][~mask] = -inf                      only on constrained rows, before sampling
-    matcher.accept_token(sampled)                  after sampling
+    mask thread, while the forward pass runs:
+        matcher.accept_token(last step's sampled token)    each constrained row
+        matcher.fill_next_token_bitmask(...)               [R, ceil(V / 32)] packed int32
+        bias = 0 / -inf per token, unpacked from the bitmask
+    main thread, after the forward pass:
+        logits[rows] += bias                               only constrained rows, before sampling
 
-Stop tokens (EOS) are allowed only where the grammar may end; the request ends when the matcher
-accepts one. JSON is compact (no free whitespace), so the EOS is forced right after the last
-brace. Rows without a grammar are never touched.
+Accepting a token is deferred to the next step's mask job, so the main thread never touches a
+matcher. That is safe because the mask only ever allows tokens the grammar accepts, and a
+grammar terminates exactly when it accepts a stop token: "finished" is known from the sampled
+token alone. Stop tokens (EOS) are allowed only where the grammar may end. JSON is compact (no
+free whitespace), so the EOS is forced right after the last brace. Unconstrained rows are never
+touched.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+import torch
 import xgrammar as xgr
 from torch import Tensor
 
@@ -57,48 +65,84 @@ class GuidedDecoding:
                 "choice": "a non-empty list of non-empty strings"}[self.kind])
 
     def key(self) -> tuple[str, str]:
-        """(kind, canonical spec): equal specs share one compiled grammar."""
+        """(kind, spec as JSON): equal specs share one compiled grammar. Key order is kept, not
+        sorted: a schema's property order is the order the output writes its keys in."""
         spec = self.spec
         if self.kind == "json_schema" and isinstance(spec, str):
             try:
                 spec = json.loads(spec)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"json_schema is not valid JSON: {exc}") from None
-        return self.kind, json.dumps(spec, sort_keys=True)
+        return self.kind, json.dumps(spec)
 
 
 @dataclass(slots=True, eq=False)
 class GuidedState:
-    """One request's grammar matcher (engine-owned; created by add_request)."""
+    """One request's grammar matcher (engine-owned; created by add_request).
+
+    The engine calls `advance(token)` after sampling; the matcher itself accepts the token on
+    the mask thread at the start of the next mask job (`GrammarCompiler.fill`)."""
 
     matcher: xgr.GrammarMatcher
+    stop_token_ids: frozenset[int]
+    json: bool = False  # the output is JSON (json_object / json_schema)
+    pending: int | None = None  # sampled but not yet accepted by the matcher
+    done: bool = False  # a stop token was sampled: the grammar is complete
 
-    def accept(self, token: int) -> None:
-        if not self.matcher.accept_token(token):
-            # The mask made this impossible; if it happens, the grammar and mask disagree.
-            logger.warning("grammar rejected token %d that its own mask allowed", token)
-
-    @property
-    def done(self) -> bool:
-        return self.matcher.is_terminated()
+    def advance(self, token: int) -> None:
+        assert self.pending is None, "advance twice without a mask job in between"
+        self.pending = token
+        self.done = token in self.stop_token_ids
 
 
 @dataclass(slots=True)
 class TokenMask:
-    """Packed allowed-token bitmasks for some rows of a sampling batch.
+    """Allowed tokens for some rows of a sampling batch: row j is for logits row rows[j].
 
-    bitmask: [R, ceil(V / 32)] int32, row j for logits row rows[j]."""
+    bitmask: [R, ceil(V / 32)] int32, bit b of word w allows token 32 * w + b (xgrammar's
+    layout). bias: [R, V] float32, 0 where allowed and -inf elsewhere, built on the mask thread
+    for CPU logits: adding it is ~10x cheaper than a masked_fill on the main thread."""
 
     bitmask: Tensor
     rows: list[int]
+    bias: Tensor
 
     def apply(self, logits: Tensor) -> Tensor:
-        """logits: [B, V] fp32 -> a copy with disallowed tokens of the masked rows at -inf."""
+        """logits: [B, V] -> a copy with disallowed tokens of the masked rows at -inf."""
+        if logits.device.type != "cpu":  # xgrammar's kernel, on the accelerator
+            rows = logits[self.rows]
+            xgr.apply_token_bitmask_inplace(rows, self.bitmask.to(logits.device))
+            logits = logits.clone()
+            logits[self.rows] = rows
+            return logits
+        if len(self.rows) == logits.shape[0]:  # every row constrained: no gather/scatter
+            return logits + self.bias  # x + 0.0 == x exactly, x + -inf == -inf
         logits = logits.clone()
-        sub = logits[self.rows].cpu()  # [R, V]; xgrammar's CPU kernel
-        xgr.apply_token_bitmask_inplace(sub, self.bitmask)
-        logits[self.rows] = sub.to(logits.device)
+        logits[self.rows] += self.bias
         return logits
+
+
+def pack_bitmask(allowed: list[bool], vocab_size: int) -> np.ndarray:
+    """Per-token flags (tokens past the list are allowed) -> [ceil(vocab_size / 32)] int32."""
+    flags = np.ones(-(-vocab_size // 32) * 32, dtype=np.uint32)
+    flags[: len(allowed)] = allowed
+    return (flags.reshape(-1, 32) << np.arange(32, dtype=np.uint32)).sum(-1, dtype=np.uint32) \
+        .view(np.int32)
+
+
+def mask_bias(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """[R, W] int32 packed allowed-bits -> [R, vocab_size] float32 of 0 (allowed) / -inf.
+
+    One table lookup per byte (8 tokens), ~4x cheaper than unpacking bits with shifts. NumPy,
+    not torch, because it runs on the mask thread: a torch op there big enough to go parallel
+    starts a second OpenMP team, whose spinning threads then slow every forward pass."""
+    bias = np.take(_BYTE_BIAS, bitmask.view(np.uint8), axis=0)  # [R, 4W, 8], little-endian
+    return bias.reshape(len(bitmask), -1)[:, :vocab_size]
+
+
+# _BYTE_BIAS[byte, b]: 0 if bit b of byte is set (token allowed), else -inf.
+_BYTE_BIAS = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, 0, -np.inf) \
+    .astype(np.float32)
 
 
 class GrammarCompiler:
@@ -109,8 +153,14 @@ class GrammarCompiler:
                                                   stop_token_ids=sorted(stop_token_ids))
         self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self.stop_token_ids = frozenset(stop_token_ids)
         self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        # Compact JSON never holds a raw byte below 0x20 (RFC 8259 wants them escaped inside
+        # strings), but xgrammar 0.2.9's string rule lets such tokens through: JSON rows are
+        # also ANDed with this mask of tokens free of control bytes.
+        self._no_control_bytes = pack_bitmask(
+            [all(b >= 0x20 for b in token) for token in info.decoded_vocab], vocab_size)
 
     def compile(self, guided: GuidedDecoding) -> xgr.CompiledGrammar:
         """Raises ValueError naming the problem for an invalid schema, regex or choice."""
@@ -141,16 +191,31 @@ class GrammarCompiler:
         return grammar
 
     def new_state(self, guided: GuidedDecoding) -> GuidedState:
-        return GuidedState(xgr.GrammarMatcher(self.compile(guided)))
+        return GuidedState(xgr.GrammarMatcher(self.compile(guided)), self.stop_token_ids,
+                           json=guided.kind in ("json_object", "json_schema"))
 
     def fill(self, states: list[tuple[int, GuidedState]]) -> TokenMask | None:
-        """Bitmasks of the (row, state) pairs; None if there are none."""
+        """Accept each state's pending token, then fill the bitmasks of the (row, state) pairs;
+        None if there are none. (Plain loops: xgrammar's batch calls cost more in their Python
+        wrappers than they save, at these batch sizes.)"""
         if not states:
             return None
+        for _, state in states:
+            if state.pending is not None:
+                if not state.matcher.accept_token(state.pending):
+                    # The mask made this impossible: the grammar and mask disagree.
+                    logger.warning("grammar rejected token %d that its own mask allowed",
+                                   state.pending)
+                state.pending = None
         bitmask = xgr.allocate_token_bitmask(len(states), self.vocab_size)  # [R, W] int32
         for j, (_, state) in enumerate(states):
             state.matcher.fill_next_token_bitmask(bitmask, j)
-        return TokenMask(bitmask, [row for row, _ in states])
+        words = bitmask.numpy()  # the same memory
+        json_rows = [j for j, (_, s) in enumerate(states) if s.json]
+        if json_rows:
+            words[json_rows] &= self._no_control_bytes
+        bias = torch.from_numpy(mask_bias(words, self.vocab_size))
+        return TokenMask(bitmask, [row for row, _ in states], bias)
 
     def fill_async(self, states: list[tuple[int, GuidedState]]) -> Future | None:
         """fill() on the mask thread, so it overlaps the forward pass; None if nothing to do."""

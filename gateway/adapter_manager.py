@@ -37,7 +37,8 @@ from adapters.registry import (
     make_registry,
 )
 from adapters.sources import HUB_SCHEME, InvalidSource, hub_allowed, parse_source, resolve_source
-from adapters.store import AdapterExists, AdapterStore, StoredAdapter, StoredMeta
+from adapters.store import AdapterExists, AdapterStore
+from adapters.store_meta import StoredAdapter, StoredMeta
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from gateway.config import ServerConfig

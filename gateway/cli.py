@@ -10,7 +10,6 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -25,13 +24,13 @@ def env_var(flag: str) -> str:
 
 def add_flag(parser: argparse.ArgumentParser, flag: str, **kwargs) -> argparse.Action:
     """parser.add_argument(flag, ...) with its default taken from LORAGW_<FLAG> when that is set.
-    `store_true` flags read 1/true/yes/on or 0/false/no/off; `append` flags read a
-    comma-separated list, and flags given on the command line are added to it."""
+    `store_true` and `--x/--no-x` flags read 1/true/yes/on or 0/false/no/off; `append` flags
+    read a comma-separated list, and flags given on the command line are added to it."""
     name = env_var(flag)
     value = os.environ.get(name)
     action = kwargs.get("action")
     if value is not None:
-        if action == "store_true":
+        if action in ("store_true", argparse.BooleanOptionalAction):
             if value.strip().lower() not in TRUE + FALSE:
                 parser.error(f"{name}={value!r}: expected one of {', '.join(TRUE + FALSE[:-1])}")
             kwargs["default"] = value.strip().lower() in TRUE
@@ -63,18 +62,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def not_implemented(name: str, issue: str) -> Callable[[argparse.Namespace], int]:
-    def command(args: argparse.Namespace) -> int:
-        sys.stderr.write(f"loragw {name}: not implemented yet: see issue '{issue}'\n")
-        return 2
-    return command
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     from gateway.server import serve_main
 
     return serve_main(args.serve_argv)
-cmd_bench = not_implemented("bench", "benchmarks: loragw bench, the serving benchmark")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from gateway.bench import BenchConfig, bench_main
+
+    adapters = tuple(a.strip() for a in (args.adapters or "").split(",") if a.strip())
+    try:
+        config = BenchConfig(
+            url=args.url, model=args.model, demo=args.demo, adapter=tuple(args.adapter),
+            num_requests=args.num_requests, concurrency=args.concurrency,
+            request_rate=args.request_rate, adapters=adapters,
+            adapter_distribution=args.adapter_distribution, max_tokens=args.max_tokens,
+            prompt=args.prompt, endpoint=args.endpoint, stream=args.stream,
+            ignore_eos=args.ignore_eos, api_key=args.api_key or None, seed=args.seed,
+            json_path=args.json)
+    except ValueError as exc:
+        sys.stderr.write(f"loragw bench: {exc}\n")
+        return 2
+    return bench_main(config)
 
 
 def add_demo_parser(subparsers) -> None:
@@ -92,8 +102,38 @@ def add_serve_parser(subparsers) -> None:
 
 
 def add_bench_parser(subparsers) -> None:
-    parser = subparsers.add_parser("bench", help="serving benchmark")
-    parser.set_defaults(command=cmd_bench, takes_any_arguments=True)  # until it is written
+    parser = subparsers.add_parser(
+        "bench", help="serving benchmark against a running server or one started for it",
+        description="Streams requests to the OpenAI API and reports TTFT, TPOT, end-to-end "
+        "latency and throughput, as vLLM's `vllm bench serve`. Exit status 1 if any failed.")
+    add_flag(parser, "--url", help="base URL of a running server, e.g. http://127.0.0.1:8000")
+    add_flag(parser, "--model", help="without --url: start `loragw serve --model PATH`")
+    add_flag(parser, "--demo", action="store_true", help="without --url: start `loragw serve "
+             "--demo`")
+    add_flag(parser, "--adapter", action="append", default=[], metavar="NAME=SOURCE",
+             help="adapter the started server registers (repeatable)")
+    add_flag(parser, "--num-requests", type=int, default=64, help="requests to send")
+    add_flag(parser, "--concurrency", type=int, default=8, help="requests in flight at most")
+    add_flag(parser, "--request-rate", type=float, default=float("inf"),
+             help="mean Poisson arrivals per second (inf: all at once)")
+    add_flag(parser, "--adapters", metavar="ID,ID,...",
+             help="model ids to spread requests over; 'all': every adapter in GET /v1/models "
+                  "(default: the base model)")
+    add_flag(parser, "--adapter-distribution", default="uniform", choices=("uniform", "zipf"),
+             help="uniform: round-robin; zipf: the k-th id with weight 1/k")
+    add_flag(parser, "--max-tokens", type=int, default=32, help="max_tokens of each request")
+    add_flag(parser, "--ignore-eos", action="store_true",
+             help="generate max_tokens even past end-of-sequence (vLLM extension)")
+    add_flag(parser, "--prompt", help="the prompt of every request (default: a built-in set)")
+    add_flag(parser, "--endpoint", default="completions", choices=("completions", "chat"),
+             help="/v1/completions or /v1/chat/completions")
+    add_flag(parser, "--stream", action=argparse.BooleanOptionalAction, default=True,
+             help="stream responses, on by default (--no-stream: whole responses, so no TTFT "
+                  "or TPOT)")
+    add_flag(parser, "--api-key", help="Bearer key for /v1/* (and of the started server)")
+    add_flag(parser, "--seed", type=int, default=0, help="seed for arrivals and zipf draws")
+    add_flag(parser, "--json", metavar="PATH", help="also write the results as JSON")
+    parser.set_defaults(command=cmd_bench)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,9 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "serve":  # everything after `serve` belongs to the server's parser
         return cmd_serve(argparse.Namespace(serve_argv=argv[1:]))
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown and not getattr(args, "takes_any_arguments", False):
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.command(args)
 

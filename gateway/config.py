@@ -34,6 +34,7 @@ class ServerConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    lora_starvation_steps: int = 32  # 0 turns slot aging off
     adapter_dir: str | None = None
     hub_allow: tuple[str, ...] = ()
     redis_url: str | None = None
@@ -59,8 +60,9 @@ class ServerConfig:
                      "max_upload_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
-        if self.max_waiting < 0:
-            raise ValueError(f"--max-waiting must be at least 0, got {self.max_waiting}")
+        for name in ("max_waiting", "lora_starvation_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{_flag(name)} must be at least 0, got {getattr(self, name)}")
         for name in ("api_key", "admin_key"):
             if getattr(self, name) == "":
                 raise ValueError(f"--{_flag(name)} is empty; give a key or leave the flag out")
@@ -134,6 +136,9 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "max_loras": (int, "adapter slots on the device"),
     "max_lora_rank": (int, "largest adapter rank accepted"),
     "max_cpu_loras": (int, "adapters kept in host memory (default: unbounded)"),
+    "lora_starvation_steps": (int, "steps a request may wait for an adapter slot before a busy "
+                                   "adapter stops taking new requests so its slot frees (0: "
+                                   "never)"),
     "adapter_dir": (str, "directory where uploaded and downloaded adapters are stored"),
     "hub_allow": (list, "ORG/REPO glob of Hub adapters loaded on first use (repeatable)"),
     "redis_url": (str, "Redis URL of the adapter registry shared by replicas"),

@@ -19,6 +19,7 @@ from engine.structured import GuidedDecoding, tool_call_schema
 from engine.tokenizer import encode_chat
 from gateway.auth import require_admin_key, require_api_key
 from gateway.errors import APIError
+from gateway.formats import ChatFormat, CompletionFormat, Format
 from gateway.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -34,14 +35,7 @@ from gateway.protocol import (
 )
 from gateway.router import Router
 from gateway.runtime import Runtime
-from gateway.streaming import (
-    ChatFormat,
-    CompletionFormat,
-    Format,
-    GenerationJob,
-    collect,
-    stream_sse,
-)
+from gateway.streaming import GenerationJob, collect, stream_sse
 
 MAX_JSON_BODY_BYTES = 32 * 1024 * 1024  # prompts; adapter uploads go to /admin with their own cap
 # Prompts whose text is longer than this are tokenized on a worker thread, not the event loop.

@@ -158,7 +158,16 @@ class ToolCall(Struct, omit_defaults=True):
     id: str
     type: str  # "function"
     function: FunctionCall
-    index: int | None = None  # set in stream deltas only
+
+
+class ToolCallChunk(Struct, omit_defaults=True):
+    """A stream delta's piece of call `index`: the first has id, type and the name, the rest
+    only argument text (clients concatenate them)."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCall | None = None
 
 
 class AssistantMessage(Struct):
@@ -186,7 +195,7 @@ class ChatCompletionResponse(Struct):
 class Delta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ToolCallChunk] | None = None
 
 
 class ChatChunkChoice(Struct):

@@ -25,8 +25,9 @@ from engine.sampling_params import SamplingParams
 from gateway.adapter_manager import AdapterManager
 from gateway.config import ServerConfig
 from gateway.errors import APIError
+from gateway.formats import TokenText
 from gateway.metrics import EngineSnapshot, Metrics
-from gateway.streaming import Choice, GenerationJob, TokenText
+from gateway.streaming import Choice, GenerationJob
 
 logger = logging.getLogger(__name__)
 ENGINE_PROBE_TIMEOUT_S = 10.0
@@ -65,7 +66,8 @@ class Runtime:
         return Config(model=c.model, device=c.device, dtype=c.dtype, max_num_seqs=c.max_num_seqs,
                       max_num_batched_tokens=c.max_num_batched_tokens,
                       max_model_len=c.max_model_len, max_loras=c.max_loras,
-                      max_lora_rank=c.max_lora_rank, max_cpu_loras=c.max_cpu_loras)
+                      max_lora_rank=c.max_lora_rank, max_cpu_loras=c.max_cpu_loras,
+                      lora_starvation_steps=c.lora_starvation_steps or None)
 
     async def start(self) -> None:
         sources = self.config.adapter_sources()

@@ -14,34 +14,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import RequestOutput
-from engine.sequence import TokenLogprob
-from engine.structured import parse_tool_call
 from gateway.errors import APIError
+from gateway.formats import Format
 from gateway.metrics import BASE_LABEL, Metrics
 from gateway.protocol import (
     SSE_DONE,
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionResponse,
-    ChatLogprobs,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionResponse,
-    Delta,
     ErrorBody,
     ErrorResponse,
-    FunctionCall,
-    TokenLogprobOut,
-    ToolCall,
-    TopLogprob,
     Usage,
     sse,
 )
@@ -275,162 +259,3 @@ async def stream_sse(job: GenerationJob, fmt: Format,
     finally:
         job.close()
     yield SSE_DONE
-
-
-# ---- OpenAI shapes ---------------------------------------------------------------------------
-class TokenText:
-    """Token id -> its text as logprobs show it (special tokens included), cached."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = (self.tokenizer.decode([token_id]) if self.tokenizer is not None
-                    else f"token_id:{token_id}")
-            self._cache[token_id] = text
-        return text
-
-
-class Format:
-    """How an endpoint shapes increments: chunks for a stream, or one whole response."""
-
-    def __init__(self, job: GenerationJob, model: str, token_text: TokenText, logprobs: bool):
-        self.id, self.model, self.token_text = job.id, model, token_text
-        self.logprobs = logprobs
-        self.created = int(time.time())
-
-    def head(self, job: GenerationJob) -> list:
-        return []
-
-    def delta(self, choice: Choice, out: RequestOutput):
-        raise NotImplementedError
-
-    def finish(self, choice: Choice):
-        raise NotImplementedError
-
-    def usage_chunk(self, usage: Usage):
-        """The stream_options.include_usage chunk: no choices, just usage."""
-        return self._chunk([], usage)
-
-    def _chunk(self, choices: list, usage: Usage | None = None):
-        raise NotImplementedError
-
-    def whole(self, job: GenerationJob, parts: dict[int, list[RequestOutput]]):
-        raise NotImplementedError
-
-
-class CompletionFormat(Format):
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.offsets: dict[int, int] = {}  # text_offset of each choice's next token
-
-    def _logprobs(self, index: int, entries: list[TokenLogprob]) -> CompletionLogprobs:
-        text = self.token_text
-        tokens = [text(e.token_id) for e in entries]
-        offsets, at = [], self.offsets.get(index, 0)
-        for token in tokens:
-            offsets.append(at)
-            at += len(token)
-        self.offsets[index] = at
-        return CompletionLogprobs(
-            tokens=tokens, token_logprobs=[e.logprob for e in entries],
-            top_logprobs=[{text(t): lp for t, lp in e.top} for e in entries], text_offset=offsets)
-
-    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None):
-        return CompletionResponse(id=self.id, created=self.created, model=self.model,
-                                  choices=choices, usage=usage)
-
-    def delta(self, choice: Choice, out: RequestOutput):
-        logprobs = self._logprobs(choice.index, out.new_logprobs) if self.logprobs else None
-        if not out.new_text and not (logprobs and logprobs.tokens):
-            return None
-        return self._chunk([CompletionChoice(choice.index, out.new_text, logprobs, None)])
-
-    def finish(self, choice: Choice):
-        return self._chunk([CompletionChoice(choice.index, "", None, choice.finish_reason)])
-
-    def whole(self, job: GenerationJob, parts: dict[int, list[RequestOutput]]):
-        choices = []
-        for c in job.choices:
-            outs = parts[c.index]
-            logprobs = (self._logprobs(c.index, [e for o in outs for e in o.new_logprobs])
-                        if self.logprobs else None)
-            choices.append(CompletionChoice(c.index, "".join(o.new_text for o in outs),
-                                            logprobs, c.finish_reason))
-        return self._chunk(choices, job.usage)
-
-
-class ChatFormat(Format):
-    """With `tool_names` (tools in play), each choice's text is held back until it ends and
-    sent as a tool call when it parses as one of those tools, else as content."""
-
-    def __init__(self, *args, tool_names: list[str] | None = None):
-        super().__init__(*args)
-        self.tool_names = tool_names
-        self.held: dict[int, str] = {}  # choice index -> text held back (tool mode)
-
-    def _message(self, choice: Choice, text: str) -> tuple[str | None, list[ToolCall] | None]:
-        """(content, tool_calls) of a finished choice's text; a call sets finish_reason."""
-        call = parse_tool_call(text, self.tool_names) if self.tool_names else None
-        if call is None:
-            return text, None
-        if choice.finish_reason == "stop":
-            choice.finish_reason = "tool_calls"
-        name, arguments = call
-        return None, [ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", type="function",
-                               function=FunctionCall(name=name, arguments=arguments))]
-
-    def _logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs:
-        text = self.token_text
-
-        def top(token_id: int, logprob: float) -> TopLogprob:
-            token = text(token_id)
-            return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
-
-        return ChatLogprobs(content=[
-            TokenLogprobOut(token=text(e.token_id), logprob=e.logprob,
-                            bytes=list(text(e.token_id).encode()),
-                            top_logprobs=[top(t, lp) for t, lp in e.top]) for e in entries])
-
-    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None):
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                   choices=choices, usage=usage)
-
-    def head(self, job: GenerationJob) -> list:
-        return [self._chunk([ChatChunkChoice(c.index, Delta(role="assistant", content=""))])
-                for c in job.choices]
-
-    def delta(self, choice: Choice, out: RequestOutput):
-        logprobs = self._logprobs(out.new_logprobs) if self.logprobs else None
-        if self.tool_names:  # hold the text until the choice ends: it may be a tool call
-            text = self.held.get(choice.index, "") + out.new_text
-            self.held[choice.index] = text
-            if not out.finished:
-                return None
-            content, calls = self._message(choice, text)
-            if calls is not None:
-                calls[0].index = 0
-            return self._chunk([ChatChunkChoice(
-                choice.index, Delta(content=content or None, tool_calls=calls), logprobs)])
-        if not out.new_text and not (logprobs and logprobs.content):
-            return None
-        return self._chunk([ChatChunkChoice(choice.index, Delta(content=out.new_text),
-                                            logprobs)])
-
-    def finish(self, choice: Choice):
-        return self._chunk([ChatChunkChoice(choice.index, Delta(), None, choice.finish_reason)])
-
-    def whole(self, job: GenerationJob, parts: dict[int, list[RequestOutput]]):
-        choices = []
-        for c in job.choices:
-            outs = parts[c.index]
-            logprobs = (self._logprobs([e for o in outs for e in o.new_logprobs])
-                        if self.logprobs else None)
-            content, calls = self._message(c, "".join(o.new_text for o in outs))
-            message = AssistantMessage(content=content, tool_calls=calls)
-            choices.append(ChatChoice(c.index, message, logprobs, c.finish_reason))
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model,
-                                      choices=choices, usage=job.usage)

@@ -1,4 +1,5 @@
-"""adapters.format against adapters made by real PEFT, and against hostile files."""
+"""adapters.format and adapters.lora_config against adapters made by real PEFT, and against
+hostile files."""
 
 import hashlib
 import json
@@ -12,14 +13,9 @@ import safetensors.torch
 import torch
 
 from adapters.errors import AdapterError, AdapterNotFound
-from adapters.format import (
-    TARGET_MODULES,
-    BaseModelSpec,
-    load_adapter,
-    load_adapter_bytes,
-    parse_adapter_config,
-    pattern_key,
-)
+from adapters.format import BaseModelSpec, load_adapter, load_adapter_bytes
+from adapters.lora_config import parse_adapter_config, pattern_key
+from adapters.safetensors_check import TARGET_MODULES
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=128)  # fmt: skip

@@ -13,7 +13,8 @@ from hub_server import TINY_LLAMA, peft_files
 from adapters import store as store_mod
 from adapters.errors import AdapterNotFound, InvalidAdapterId
 from adapters.format import BaseModelSpec, load_adapter
-from adapters.store import AdapterExists, AdapterStore, StoredMeta
+from adapters.store import AdapterExists, AdapterStore
+from adapters.store_meta import StoredMeta
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -138,7 +139,7 @@ def _fail_at(monkeypatch, n, exc):
 
     for name in ("fsync", "rename", "replace", "makedirs", "mkdir"):
         monkeypatch.setattr(os, name, wrap(getattr(os, name)))
-    monkeypatch.setattr(store_mod, "_exchange", wrap(store_mod._exchange))
+    monkeypatch.setattr(store_mod, "exchange", wrap(store_mod.exchange))
     return calls
 
 
@@ -150,7 +151,7 @@ def test_failure_at_any_step_leaves_the_store_unchanged(root, monkeypatch, adapt
     store = AdapterStore(root)
     put(store, "org/old")
     if not exchange:
-        monkeypatch.setattr(store_mod, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(store_mod, "exchange", lambda a, b: False)
     new_sha = hashlib.sha256(B[WEIGHTS]).hexdigest()
     for n in range(1, 100):
         before, meta_before = tree(root), store.get(adapter_id)
@@ -177,6 +178,7 @@ _CRASH = """
 import os, sys
 sys.path.insert(0, {repo!r})
 from adapters import store as S
+from adapters.store_meta import StoredMeta
 root, n, exchange = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
 st = S.AdapterStore(root)
 calls = [0]
@@ -188,9 +190,9 @@ def wrap(fn):
         return fn(*a, **k)
     return step
 os.fsync, os.rename = wrap(os.fsync), wrap(os.rename)
-S._exchange = wrap(S._exchange if exchange else (lambda a, b: False))
+S.exchange = wrap(S.exchange if exchange else (lambda a, b: False))
 with open(os.path.join(root, "..", "w"), "rb") as f, open(os.path.join(root, "..", "c"), "rb") as g:
-    st.put("org/x", g.read(), f.read(), S.StoredMeta("upload"), replace=True)
+    st.put("org/x", g.read(), f.read(), StoredMeta("upload"), replace=True)
 os._exit(0)
 """
 

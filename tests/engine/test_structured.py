@@ -89,6 +89,13 @@ def test_twenty_schemas_parse_and_validate_at_temperature_one(llm):
         jsonschema.validate(json.loads(out.text), schema)
 
 
+def test_keys_come_in_the_schemas_order(llm):
+    schema = {"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": S},
+              "required": ["zeta", "alpha"], "additionalProperties": False}
+    (out,) = llm.generate(["JSON:"], [guided("json_schema", schema, seed=9)])
+    assert list(json.loads(out.text)) == ["zeta", "alpha"]
+
+
 def test_json_object_regex_and_choice(llm):
     params = [guided("json_object", seed=1, max_tokens=600),
               guided("regex", r"[a-z]{3}-\d{2}", seed=2),
@@ -112,6 +119,36 @@ def test_mixed_batch_leaves_unconstrained_rows_unchanged(llm):
     assert [m.token_ids for m in mixed[:2]] == solo
     jsonschema.validate(json.loads(mixed[2].text), SCHEMAS[1])
     assert mixed[3].text in ("a", "b")
+
+
+def test_mixed_batch_across_adapters_leaves_unconstrained_rows_unchanged(demo_model,
+                                                                        demo_adapters):
+    """Constrained and unconstrained rows on different adapters (and the base model) in one
+    batch, with fewer slots than adapters: every free row equals its solo run, greedy and
+    seeded, and every constrained row still parses."""
+    llm = LLM(demo_model, max_model_len=512, max_num_seqs=16, max_loras=2)
+    for name, path in demo_adapters.items():
+        llm.add_adapter(name, path)
+    names = sorted(demo_adapters)  # chef, pirate, poet, robot
+    free = [("Tell me about the sea", SamplingParams(max_tokens=16, temperature=0.0), names[0]),
+            ("Hello there", SamplingParams(max_tokens=16, temperature=1.0, seed=11), names[1]),
+            ("What do you do?", SamplingParams(max_tokens=16, temperature=0.0), None),
+            ("A story", SamplingParams(max_tokens=16, temperature=0.8, seed=5), names[3])]
+    solo = [llm.generate(p, f, adapters=[a])[0].token_ids for p, f, a in free]
+    constrained = [("Answer in JSON:", guided("json_schema", SCHEMAS[2], seed=1), names[0]),
+                   ("Pick:", guided("choice", ["yes", "no"], seed=2), names[2]),
+                   ("Answer in JSON:", guided("json_schema", SCHEMAS[4], seed=3), None),
+                   ("Code:", guided("regex", r"[a-z]{2}\d", seed=4), names[1])]
+    rows = [free[0], constrained[0], free[1], constrained[1], free[2], constrained[2],
+            free[3], constrained[3]]
+    mixed = llm.generate([r[0] for r in rows], [r[1] for r in rows],
+                         adapters=[r[2] for r in rows])
+    assert [mixed[i].token_ids for i in (0, 2, 4, 6)] == solo
+    jsonschema.validate(json.loads(mixed[1].text), SCHEMAS[2])
+    assert mixed[3].text in ("yes", "no")
+    jsonschema.validate(json.loads(mixed[5].text), SCHEMAS[4])
+    assert re.fullmatch(r"[a-z]{2}\d", mixed[7].text)
+    assert llm.engine.scheduler.block_manager.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("bad, problem", [

@@ -85,9 +85,15 @@ def test_forced_tool_calls_parse_and_validate(client, tool_choice, allowed):
     chunks = list(client.chat.completions.create(model=ADAPTER, messages=MESSAGES, tools=TOOLS,
                                                  tool_choice=tool_choice, stream=True, seed=6,
                                                  **T1))
-    calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
-    assert len(calls) == 1 and calls[0].function.name in allowed
-    jsonschema.validate(json.loads(calls[0].function.arguments), PARAMS[calls[0].function.name])
+    pieces = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    head, *fragments = pieces  # OpenAI's shape: id, type and name first, then argument text
+    assert head.index == 0 and head.id.startswith("call_") and head.type == "function"
+    assert head.function.name in allowed and head.function.arguments == ""
+    assert len(fragments) > 1, "the arguments stream as they are generated"
+    assert all(f.index == 0 and f.id is None and f.function.name is None for f in fragments)
+    arguments = "".join(f.function.arguments for f in fragments)
+    jsonschema.validate(json.loads(arguments), PARAMS[head.function.name])
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 

@@ -1,0 +1,67 @@
+"""What the store records about each adapter: root/<id>/meta.json, and the nouns it holds.
+
+meta.json is a StoredAdapter less its path (the folder it sits in says that). A folder whose
+meta.json is missing, unreadable or names another id holds no adapter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass, field
+
+import msgspec
+
+logger = logging.getLogger(__name__)
+
+META_FILE = "meta.json"
+
+
+@dataclass(frozen=True)
+class StoredMeta:
+    """What the caller knows about an adapter it validated: filled from the LoraAdapter."""
+
+    source: str  # "upload", "hf://ORG/REPO@<commit sha>" or "/abs/dir"
+    revision: str | None = None  # the Hub revision asked for
+    rank: int = 0  # LoraAdapter.max_rank
+    targets: tuple[str, ...] = ()  # LoraAdapter.targets
+
+
+@dataclass(frozen=True)
+class StoredAdapter:
+    adapter_id: str
+    version: int  # 1 on first put; +1 on every replace, also across delete and re-put
+    sha256: str  # hex digest of adapter_model.safetensors
+    num_bytes: int  # size of adapter_model.safetensors
+    source: str
+    revision: str | None
+    rank: int
+    targets: tuple[str, ...]
+    created_at: float  # unix time of this version's put
+    path: str = field(default="", compare=False)  # folder with the PEFT files; not persisted
+
+
+def encode_meta(stored: StoredAdapter) -> bytes:
+    """meta.json's bytes for stored."""
+    record = msgspec.to_builtins(stored)
+    del record["path"]
+    return msgspec.json.format(msgspec.json.encode(record), indent=2) + b"\n"
+
+
+def read_meta(folder: str, adapter_id: str | None) -> StoredAdapter | None:
+    """The adapter stored in folder, or None if folder holds no complete adapter."""
+    try:
+        with open(os.path.join(folder, META_FILE), "rb") as f:
+            raw = f.read()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        meta = msgspec.json.decode(raw, type=StoredAdapter)
+    except msgspec.DecodeError as e:
+        logger.warning("ignoring %s: unreadable %s (%s)", folder, META_FILE, e)
+        return None
+    if adapter_id is not None and meta.adapter_id != adapter_id:
+        logger.warning("ignoring %s: its %s names %r", folder, META_FILE, meta.adapter_id)
+        return None
+    return dataclasses.replace(meta, path=folder)

@@ -1,0 +1,205 @@
+"""How an endpoint shapes engine increments: SSE chunks for a stream, or one whole response,
+in OpenAI's shapes (completions and chat, with logprobs and tool calls)."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from engine.llm_engine import RequestOutput
+from engine.sequence import TokenLogprob
+from gateway.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    Delta,
+    FunctionCall,
+    TokenLogprobOut,
+    ToolCall,
+    ToolCallChunk,
+    TopLogprob,
+    Usage,
+)
+from gateway.tool_calls import ToolCallParser, Update
+
+if TYPE_CHECKING:
+    from gateway.streaming import Choice, GenerationJob
+
+
+class TokenText:
+    """Token id -> its text as logprobs show it (special tokens included), cached."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = (self.tokenizer.decode([token_id]) if self.tokenizer is not None
+                    else f"token_id:{token_id}")
+            self._cache[token_id] = text
+        return text
+
+
+class Format:
+    """How an endpoint shapes increments: chunks for a stream, or one whole response."""
+
+    def __init__(self, job: GenerationJob, model: str, token_text: TokenText, logprobs: bool):
+        self.id, self.model, self.token_text = job.id, model, token_text
+        self.logprobs = logprobs
+        self.created = int(time.time())
+
+    def head(self, job: GenerationJob) -> list:
+        return []
+
+    def delta(self, choice: Choice, out: RequestOutput):
+        raise NotImplementedError
+
+    def finish(self, choice: Choice):
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: Usage):
+        """The stream_options.include_usage chunk: no choices, just usage."""
+        return self._chunk([], usage)
+
+    def _chunk(self, choices: list, usage: Usage | None = None):
+        raise NotImplementedError
+
+    def whole(self, job: GenerationJob, parts: dict[int, list[RequestOutput]]):
+        raise NotImplementedError
+
+
+class CompletionFormat(Format):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.offsets: dict[int, int] = {}  # text_offset of each choice's next token
+
+    def _logprobs(self, index: int, entries: list[TokenLogprob]) -> CompletionLogprobs:
+        text = self.token_text
+        tokens = [text(e.token_id) for e in entries]
+        offsets, at = [], self.offsets.get(index, 0)
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        self.offsets[index] = at
+        return CompletionLogprobs(
+            tokens=tokens, token_logprobs=[e.logprob for e in entries],
+            top_logprobs=[{text(t): lp for t, lp in e.top} for e in entries], text_offset=offsets)
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None):
+        return CompletionResponse(id=self.id, created=self.created, model=self.model,
+                                  choices=choices, usage=usage)
+
+    def delta(self, choice: Choice, out: RequestOutput):
+        logprobs = self._logprobs(choice.index, out.new_logprobs) if self.logprobs else None
+        if not out.new_text and not (logprobs and logprobs.tokens):
+            return None
+        return self._chunk([CompletionChoice(choice.index, out.new_text, logprobs, None)])
+
+    def finish(self, choice: Choice):
+        return self._chunk([CompletionChoice(choice.index, "", None, choice.finish_reason)])
+
+    def whole(self, job: GenerationJob, parts: dict[int, list[RequestOutput]]):
+        choices = []
+        for c in job.choices:
+            outs = parts[c.index]
+            logprobs = (self._logprobs(c.index, [e for o in outs for e in o.new_logprobs])
+                        if self.logprobs else None)
+            choices.append(CompletionChoice(c.index, "".join(o.new_text for o in outs),
+                                            logprobs, c.finish_reason))
+        return self._chunk(choices, job.usage)
+
+
+class ChatFormat(Format):
+    """With `tool_names` (tools in play), each choice's text goes through a ToolCallParser:
+    a call streams as OpenAI tool_call deltas (header, then argument fragments) as soon as the
+    text shows it is one, and anything else as content."""
+
+    def __init__(self, *args, tool_names: list[str] | None = None):
+        super().__init__(*args)
+        self.tool_names = tool_names
+        self.parsers: dict[int, ToolCallParser] = {}  # choice index -> its parser (tool mode)
+
+    def _tools(self, choice: Choice, text: str, finished: bool) -> Update:
+        """Content and call pieces of a choice's next text; a finished choice whose text held
+        valid calls and stopped by itself ends with finish_reason "tool_calls"."""
+        parser = self.parsers.setdefault(choice.index, ToolCallParser(self.tool_names))
+        update = parser.feed(text)
+        if finished:
+            update += parser.finish()
+            if parser.called and choice.finish_reason == "stop":
+                choice.finish_reason = "tool_calls"
+        return update
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs:
+        text = self.token_text
+
+        def top(token_id: int, logprob: float) -> TopLogprob:
+            token = text(token_id)
+            return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode()))
+
+        return ChatLogprobs(content=[
+            TokenLogprobOut(token=text(e.token_id), logprob=e.logprob,
+                            bytes=list(text(e.token_id).encode()),
+                            top_logprobs=[top(t, lp) for t, lp in e.top]) for e in entries])
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None):
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
+                                   choices=choices, usage=usage)
+
+    def head(self, job: GenerationJob) -> list:
+        return [self._chunk([ChatChunkChoice(c.index, Delta(role="assistant", content=""))])
+                for c in job.choices]
+
+    def delta(self, choice: Choice, out: RequestOutput):
+        logprobs = self._logprobs(out.new_logprobs) if self.logprobs else None
+        content, calls = out.new_text, None
+        if self.tool_names:
+            update = self._tools(choice, out.new_text, out.finished)
+            content = update.content
+            calls = [ToolCallChunk(index=p.index, id=p.id, type="function" if p.id else None,
+                                   function=FunctionCall(name=p.name, arguments=p.arguments))
+                     for p in update.calls] or None
+        if not content and calls is None and not (logprobs and logprobs.content):
+            return None
+        return self._chunk([ChatChunkChoice(
+            choice.index, Delta(content=(content or None) if calls else content, tool_calls=calls),
+            logprobs)])
+
+    def finish(self, choice: Choice):
+        return self._chunk([ChatChunkChoice(choice.index, Delta(), None, choice.finish_reason)])
+
+    def whole(self, job: GenerationJob, parts: dict[int, list[RequestOutput]]):
+        choices = []
+        for c in job.choices:
+            outs = parts[c.index]
+            logprobs = (self._logprobs([e for o in outs for e in o.new_logprobs])
+                        if self.logprobs else None)
+            text = "".join(o.new_text for o in outs)
+            message = AssistantMessage(content=text)
+            if self.tool_names:
+                update = self._tools(c, text, finished=True)
+                calls = whole_calls(update)
+                message = AssistantMessage(content=update.content or (None if calls else ""),
+                                           tool_calls=calls or None)
+            choices.append(ChatChoice(c.index, message, logprobs, c.finish_reason))
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model,
+                                      choices=choices, usage=job.usage)
+
+
+def whole_calls(update: Update) -> list[ToolCall]:
+    """Call pieces joined into whole OpenAI tool calls, in order."""
+    calls: list[ToolCall] = []
+    for piece in update.calls:
+        if piece.id is not None:
+            calls.append(ToolCall(id=piece.id, type="function",
+                                  function=FunctionCall(name=piece.name, arguments="")))
+        calls[piece.index].function.arguments += piece.arguments
+    return calls
