@@ -1,6 +1,7 @@
-"""LoRA kernels on one GPU (bf16): segmented-gather Triton vs gather-bmm vs a per-slot loop.
+"""LoRA and decode-attention kernels on one GPU (bf16).
 
     python -m benchmarks.bench_kernels_gpu --out bench_kernels.md [--quick] [--block-m auto,16,64]
+        [--kernels lora,attention]
 
 Run from the repository root (or with the project installed). For every Llama-3-8B projection
 shape x rank x batch x popularity (distinct: every token its own adapter; identical: one
@@ -15,6 +16,14 @@ bandwidth measured at start. Decode LoRA is memory-bound, so "% copy" is the ker
 efficiency. `--block-m auto,1` adds rows for the same kernels with one token per program
 (a BGMV: weights read once per token, products summed on CUDA cores instead of tl.dot): auto
 vs 1 on distinct and identical traffic is the SGMV/BGMV question of kernels/lora_triton.py.
+
+Decode attention (second table): kernels/paged_attention.py vs the engine's torch path
+(PagedAttention._decode: index_select of every context position's K/V into a padded copy, then
+SDPA under a mask; its cache_slots/mask are built outside the timing, once per step as in the
+engine) at 32 q / 8 kv heads, head_dim 128, 16-token blocks scattered at random over the pool,
+for each batch x context ("ragged": lengths uniform in [1, the largest context]). "KV GB/s" is
+the K and V bytes of the contexts (the least either path must read) over the time; "% copy" as
+above. Both outputs are checked against the float64 oracle (kernels/reference.py).
 """
 
 from __future__ import annotations
@@ -152,6 +161,86 @@ def markdown(rows: list[Row], copy_bw: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM, ATTN_BLOCK_SIZE = 32, 8, 128, 16
+
+
+@dataclass
+class AttentionRow:
+    batch: int
+    context: str          # tokens per sequence, or "ragged<=N"
+    splits: int
+    triton_us: float
+    torch_us: float
+    triton_gbps: float
+    torch_gbps: float
+    copy_fraction: float  # triton KV GB/s over device-to-device copy
+    triton_err: float     # max |got - want| / (tol + tol * |want|): <= 1 passes
+    torch_err: float
+
+    def cells(self) -> list[str]:
+        ok = lambda err: f"{err:.2f} {'ok' if err <= 1 else 'FAIL'}"
+        return [str(self.batch), self.context, str(self.splits), f"{self.triton_us:.1f}",
+                f"{self.torch_us:.1f}", f"{self.torch_us / self.triton_us:.2f}x",
+                f"{self.triton_gbps:.0f}", f"{self.torch_gbps:.0f}",
+                f"{100 * self.copy_fraction:.1f}%", ok(self.triton_err), ok(self.torch_err)]
+
+
+ATTN_HEADER = ["batch", "context", "splits", "triton us", "gather+SDPA us", "speedup",
+               "triton KV GB/s", "gather+SDPA KV GB/s", "% copy", "triton err/tol",
+               "gather+SDPA err/tol"]
+
+
+def run_attention(batch: int, context: str, max_context: int, copy_bw: float) -> AttentionRow:
+    from engine.layers.attention import PagedAttention
+    from kernels import paged_attention as pa
+    from kernels.reference import oracle_paged_attention
+
+    g = torch.Generator().manual_seed(batch)
+    lens = (torch.randint(1, max_context + 1, (batch,), generator=g) if context.startswith("ragged")
+            else torch.full((batch,), int(context)))
+    bs, n_kv, D = ATTN_BLOCK_SIZE, ATTN_KV_HEADS, ATTN_HEAD_DIM
+    need = (-(-lens // bs)).tolist()
+    width, num_blocks = max(need), sum(need) + 8
+    order = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(batch, width, dtype=torch.int32)
+    used = 0
+    for b, nb in enumerate(need):
+        tables[b, :nb] = order[used:used + nb].int()
+        used += nb
+    k_cache = torch.randn(num_blocks, bs, n_kv, D, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(batch, ATTN_HEADS, D, device="cuda", dtype=DTYPE)
+    tables, lens = tables.cuda(), lens.to(device="cuda", dtype=torch.int32)
+    scale = D ** -0.5
+
+    layer = PagedAttention(ATTN_HEADS, n_kv, D, scale)
+    k_flat, v_flat = (c.view(num_blocks * bs, n_kv, D) for c in (k_cache, v_cache))
+    slots = (tables.long()[:, :, None] * bs + torch.arange(bs, device="cuda")).flatten(1)  # [B, L]
+    mask = (torch.arange(slots.shape[1], device="cuda")[None, :] < lens[:, None])[:, None, None, :]
+    slots = slots.flatten()
+    torch_path = lambda: layer._decode(q, k_flat, v_flat, slots, mask)
+    out = torch.empty_like(q)
+    kernel = lambda: pa.paged_attention_decode(q, k_cache, v_cache, tables, lens, scale, out=out)
+
+    want = oracle_paged_attention(q, k_cache, v_cache, tables, lens, scale)
+    err = lambda got: ((got.double() - want).abs() / (TOLERANCE + TOLERANCE * want.abs())).max().item()
+    triton_err, torch_err = err(kernel()), err(torch_path())
+    t_triton, t_torch = bench_ms(kernel), bench_ms(torch_path)
+    kv_bytes = 2 * int(lens.sum()) * n_kv * D * DTYPE.itemsize
+    splits = pa.decode_config(batch, n_kv, D, q.device).num_splits
+    gbps = lambda ms: kv_bytes / (ms * 1e-3) / 1e9
+    return AttentionRow(batch, context, splits, 1e3 * t_triton, 1e3 * t_torch, gbps(t_triton),
+                        gbps(t_torch), gbps(t_triton) * 1e9 / copy_bw, triton_err, torch_err)
+
+
+def attention_markdown(rows: list[AttentionRow]) -> str:
+    lines = [f"Decode attention: {ATTN_HEADS} q / {ATTN_KV_HEADS} kv heads, head_dim "
+             f"{ATTN_HEAD_DIM}, block_size {ATTN_BLOCK_SIZE}, bf16", "",
+             "| " + " | ".join(ATTN_HEADER) + " |", "|" + "---|" * len(ATTN_HEADER)]
+    lines += ["| " + " | ".join(row.cells()) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     csv = lambda kind: (lambda s: [kind(v) for v in s.split(",")])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -163,10 +252,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--popularity", type=csv(str), default=["distinct", "identical"])
     p.add_argument("--block-m", type=csv(str), default=["auto"],
                    help="tile heights to compare: auto (the engine's rule) or powers of 2 >= 16")
-    p.add_argument("--quick", action="store_true", help="qkv, gate/up, down; ranks 16,64; batches 1,32,256")
+    p.add_argument("--kernels", type=csv(str), default=["lora", "attention"],
+                   help="which tables: lora, attention")
+    p.add_argument("--attn-batches", type=csv(int), default=[1, 16, 64])
+    p.add_argument("--attn-contexts", type=csv(str), default=["1024", "2048", "4096", "ragged"],
+                   help="tokens per sequence, or ragged (uniform in [1, the largest given])")
+    p.add_argument("--quick", action="store_true", help="qkv, gate/up, down; ranks 16,64; batches "
+                   "1,32,256; attention at batch 64, contexts 1024,4096,ragged")
     args = p.parse_args(argv)
     if args.quick:
         args.shapes, args.ranks, args.batches = ["qkv", "gate/up", "down"], [16, 64], [1, 32, 256]
+        args.attn_batches, args.attn_contexts = [64], ["1024", "4096", "ragged"]
+    if set(args.kernels) - {"lora", "attention"}:
+        p.error(f"--kernels takes lora and/or attention, got {args.kernels}")
+    if any(c != "ragged" and not c.isdigit() for c in args.attn_contexts):
+        p.error(f"--attn-contexts takes token counts and/or ragged, got {args.attn_contexts}")
     unknown = set(args.shapes) - set(SHAPES)
     if unknown:
         p.error(f"unknown shapes {sorted(unknown)}; choose from {', '.join(SHAPES)}")
@@ -182,6 +282,31 @@ def main(argv=None) -> None:
 
     copy_bw = copy_bandwidth()
     log.info("device-to-device copy: %.0f GB/s", copy_bw / 1e9)
+    tables, failed = [], 0
+    if "lora" in args.kernels:
+        rows = bench_lora(args, copy_bw)
+        tables.append(markdown(rows, copy_bw))
+        failed += sum(r.max_err > 1 for r in rows)
+    if "attention" in args.kernels:
+        numeric = [int(c) for c in args.attn_contexts if c != "ragged"]
+        max_context = max(numeric, default=4096)
+        contexts = [c if c != "ragged" else f"ragged<={max_context}" for c in args.attn_contexts]
+        configs = list(product(args.attn_batches, contexts))
+        attn_rows = [run_attention(batch, context, max_context, copy_bw)
+                     for batch, context in tqdm(configs, desc="decode attention")]
+        tables.append(attention_markdown(attn_rows))
+        failed += sum(max(r.triton_err, r.torch_err) > 1 for r in attn_rows)
+    report = "\n".join(tables)
+    with open(args.out, "w") as f:
+        f.write(report)
+    print(report)
+    if failed:
+        raise SystemExit(f"{failed} configurations exceed the bf16 tolerance; see {args.out}")
+
+
+def bench_lora(args: argparse.Namespace, copy_bw: float) -> list[Row]:
+    from tqdm import tqdm
+
     num_slots = max(args.batches)  # distinct popularity gives every token its own slot
     rows = []
     configs = list(product(args.shapes, args.ranks))
@@ -193,13 +318,7 @@ def main(argv=None) -> None:
                 bar.update()
             del weights
             torch.cuda.empty_cache()
-    table = markdown(rows, copy_bw)
-    with open(args.out, "w") as f:
-        f.write(table)
-    print(table)
-    failed = [r for r in rows if r.max_err > 1]
-    if failed:
-        raise SystemExit(f"{len(failed)} configurations exceed the bf16 tolerance; see {args.out}")
+    return rows
 
 
 if __name__ == "__main__":

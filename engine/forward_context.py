@@ -16,8 +16,12 @@ import torch
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token
-    # Decode rows: one query token each, batched with padded block tables.
+    # Decode rows: one query token each, batched with padded block tables. The model runner
+    # fills the kernel's fields whenever there are decode rows, the torch path's only when some
+    # layer decodes with it (engine/layers/attention.py says which).
     num_decode_tokens: int  # decode tokens come first in the batch: rows [0, num_decode_tokens)
+    decode_block_tables: torch.Tensor | None  # [D, max_blocks] int32, padded with 0 (never read)
+    decode_context_lens: torch.Tensor | None  # [D] int32: tokens in cache after this step
     decode_cache_slots: torch.Tensor | None  # [D * L] int64: cache slot of every context position
     decode_mask: torch.Tensor | None  # [D, 1, 1, L] bool: position < context length
     # Prefill rows (fresh prompts or chunks of them), one SDPA call per sequence.

@@ -31,6 +31,9 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # torch and/or triton (engine/layers/attention.py): which decode addressing to build
+        self.decode_backends = {attn.decode_backend(self.device)
+                                for attn in self.model.attention_layers()}
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_kv_blocks,
                     self.block_size, self.kv_cache_bytes / 2**20)
         self.lora_manager = None  # set by the engine when adapters are enabled
@@ -61,15 +64,19 @@ class ModelRunner:
         return blocks
 
     def _decode_addressing(self, tables: list[list[int]], context_lens: list[int]):
-        """Cache slot of every context position of every decode row, and the padding mask,
-        built once per step and shared by all layers."""
-        blocks = _pad(tables, self.device)  # [B, max_blocks]
+        """The decode rows' KV addressing, built once per step and shared by all layers:
+        (block_tables [B, max_blocks] int32, context_lens [B] int32) for the Triton kernel, and
+        (cache_slots [B * L] int64, mask [B, 1, 1, L] bool) for the torch path, or None, None
+        when no layer decodes with torch."""
+        blocks = _pad(tables, self.device)  # [B, max_blocks] int32
+        lens = torch.tensor(context_lens, dtype=torch.int32, device=self.device)  # [B]
+        if "torch" not in self.decode_backends:
+            return blocks, lens, None, None
         offsets = torch.arange(self.block_size, device=self.device)
-        cache_slots = (blocks[:, :, None] * self.block_size + offsets).flatten(1)  # [B, L]
-        lens = torch.tensor(context_lens, device=self.device)
+        cache_slots = (blocks.long()[:, :, None] * self.block_size + offsets).flatten(1)  # [B, L]
         positions = torch.arange(cache_slots.shape[1], device=self.device)
         mask = (positions[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
-        return cache_slots.flatten(), mask
+        return blocks, lens, cache_slots.flatten(), mask
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, lora_meta=None, lora_backend: str = "torch"):
@@ -99,11 +106,14 @@ class ModelRunner:
                 sample_rows.append(row - 1)
 
         to_device = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)
-        cache_slots, mask = (self._decode_addressing(decode_tables, decode_ctx) if decode_tables
-                             else (None, None))
+        block_tables, context_lens, cache_slots, mask = (
+            self._decode_addressing(decode_tables, decode_ctx) if decode_tables
+            else (None, None, None, None))
         attn = AttentionMetadata(
             slot_mapping=to_device(slots),
             num_decode_tokens=batch.num_decode,
+            decode_block_tables=block_tables,
+            decode_context_lens=context_lens,
             decode_cache_slots=cache_slots,
             decode_mask=mask,
             prefill_query_starts=prefill_starts,
@@ -122,7 +132,7 @@ class ModelRunner:
 def _pad(tables: list[list[int]], device: torch.device) -> torch.Tensor:
     width = max(len(t) for t in tables)
     padded = [t + [0] * (width - len(t)) for t in tables]
-    return torch.tensor(padded, dtype=torch.long, device=device)  # [B, max_blocks]
+    return torch.tensor(padded, dtype=torch.int32, device=device)  # [B, max_blocks]
 
 
 def _available_host_memory() -> int:

@@ -13,7 +13,9 @@ which way is decided once per step (kernels/cpu_dispatch.py).
 Math runs in float32 whatever the input dtype (bf16 matmuls on CPU are ~100x slower than
 fp32, and the kernels accumulate in fp32 too).
 
-`oracle_shrink` / `oracle_apply` are the float64 per-token loops the tests compare against.
+`oracle_shrink` / `oracle_apply` are the float64 per-token loops the tests compare against;
+`oracle_paged_attention` is the meaning of kernels/paged_attention.py (decode attention read
+through block tables), gathered per sequence and computed in float64.
 """
 
 from __future__ import annotations
@@ -195,3 +197,29 @@ def oracle_apply(out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, ranks: 
     """float64 shrink then expand, per token. Returns the expected out: [T, O] float64."""
     y = oracle_shrink(x, lora_a, ranks, token_slots)
     return oracle_expand(out, y, lora_b, ranks, scales, slice_offsets, token_slots)
+
+
+def oracle_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                           context_lens: Tensor, scale: float) -> Tensor:
+    """out[b, h] = softmax(scale * q[b, h] @ K[b, :, h // G].T) @ V[b, :, h // G] in float64,
+    K[b, t] = k_cache[block_tables[b, t // block_size], t % block_size] for t < context_lens[b].
+
+    q: [B, n_heads, D]   k_cache, v_cache: [N, block_size, n_kv, D]   block_tables: [B, W]
+    context_lens: [B]. Returns out: [B, n_heads, D] float64 on q's device (zeros where the
+    context is empty). Only the table's blocks, up to the context length, are read.
+    """
+    B, n_heads, D = q.shape
+    block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
+    group = n_heads // n_kv
+    out = torch.zeros(B, n_heads, D, dtype=torch.float64, device=q.device)
+    for b, length in enumerate(context_lens.tolist()):
+        if not length:
+            continue
+        blocks = block_tables[b, :-(-length // block_size)].long()           # [nb]
+        k = k_cache[blocks].flatten(0, 1)[:length].double()                  # [L, n_kv, D]
+        v = v_cache[blocks].flatten(0, 1)[:length].double()
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)                # [n_heads, L, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = scale * (k @ q[b].double().unsqueeze(2)).squeeze(2)         # [n_heads, L]
+        out[b] = (scores.softmax(dim=-1).unsqueeze(1) @ v).squeeze(1)        # [n_heads, D]
+    return out
