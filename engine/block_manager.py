@@ -1,25 +1,37 @@
-"""KV-cache blocks: a free list and each sequence's block table."""
+"""KV-cache blocks: ref-counted blocks, a free list, the prefix cache, each sequence's table.
+
+A block is referenced (ref_count > 0) while some sequence's block table holds it; with prefix
+caching several sequences may hold the same full block. Unreferenced blocks are free: truly
+free ones (no content worth keeping) and cached ones (full, hashed, in the prefix cache's LRU).
+Allocation takes truly free blocks first, then evicts the least recently freed cached one.
+`num_free_blocks` counts both kinds, so `num_used_blocks == 0` means no block is referenced.
+"""
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence as Ids
 
+from engine.prefix_cache import Block, PrefixCache, block_hash
 from engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: deque[int] = deque(range(num_blocks))  # unreferenced, unhashed
+        self.cache = PrefixCache()
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return len(self.free_block_ids) + len(self.cache.evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_block_ids)
+        return self.num_blocks - self.num_free_blocks
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -27,17 +39,92 @@ class BlockManager:
     def num_missing_blocks(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
 
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether `seq` can hold its first `num_tokens` tokens in the cache."""
-        return self.num_missing_blocks(seq, num_tokens) <= len(self.free_block_ids)
+    # ---- prefix matching --------------------------------------------------------------------
+    def match(self, seq: Sequence) -> list[int]:
+        """Ids of the cached blocks holding the longest run of `seq`'s leading full blocks under
+        `seq.cache_key`; changes nothing. At most (num_tokens - 1) // block_size blocks: at least
+        one token is left to compute, so the step yields logits, and its K/V go to a block of
+        the sequence's own, never into a shared one."""
+        if not self.enable_prefix_caching:
+            return []
+        hit: list[int] = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block = self.cache.get(self._hash(seq, i))
+            if block is None:
+                break
+            hit.append(block.block_id)
+        return hit
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        missing = self.num_missing_blocks(seq, num_tokens)
-        assert missing <= len(self.free_block_ids), "allocate() without can_allocate()"
-        seq.block_table.extend(self.free_block_ids.popleft() for _ in range(missing))
+    def _hash(self, seq: Sequence, index: int) -> bytes:
+        """The hash of `seq`'s full block `index`, chained from its earlier ones (memoised)."""
+        hashes, size = seq.block_hashes, self.block_size
+        while len(hashes) <= index:
+            i = len(hashes)
+            hashes.append(block_hash(hashes[-1] if hashes else None,
+                                     seq.token_ids[i * size:(i + 1) * size], seq.cache_key))
+        return hashes[index]
+
+    # ---- allocation -------------------------------------------------------------------------
+    def can_allocate(self, seq: Sequence, num_tokens: int, cached: Ids[int] = ()) -> bool:
+        """Whether `seq` can hold its first `num_tokens` tokens, sharing `cached` (from match())
+        as its first blocks. A cached block nobody references leaves the free pool when shared."""
+        revived = sum(self.blocks[b].ref_count == 0 for b in cached)
+        missing = max(0, self.blocks_for(num_tokens) - len(seq.block_table) - len(cached))
+        return missing + revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_tokens: int, cached: Ids[int] = ()) -> None:
+        """Give `seq` blocks for its first `num_tokens` tokens. On admission (an empty block
+        table) it first shares `cached`, whose tokens then count as computed."""
+        assert self.can_allocate(seq, num_tokens, cached), "allocate() without can_allocate()"
+        if not seq.block_table:
+            self._share(seq, cached)
+        else:
+            assert not cached, "a running sequence matched its prefix again"
+        for _ in range(self.num_missing_blocks(seq, num_tokens)):
+            seq.block_table.append(self._take().block_id)
+
+    def _share(self, seq: Sequence, cached: Ids[int]) -> None:
+        for block_id in cached:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                self.cache.revive(block)
+            block.ref_count += 1
+        seq.block_table.extend(cached)
+        seq.num_computed_tokens = len(cached) * self.block_size
+        if seq.num_cached_tokens is None:  # the first admission; a preempted one re-matches
+            seq.num_cached_tokens = seq.num_computed_tokens
+        if self.enable_prefix_caching:
+            self.cache.stats.queries += seq.num_tokens
+            self.cache.stats.hits += seq.num_computed_tokens
+
+    def _take(self) -> Block:
+        block = (self.blocks[self.free_block_ids.popleft()] if self.free_block_ids
+                 else self.cache.evict())
+        assert block.ref_count == 0 and block.hash is None
+        block.ref_count = 1
+        return block
+
+    def mark_computed(self, seq: Sequence, num_new: int) -> None:
+        """A step wrote the K/V of `seq`'s next `num_new` tokens; the blocks this filled join
+        the prefix cache (prefill chunks and decode alike)."""
+        first = seq.num_computed_tokens // self.block_size  # the first block not yet full
+        seq.num_computed_tokens += num_new
+        if self.enable_prefix_caching:
+            for i in range(first, seq.num_computed_tokens // self.block_size):
+                self.cache.register(self.blocks[seq.block_table[i]], self._hash(seq, i))
 
     def free(self, seq: Sequence) -> None:
-        self.free_block_ids.extend(seq.block_table)
+        """Drop `seq`'s references. Cached blocks are freed tail first, so a sequence's last
+        blocks are evicted before its prefix, the part other requests are likelier to share."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"block {block_id} freed more often than taken"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is not None:
+                    self.cache.park(block)
+                else:
+                    self.free_block_ids.append(block_id)
         seq.block_table.clear()
         seq.num_computed_tokens = 0
-        assert len(self.free_block_ids) <= self.num_blocks
+        assert self.num_free_blocks <= self.num_blocks

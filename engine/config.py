@@ -39,6 +39,9 @@ class Config:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
+    # Reuse the KV blocks of earlier requests with the same leading tokens and adapter version
+    # (vLLM V1's default). Off: every prompt is prefilled in full.
+    enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
     max_model_len: int | None = None
     # Fraction of free memory the KV cache may take when num_kv_blocks is not given.

@@ -22,6 +22,7 @@ class GenerationOutput:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     adapter: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class LLM:
@@ -30,10 +31,11 @@ class LLM:
                  num_kv_blocks: int | None = None, max_model_len: int | None = None,
                  max_loras: int = 4, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
                  lora_backend: str = "auto", lora_starvation_steps: int | None = 32,
-                 seed: int = 0):
+                 seed: int = 0, enable_prefix_caching: bool = True):
         self.config = Config(model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                              num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
+                             enable_prefix_caching=enable_prefix_caching,
                              max_loras=max_loras, max_lora_rank=max_lora_rank,
                              max_cpu_loras=max_cpu_loras,
                              lora_backend=lora_backend,
@@ -78,6 +80,7 @@ class LLM:
                     result.token_ids.extend(out.new_token_ids)
                     result.text += out.new_text
                     result.logprobs.extend(out.new_logprobs)
+                    result.num_cached_tokens = out.num_cached_tokens
                     if out.finished:
                         result.finish_reason = out.finish_reason
                         result.stop_reason = out.stop_reason

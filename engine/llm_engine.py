@@ -42,6 +42,7 @@ class RequestOutput:
     stop_reason: str | int | None  # the stop string or stop token that ended it
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
 
 
 @dataclass(slots=True)
@@ -59,7 +60,8 @@ class LLMEngine:
         self.tokenizer = _try_load_tokenizer(config.model)
         self.runner = ModelRunner(config)
         self.vocab_size = self.runner.args.vocab_size
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching)
         self.lora = LoRAManager(config, self.runner.model, self.runner.device, self.runner.dtype)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                    self.block_manager, slots=self.lora)
@@ -167,7 +169,7 @@ class LLMEngine:
         masks = self._fill_masks(sampling)  # on the mask thread, during the forward pass
         logits = self.runner.run(batch, lora_meta, self.lora.backend)  # [num_sampling, vocab]
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += num_new
+            self.block_manager.mark_computed(seq, num_new)
         if not sampling:
             return []
         sampled = self.sampler(logits, sampling, masks.result() if masks else None)
@@ -229,7 +231,7 @@ class LLMEngine:
         seq = request.seq
         return RequestOutput(seq.request_id, tokens, text, logprobs, seq.is_finished,
                              seq.finish_reason, request.stop_reason, seq.num_prompt_tokens,
-                             seq.num_output_tokens)
+                             seq.num_output_tokens, seq.num_cached_tokens or 0)
 
     # ---- introspection (metrics, tests) ---------------------------------------------------
     @property

@@ -234,6 +234,12 @@ class LoRAManager:
         seq.lora_slot = index
         return True
 
+    def version(self, adapter: str) -> int:
+        """The version acquire() gives a sequence: the registered one (0 if unknown, then
+        acquire() refuses it anyway). Its prefix-cache key, so old versions' blocks never match."""
+        entry = self.adapters.get(adapter)
+        return entry.version if entry is not None else 0
+
     def release(self, seq: Sequence) -> None:
         if seq.adapter is None:
             return

@@ -2,9 +2,12 @@
 
 Each step the running sequences go first (one token each when decoding, the next chunk when
 their prompt is still being prefilled), then waiting sequences are admitted while the token
-budget, `max_num_seqs`, KV blocks and adapter slots allow. A prompt larger than the budget is
-prefilled in chunks across steps. When KV blocks run out, the most recently admitted running
-sequence is preempted: its blocks are freed and it is recomputed later from its tokens.
+budget, `max_num_seqs`, KV blocks and adapter slots allow. An admitted sequence first shares
+the longest run of its full blocks already in the prefix cache (same tokens, same adapter
+version) and computes only the rest. A prompt larger than the budget is prefilled in chunks
+across steps. When KV blocks run out, the most recently admitted running sequence is
+preempted: its blocks are freed and it is recomputed later from its tokens (sharing again
+whatever of its blocks is still cached).
 
 Adapter slots and aging. A waiting sequence whose adapter has no slot is skipped and the ones
 behind it go ahead, so a busy resident adapter could keep its slot forever. Every step a
@@ -33,6 +36,9 @@ class SlotPolicy(Protocol):
 
     def acquire(self, seq: Sequence) -> bool: ...
     def release(self, seq: Sequence) -> None: ...
+
+    def version(self, adapter: str) -> int:
+        """The version of `adapter`'s weights that acquire() would run a sequence with now."""
 
     def drain_for(self, waited: int) -> str | None:
         """The resident adapter that should admit no new sequences, so that its slot drains for
@@ -110,8 +116,11 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + num_new):
+            seq.set_cache_key(self._cache_key(seq))
+            cached = self.block_manager.match(seq)
+            num_computed = len(cached) * self.block_manager.block_size
+            num_new = min(seq.num_tokens - num_computed, budget)
+            if not self.block_manager.can_allocate(seq, num_computed + num_new, cached):
                 break
             self.waiting.popleft()
             if not self._takes_slot(seq):
@@ -119,7 +128,7 @@ class Scheduler:
                 self.slot_waits[seq] = self.slot_waits.get(seq, 0) + 1
                 continue
             self.slot_waits.pop(seq, None)
-            self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
+            self.block_manager.allocate(seq, num_computed + num_new, cached)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append((seq, num_new))
@@ -135,6 +144,12 @@ class Scheduler:
             logger.info("adapter %s admits no new requests until its slot drains: a request "
                         "has waited %d steps for a slot", draining, waited)
         self.draining = draining
+
+    def _cache_key(self, seq: Sequence) -> tuple[str, int] | None:
+        """The weights `seq` would run with if admitted now, which its KV blocks then hold."""
+        if seq.adapter is None:
+            return None
+        return seq.adapter, self.slots.version(seq.adapter) if self.slots is not None else 0
 
     def _takes_slot(self, seq: Sequence) -> bool:
         if self.slots is None or seq.adapter is None:

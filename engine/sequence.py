@@ -31,8 +31,10 @@ _ids = itertools.count()
 class Sequence:
     """One request's tokens, KV blocks and progress. Prompt and outputs share `token_ids`.
 
-    The scheduler fills `block_table` and `num_computed_tokens`; the sampler appends to
-    `token_ids`; the engine sets `finish_reason` (and the detokenizer `stop_reason`).
+    The scheduler fills `block_table` and `num_computed_tokens` (through the block manager),
+    and `cache_key` on admission; the block manager memoises `block_hashes` and sets
+    `num_cached_tokens`; the sampler appends to `token_ids`; the engine sets `finish_reason`
+    (and the detokenizer `stop_reason`).
     """
 
     prompt_token_ids: list[int]
@@ -44,6 +46,10 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    # The adapter weights its K/V come from: (adapter, version), None for the base model.
+    cache_key: tuple[str, int] | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, under cache_key
+    num_cached_tokens: int | None = None  # prompt tokens found cached at its first admission
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprob] = field(default_factory=list)
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
@@ -57,6 +63,12 @@ class Sequence:
             self.request_id = str(self.seq_id)
         if self.params.seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    def set_cache_key(self, key: tuple[str, int] | None) -> None:
+        """Run under `key` from now on; hashes made under another adapter version are void."""
+        if key != self.cache_key:
+            self.cache_key = key
+            self.block_hashes.clear()
 
     @property
     def num_prompt_tokens(self) -> int:

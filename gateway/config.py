@@ -31,6 +31,7 @@ class ServerConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
     max_loras: int = 4
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
@@ -133,6 +134,8 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "max_model_len": (int, "context window in tokens (default: the model's)"),
     "max_num_seqs": (int, "sequences decoded together per step"),
     "max_num_batched_tokens": (int, "tokens per engine step (prefill chunk budget)"),
+    "enable_prefix_caching": (bool, "reuse the KV cache of earlier requests' shared prompt "
+                                    "prefixes (per adapter version)"),
     "max_loras": (int, "adapter slots on the device"),
     "max_lora_rank": (int, "largest adapter rank accepted"),
     "max_cpu_loras": (int, "adapters kept in host memory (default: unbounded)"),
@@ -177,8 +180,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         shown = "" if default in (None, ()) else f"; default {default}"
         full_help = f"{help_text} (env {_env(name)}{shown})"
         flag = "--" + _flag(name)
-        if kind is bool:
-            parser.add_argument(flag, action="store_const", const=True, default=None,
+        if kind is bool:  # --flag / --no-flag: a flag that defaults on can be turned off
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                 help=full_help)
         elif kind is list:
             parser.add_argument(flag, action="append", default=None, metavar=name.upper(),

@@ -39,6 +39,8 @@ class EngineSnapshot:
     loads: dict[str, int] = field(default_factory=dict)
     evictions: dict[str, int] = field(default_factory=dict)
     hits: dict[str, int] = field(default_factory=dict)
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # of those, tokens found cached
 
     @property
     def kv_blocks_used(self) -> int:
@@ -132,7 +134,12 @@ class _LiveCollector(Collector):
             yield adapters
             for name, doc, value in (("preemptions", "Sequences preempted", snap.preemptions),
                                      ("engine_step_errors", "Engine steps that failed",
-                                      snap.step_errors)):
+                                      snap.step_errors),
+                                     ("prefix_cache_queries", "Tokens looked up in the prefix "
+                                      "cache when sequences were admitted",
+                                      snap.prefix_cache_queries),
+                                     ("prefix_cache_hits", "Tokens found in the prefix cache "
+                                      "(their prefill skipped)", snap.prefix_cache_hits)):
                 family = CounterMetricFamily(f"loragw_{name}", doc)
                 family.add_metric([], value)
                 yield family

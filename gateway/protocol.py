@@ -103,10 +103,15 @@ class UnloadLoRAAdapterRequest(Struct):
 
 
 # ---- responses -----------------------------------------------------------------------------
+class PromptTokensDetails(Struct):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(Struct):

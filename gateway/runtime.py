@@ -65,7 +65,8 @@ class Runtime:
         assert c.model is not None, "resolve --demo into a model path before starting"
         return Config(model=c.model, device=c.device, dtype=c.dtype, max_num_seqs=c.max_num_seqs,
                       max_num_batched_tokens=c.max_num_batched_tokens,
-                      max_model_len=c.max_model_len, max_loras=c.max_loras,
+                      max_model_len=c.max_model_len,
+                      enable_prefix_caching=c.enable_prefix_caching, max_loras=c.max_loras,
                       max_lora_rank=c.max_lora_rank, max_cpu_loras=c.max_cpu_loras,
                       lora_starvation_steps=c.lora_starvation_steps or None)
 
@@ -207,4 +208,6 @@ def take_snapshot(llm: LLMEngine) -> EngineSnapshot:
         preemptions=llm.scheduler.num_preemptions,
         loads={"device": stats.device_loads, "host": stats.host_loads},
         evictions={"device": stats.device_evictions, "host": stats.host_evictions},
-        hits={"device": stats.device_hits})
+        hits={"device": stats.device_hits},
+        prefix_cache_queries=llm.block_manager.cache.stats.queries,
+        prefix_cache_hits=llm.block_manager.cache.stats.hits)

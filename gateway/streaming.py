@@ -26,6 +26,7 @@ from gateway.protocol import (
     SSE_DONE,
     ErrorBody,
     ErrorResponse,
+    PromptTokensDetails,
     Usage,
     sse,
 )
@@ -61,6 +62,7 @@ class Choice:
     finished: bool = False
     finish_reason: str | None = None
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0  # of its prompt's tokens, found in the prefix cache
     first_token_at: float | None = None
 
 
@@ -90,8 +92,15 @@ class GenerationJob:
         prompts = {c.prompt_index: c.num_prompt_tokens for c in self.choices}
         prompt = sum(prompts.values())
         completion = sum(c.num_output_tokens for c in self.choices)
+        # Each prompt counts once (as in prompt_tokens) with what every one of its choices
+        # found cached, so cached_tokens never exceeds prompt_tokens.
+        cached: dict[int, int] = {}
+        for c in self.choices:
+            cached[c.prompt_index] = min(cached.get(c.prompt_index, c.num_cached_tokens),
+                                         c.num_cached_tokens)
         return Usage(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion)
+                     total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(sum(cached.values())))
 
     @property
     def num_unfinished(self) -> int:
@@ -140,6 +149,7 @@ class GenerationJob:
         if choice.first_token_at is None and out.new_token_ids:
             choice.first_token_at = now
         choice.num_output_tokens = out.num_output_tokens
+        choice.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             choice.finished, choice.finish_reason = True, out.finish_reason
             ttft = None if choice.first_token_at is None else choice.first_token_at - self.arrival
@@ -162,7 +172,7 @@ class GenerationJob:
                 spawn(self.engine.abort(choice.request_id))
             self._deliver(choice, RequestOutput(
                 choice.request_id, [], "", [], True, "abort", None, choice.num_prompt_tokens,
-                choice.num_output_tokens))
+                choice.num_output_tokens, choice.num_cached_tokens))
 
     def close(self) -> None:
         """Abort what is unfinished and give the capacity back; idempotent, synchronous."""
