@@ -5,6 +5,12 @@ caching several sequences may hold the same full block. Unreferenced blocks are 
 free ones (no content worth keeping) and cached ones (full, hashed, in the prefix cache's LRU).
 Allocation takes truly free blocks first, then evicts the least recently freed cached one.
 `num_free_blocks` counts both kinds, so `num_used_blocks == 0` means no block is referenced.
+
+A block joins the prefix cache when it is allocated for a step that will fill it, not after
+that step ran (as vLLM V1 does): requests admitted in the same step then share it at once,
+which matters most for a burst of requests with one system prompt. That is sound because each
+layer writes every row's new K/V into the cache before any row's attention reads it. If the
+step fails, `rollback()` drops the blocks it registered: their K/V were never written.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))  # unreferenced, unhashed
         self.cache = PrefixCache()
+        self.registered_this_step: list[Block] = []  # filled by this step; see rollback()
 
     @property
     def num_free_blocks(self) -> int:
@@ -82,6 +89,12 @@ class BlockManager:
             assert not cached, "a running sequence matched its prefix again"
         for _ in range(self.num_missing_blocks(seq, num_tokens)):
             seq.block_table.append(self._take().block_id)
+        if self.enable_prefix_caching:  # the blocks this step's tokens will fill
+            first_unfilled = seq.num_computed_tokens // self.block_size
+            for i in range(first_unfilled, num_tokens // self.block_size):
+                block = self.blocks[seq.block_table[i]]
+                if self.cache.register(block, self._hash(seq, i)):
+                    self.registered_this_step.append(block)
 
     def _share(self, seq: Sequence, cached: Ids[int]) -> None:
         for block_id in cached:
@@ -105,13 +118,20 @@ class BlockManager:
         return block
 
     def mark_computed(self, seq: Sequence, num_new: int) -> None:
-        """A step wrote the K/V of `seq`'s next `num_new` tokens; the blocks this filled join
-        the prefix cache (prefill chunks and decode alike)."""
-        first = seq.num_computed_tokens // self.block_size  # the first block not yet full
+        """A step wrote the K/V of `seq`'s next `num_new` tokens."""
         seq.num_computed_tokens += num_new
-        if self.enable_prefix_caching:
-            for i in range(first, seq.num_computed_tokens // self.block_size):
-                self.cache.register(self.blocks[seq.block_table[i]], self._hash(seq, i))
+
+    def commit(self) -> None:
+        """The step ran: the blocks it registered hold their K/V now."""
+        self.registered_this_step.clear()
+
+    def rollback(self) -> None:
+        """The step failed: forget the blocks it registered (their K/V were never written);
+        the engine then fails the requests that held them."""
+        for block in self.registered_this_step:
+            if self.cache.forget(block) and block.ref_count == 0:
+                self.free_block_ids.append(block.block_id)
+        self.registered_this_step.clear()
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references. Cached blocks are freed tail first, so a sequence's last

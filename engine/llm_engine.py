@@ -164,10 +164,15 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        lora_meta = self.lora.prepare(batch)  # None when no row has an adapter
-        sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
-        masks = self._fill_masks(sampling)  # on the mask thread, during the forward pass
-        logits = self.runner.run(batch, lora_meta, self.lora.backend)  # [num_sampling, vocab]
+        try:
+            lora_meta = self.lora.prepare(batch)  # None when no row has an adapter
+            sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+            masks = self._fill_masks(sampling)  # on the mask thread, during the forward pass
+            logits = self.runner.run(batch, lora_meta, self.lora.backend)  # [num_sampling, V]
+        except BaseException:
+            self.block_manager.rollback()  # blocks registered for this step hold no K/V
+            raise
+        self.block_manager.commit()
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             self.block_manager.mark_computed(seq, num_new)
         if not sampling:

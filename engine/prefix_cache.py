@@ -69,14 +69,26 @@ class PrefixCache:
     def get(self, h: bytes) -> Block | None:
         return self.by_hash.get(h)
 
-    def register(self, block: Block, h: bytes) -> None:
-        """`block` just became full with content hash `h`."""
+    def register(self, block: Block, h: bytes) -> bool:
+        """`block` is being filled with content hash `h`; whether it joined the cache now."""
         assert block.hash in (None, h), "a cached block changed content"
         if block.hash is None and h not in self.by_hash:
             block.hash = h
             self.by_hash[h] = block
+            return True
         # else: cached already, or a duplicate of a cached block (two sequences computed the
-        # same prefix in one step); the duplicate stays unhashed and is freed as a plain block.
+        # same prefix); the duplicate stays unhashed and is freed as a plain block.
+        return False
+
+    def forget(self, block: Block) -> bool:
+        """Drop `block` from the cache (its K/V are not what its hash says); whether it was in
+        it. An unreferenced block leaves the LRU too: the caller frees it."""
+        if block.hash is None or self.by_hash.get(block.hash) is not block:
+            return False
+        del self.by_hash[block.hash]
+        block.hash = None
+        self.evictable.pop(block.block_id, None)
+        return True
 
     def park(self, block: Block) -> None:
         """No sequence references `block` any more: keep its K/V until the space is needed."""

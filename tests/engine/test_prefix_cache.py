@@ -203,6 +203,37 @@ def test_a_repeated_prompt_recomputes_only_its_last_block(tiny_checkpoint):
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
+def test_a_burst_shares_the_prefix_within_one_step(tiny_checkpoint):
+    """All five requests arrive together: the first one's prefix blocks are registered when
+    allocated, so the others, admitted in the same step, share them at once."""
+    path = tiny_checkpoint("llama")
+    prompts = shared_prefix_prompts(512)
+    expected = hf_greedy(path, prompts)
+    llm = LLM(path, device="cpu", dtype="float32", block_size=BS)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert [o.num_cached_tokens for o in outs] == [0] + [PREFIX // BS * BS] * 4
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_a_failed_step_forgets_the_blocks_it_registered(tiny_checkpoint, monkeypatch):
+    path = tiny_checkpoint("llama")
+    prompt = shared_prefix_prompts(512)[0]
+    llm = LLM(path, device="cpu", dtype="float32", block_size=BS)
+    engine = llm.engine
+    real_run = engine.runner.run
+    monkeypatch.setattr(engine.runner, "run", lambda *a, **kw: 1 / 0)
+    request_id = engine.add_request(prompt, GREEDY)
+    with pytest.raises(ZeroDivisionError):
+        engine.step()
+    assert len(engine.block_manager.cache) == 0, "blocks whose K/V were never written stay cached"
+    engine.abort(request_id)  # what AsyncEngine does with the requests of a failed step
+    monkeypatch.setattr(engine.runner, "run", real_run)
+    out = llm.generate([prompt], GREEDY)[0]
+    assert out.num_cached_tokens == 0 and out.token_ids == hf_greedy(path, [prompt])[0]
+    assert engine.block_manager.num_used_blocks == 0
+
+
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> World:
     return World(str(tmp_path_factory.mktemp("prefix-cache-lora")))
