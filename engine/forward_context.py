@@ -22,7 +22,7 @@ class AttentionMetadata:
     num_decode_tokens: int  # decode tokens come first in the batch: rows [0, num_decode_tokens)
     decode_block_tables: torch.Tensor | None  # [D, max_blocks] int32, padded with 0 (never read)
     decode_context_lens: torch.Tensor | None  # [D] int32: tokens in cache after this step
-    decode_cache_slots: torch.Tensor | None  # [D * L] int64: cache slot of every context position
+    decode_block_ids: torch.Tensor | None  # [D * max_blocks] int64: the block tables, flat
     decode_mask: torch.Tensor | None  # [D, 1, 1, L] bool: position < context length
     # Prefill rows (fresh prompts or chunks of them), one SDPA call per sequence.
     prefill_query_starts: list[int]  # start row of each prefill sequence in the batch

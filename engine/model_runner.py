@@ -66,17 +66,15 @@ class ModelRunner:
     def _decode_addressing(self, tables: list[list[int]], context_lens: list[int]):
         """The decode rows' KV addressing, built once per step and shared by all layers:
         (block_tables [B, max_blocks] int32, context_lens [B] int32) for the Triton kernel, and
-        (cache_slots [B * L] int64, mask [B, 1, 1, L] bool) for the torch path, or None, None
-        when no layer decodes with torch."""
+        (block_ids [B * max_blocks] int64, mask [B, 1, 1, L = max_blocks * block_size] bool) for
+        the torch path, or None, None when no layer decodes with torch."""
         blocks = _pad(tables, self.device)  # [B, max_blocks] int32
         lens = torch.tensor(context_lens, dtype=torch.int32, device=self.device)  # [B]
         if "torch" not in self.decode_backends:
             return blocks, lens, None, None
-        offsets = torch.arange(self.block_size, device=self.device)
-        cache_slots = (blocks.long()[:, :, None] * self.block_size + offsets).flatten(1)  # [B, L]
-        positions = torch.arange(cache_slots.shape[1], device=self.device)
+        positions = torch.arange(blocks.shape[1] * self.block_size, device=self.device)
         mask = (positions[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
-        return blocks, lens, cache_slots.flatten(), mask
+        return blocks, lens, blocks.flatten().long(), mask
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, lora_meta=None, lora_backend: str = "torch"):
@@ -106,7 +104,7 @@ class ModelRunner:
                 sample_rows.append(row - 1)
 
         to_device = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)
-        block_tables, context_lens, cache_slots, mask = (
+        block_tables, context_lens, block_ids, mask = (
             self._decode_addressing(decode_tables, decode_ctx) if decode_tables
             else (None, None, None, None))
         attn = AttentionMetadata(
@@ -114,7 +112,7 @@ class ModelRunner:
             num_decode_tokens=batch.num_decode,
             decode_block_tables=block_tables,
             decode_context_lens=context_lens,
-            decode_cache_slots=cache_slots,
+            decode_block_ids=block_ids,
             decode_mask=mask,
             prefill_query_starts=prefill_starts,
             prefill_query_lens=prefill_lens,
