@@ -344,6 +344,24 @@ def test_engine_values_become_loragw_serve_flags():
     assert all(isinstance(a, str) for a in container["args"]), "args are strings"
 
 
+def test_prefix_caching_and_slot_aging_reach_the_server_and_parse_as_its_flags():
+    import argparse
+
+    from gateway.config import add_serve_arguments
+
+    default = gateway(render())
+    assert "--enable-prefix-caching" in default["args"]
+    assert flag(default, "--lora-starvation-steps") == ["32"]
+    off = gateway(render({"engine": {"enablePrefixCaching": False, "loraStarvationSteps": 0}}))
+    assert "--no-enable-prefix-caching" in off["args"] and "--enable-prefix-caching" not in off["args"]
+    assert flag(off, "--lora-starvation-steps") == ["0"]
+    args = off["args"][1:]  # after "serve"; drop flags whose value is a downward-API placeholder
+    kept = [a for i, a in enumerate(args)
+            if "$(" not in a and not (i + 1 < len(args) and "$(" in args[i + 1])]
+    parsed = add_serve_arguments(argparse.ArgumentParser()).parse_args(kept)
+    assert parsed.enable_prefix_caching is False and parsed.lora_starvation_steps == 0
+
+
 def test_large_numbers_and_numeric_tags_render_as_written():
     # YAML numbers reach templates as float64: without `int`, 1000000 would print as 1e+06.
     rendered = render({"model": {"maxModelLen": 1000000}, "image": {"tag": 7}})
