@@ -2,8 +2,9 @@
 served base model, and return float32 host tensors per (layer, target).
 
 Everything is checked before anything is returned: the config (adapters.lora_config), then the
-safetensors header and every key, shape, rank and dtype in it (adapters.safetensors_check), and
-only then are the tensors deserialized. Pickled weights are refused and never opened.
+safetensors header (adapters.safetensors_check) and every key, shape, rank and dtype in it
+(adapters.lora_tensors), and only then are the tensors deserialized. Pickled weights are
+refused and never opened.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import torch
 from adapters.errors import AdapterError
 from adapters.errors import short_repr as _show
 from adapters.lora_config import LoraConfig, parse_adapter_config
-from adapters.safetensors_check import CONFIG_FILE, check_lora_tensors, check_safetensors
+from adapters.lora_tensors import check_lora_tensors
+from adapters.safetensors_check import CONFIG_FILE, check_safetensors
 from adapters.sources import MAX_CONFIG_BYTES, read_adapter_files
 
 __all__ = [
@@ -31,8 +33,11 @@ class BaseModelSpec:
     """What the served base model offers adapters; built by the engine."""
 
     num_layers: int
-    module_shapes: dict[str, tuple[int, int]]  # target -> (out_features, in_features)
+    # target -> (out_features, in_features); embed_tokens is (hidden, vocab), lm_head
+    # (vocab, hidden): both absent when config.json gives no vocab_size
+    module_shapes: dict[str, tuple[int, int]]
     max_lora_rank: int
+    tie_word_embeddings: bool = False  # lm_head reuses embed_tokens' weight
 
     @classmethod
     def from_hf_config(cls, hf_config: dict, max_lora_rank: int) -> BaseModelSpec:
@@ -56,19 +61,25 @@ class BaseModelSpec:
             "o_proj": (hidden, q),
             "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
         }  # fmt: skip
+        vocab = cfg.get("vocab_size")
+        if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
+            shapes |= {"embed_tokens": (hidden, vocab), "lm_head": (vocab, hidden)}
         if max_lora_rank < 1:
             raise ValueError(f"--max-lora-rank must be >= 1, got {max_lora_rank}")
-        return cls(cfg["num_hidden_layers"], shapes, max_lora_rank)
+        tied = bool(cfg.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False)))
+        return cls(cfg["num_hidden_layers"], shapes, max_lora_rank, tied)
 
 
 @dataclass(frozen=True, eq=False)
 class LoraModuleWeights:
-    """One adapted projection: delta(x) = scaling * (x @ lora_a.T) @ lora_b.T."""
+    """One adapted module: delta(x) = scaling * (x @ lora_a.T) @ lora_b.T. For embed_tokens x
+    is the token's one-hot row, so delta = scaling * lora_a[:, token] @ lora_b.T (PEFT's
+    lora_embedding_A and lora_embedding_B)."""
 
-    layer: int
-    target: str  # one of TARGET_MODULES
-    lora_a: torch.Tensor  # [r, in]  float32, CPU
-    lora_b: torch.Tensor  # [out, r] float32, CPU
+    layer: int | None  # None for the model-level targets: embed_tokens, lm_head
+    target: str  # one of SUPPORTED_TARGETS
+    lora_a: torch.Tensor  # [r, in]  float32, CPU (embed_tokens: in = vocab)
+    lora_b: torch.Tensor  # [out, r] float32, CPU (lm_head: out = vocab)
     scaling: float
 
     @property
@@ -79,7 +90,7 @@ class LoraModuleWeights:
 @dataclass(frozen=True, eq=False)
 class LoraAdapter:
     config: LoraConfig
-    modules: dict[tuple[int, str], LoraModuleWeights]  # (layer, target) -> weights
+    modules: dict[tuple[int | None, str], LoraModuleWeights]  # (layer, target) -> weights
     sha256: str  # hex digest of the adapter_model.safetensors bytes
     num_bytes: int  # size of adapter_model.safetensors
 
@@ -119,9 +130,25 @@ def load_adapter_bytes(config_raw: bytes, weights_raw: bytes, spec: BaseModelSpe
         modules[(layer, target)] = LoraModuleWeights(
             layer, target, a, b, config.scaling(module_name)
         )
+    if config.ensure_weight_tying and spec.tie_word_embeddings:
+        _check_tied_head(modules)
     return LoraAdapter(
         config=config,
         modules=modules,
         sha256=hashlib.sha256(weights_raw).hexdigest(),
         num_bytes=len(weights_raw),
     )
+
+
+def _check_tied_head(modules: dict[tuple[int | None, str], LoraModuleWeights]) -> None:
+    """ensure_weight_tying on a tied base: PEFT's lm_head LoRA *is* the embedding LoRA,
+    transposed. Served as saved, so the saved copy must be exactly that."""
+    embed, head = modules.get((None, "embed_tokens")), modules.get((None, "lm_head"))
+    if embed is None or head is None:
+        return
+    if not (torch.equal(head.lora_a, embed.lora_b.T) and torch.equal(head.lora_b, embed.lora_a.T)):
+        raise AdapterError(
+            "adapter sets ensure_weight_tying on a base model with tied embeddings, so its lm_head"
+            " LoRA must be its embed_tokens LoRA transposed (lora_A = lora_embedding_B.T, lora_B ="
+            " lora_embedding_A.T), but the saved tensors differ"
+        )

@@ -4,8 +4,9 @@ and answer PEFT's per-module questions (is this module adapted? with what rank a
 PEFT semantics mirrored here (peft 0.21): target_modules as a list matches a module whose name
 equals an entry or ends with "." + entry, then layers_to_transform filters by layer index; as a
 str it is ``re.fullmatch`` on the full module name (PEFT refuses layers_to_transform with it,
-and so do we); "all-linear" means every projection. rank_pattern / alpha_pattern: see
-``pattern_key``.
+and so do we); "all-linear" means every projection (not lm_head, not embed_tokens).
+rank_pattern / alpha_pattern: see ``pattern_key``. Module names are the base model's:
+'model.layers.3.self_attn.k_proj', 'model.embed_tokens', 'lm_head'.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 from adapters.errors import AdapterError
 from adapters.errors import short_repr as _show
-from adapters.safetensors_check import TARGET_MODULES
+from adapters.lora_tensors import SUPPORTED_TARGETS, TARGET_MODULES
 
 __all__ = ["ALL_LINEAR", "LoraConfig", "parse_adapter_config", "pattern_key"]
 
@@ -109,6 +110,8 @@ class LoraConfig:
 
     Fields this engine refuses (DoRA, biases, modules_to_save, fan_in_fan_out) keep their
     only accepted value so callers can read them. Not hashable (holds dicts).
+    ensure_weight_tying matters only on a base with tied embeddings (see
+    adapters.lora_tensors.check_lora_tensors).
     """
 
     r: int
@@ -124,6 +127,7 @@ class LoraConfig:
     modules_to_save: tuple[str, ...] | None
     use_dora: bool
     exclude_modules: tuple[str, ...] | str | None = None
+    ensure_weight_tying: bool = False
 
     def rank_for(self, module_name: str) -> int:
         """Rank PEFT gives module_name, e.g. 'model.layers.3.self_attn.k_proj'."""
@@ -137,8 +141,9 @@ class LoraConfig:
         r, alpha = self.rank_for(module_name), self.alpha_for(module_name)
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
 
-    def targets_module(self, module_name: str, layer: int) -> bool:
-        """Whether PEFT would have put a LoRA on module_name (check_target_module_exists)."""
+    def targets_module(self, module_name: str, layer: int | None) -> bool:
+        """Whether PEFT would have put a LoRA on module_name (check_target_module_exists);
+        layer is None for modules outside the decoder layers (embed_tokens, lm_head)."""
         ex = self.exclude_modules
         if isinstance(ex, str) and re.fullmatch(ex, module_name):
             return False
@@ -148,9 +153,12 @@ class LoraConfig:
             return module_name.rsplit(".", 1)[-1] in TARGET_MODULES
         if isinstance(self.target_modules, str):  # never with layers_to_transform
             return re.fullmatch(self.target_modules, module_name) is not None
+        if module_name in self.target_modules:  # named in full: PEFT skips the layer filter
+            return True
         if not any(_suffix_match(t, module_name) for t in self.target_modules):
             return False
-        return self.layers_to_transform is None or layer in self.layers_to_transform
+        return self.layers_to_transform is None or (
+            layer is not None and layer in self.layers_to_transform)
 
 
 def _suffix_match(name: str, module_name: str) -> bool:
@@ -183,7 +191,9 @@ def parse_adapter_config(raw: bytes | str | dict) -> LoraConfig:
     if c.get("fan_in_fan_out"):
         raise _bad("fan_in_fan_out", "is true; only nn.Linear-layout adapters are supported")
     if c.get("modules_to_save"):
-        raise _bad("modules_to_save", f"is {_show(c['modules_to_save'])}; not supported yet")
+        raise _bad("modules_to_save", f"is {_show(c['modules_to_save'])}; full per-adapter copies"
+                   " of modules are not supported; train a LoRA on them instead (target_modules"
+                   " may name embed_tokens and lm_head)")
     for field in ("r", "lora_alpha"):
         if field not in c:
             raise _bad(field, "is missing")
@@ -215,6 +225,7 @@ def parse_adapter_config(raw: bytes | str | dict) -> LoraConfig:
         modules_to_save=None,
         use_dora=False,
         exclude_modules=_exclude(c.get("exclude_modules")),
+        ensure_weight_tying=_bool(c, "ensure_weight_tying"),
     )  # fmt: skip
 
 
@@ -252,9 +263,9 @@ def _target_modules(t: object) -> tuple[str, ...] | str:
     if not isinstance(t, list) or not t or not all(isinstance(x, str) and x for x in t):
         raise _bad("target_modules", f"must be a non-empty list or a regex, got {_show(t)}")
     for name in t:
-        if name.rsplit(".", 1)[-1] not in TARGET_MODULES:
+        if name.rsplit(".", 1)[-1] not in SUPPORTED_TARGETS:
             raise _bad("target_modules", f"names {_show(name)}; lora-gateway supports only "
-                       + ", ".join(TARGET_MODULES))  # fmt: skip
+                       + ", ".join(SUPPORTED_TARGETS))  # fmt: skip
     return tuple(t)
 
 

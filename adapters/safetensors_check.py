@@ -1,8 +1,7 @@
 """Check adapter_model.safetensors from its header alone, before anything deserializes it.
 
-Two layers of checks. ``check_safetensors``: the container. ``check_lora_tensors``: its
-contents, against the adapter config and the served base model (keys, targets, layers, shapes,
-ranks, dtypes).
+Two layers of checks. ``check_safetensors`` (here): the container. ``check_lora_tensors``
+(adapters.lora_tensors): its contents, against the adapter config and the served base model.
 
 Layout: ``[8-byte little-endian header length N][N bytes of JSON header][tensor data]``.
 The header maps each tensor name to ``{"dtype", "shape", "data_offsets": [start, end]}``,
@@ -16,33 +15,13 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from adapters.errors import AdapterError
 from adapters.errors import short_repr as _show
 
-if TYPE_CHECKING:
-    from adapters.format import BaseModelSpec
-    from adapters.lora_config import LoraConfig
-
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FLOAT_DTYPES = ("F32", "F16", "BF16")
-BLOCK_OF = {t: "self_attn" for t in TARGET_MODULES[:4]} | {t: "mlp" for t in TARGET_MODULES[4:]}
-
-# PEFT saves keys without the adapter name; some exporters keep ".default". The module name
-# (group "module") is what PEFT matched target_modules / rank_pattern against.
-_KEY = re.compile(
-    r"base_model\.model\.(?P<module>(?:model\.)?layers\.(?P<layer>0|[1-9][0-9]{0,5})\."
-    r"(?P<block>self_attn|mlp)\.(?P<target>\w+))\.lora_(?P<ab>[AB])(?:\.default)?\.weight"
-)
-_ANY_LORA_KEY = re.compile(
-    r"base_model\.model\.(?P<module>[\w.]+)\.lora_[AB](?:\.default)?\.weight"
-)
-
 MAX_HEADER_BYTES = 100_000_000  # the limit the safetensors library itself enforces
 DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1,
@@ -149,105 +128,3 @@ def _check_entry(name: str, entry: object, data_len: int) -> TensorInfo:
             f"tensor {_show(name)} {dtype}{shape} needs {expected} bytes but spans {end - start}"
         )
     return TensorInfo(dtype, tuple(shape), start, end)
-
-
-def _explain_unknown_key(key: str) -> AdapterError:
-    if "lora_magnitude_vector" in key:
-        return AdapterError(
-            f"tensor {_show(key)} is a DoRA magnitude vector; DoRA is not supported"
-        )
-    if "lora_embedding_" in key:
-        return AdapterError(
-            f"tensor {_show(key)} is an embedding LoRA; embeddings are not supported"
-        )
-    if m := _ANY_LORA_KEY.fullmatch(key):
-        target = m["module"].rsplit(".", 1)[-1]
-        if target not in TARGET_MODULES:
-            return _unsupported_target(target, key)
-        return AdapterError(
-            f"tensor {_show(key)} puts {target} at an unexpected path; expected"
-            f" 'base_model.model.model.layers.<i>.{BLOCK_OF[target]}.{target}.lora_A.weight'"
-        )
-    return AdapterError(
-        f"unexpected tensor {_show(key)} in {WEIGHTS_FILE}; expected only PEFT LoRA keys like"
-        " 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'"
-    )
-
-
-def _unsupported_target(target: str, key: str) -> AdapterError:
-    return AdapterError(
-        f"adapter targets module {_show(target)} (tensor {_show(key)}), which lora-gateway does not"
-        f" support; supported target modules: {', '.join(TARGET_MODULES)}"
-    )
-
-
-def check_lora_tensors(
-    header: dict[str, TensorInfo], config: LoraConfig, spec: BaseModelSpec
-) -> dict[tuple[int, str], tuple[str, str, str]]:
-    """Check every tensor against config and spec from the header alone (nothing loaded yet).
-
-    Returns (layer, target) -> (module_name, lora_A key, lora_B key).
-    """
-    found: dict[tuple[int, str], dict[str, str]] = {}
-    for key, info in header.items():
-        m = _KEY.fullmatch(key)
-        if m is None:
-            raise _explain_unknown_key(key)
-        layer, target, module = int(m["layer"]), m["target"], m["module"]
-        if target not in TARGET_MODULES:
-            raise _unsupported_target(target, key)
-        if m["block"] != BLOCK_OF[target]:
-            raise AdapterError(f"tensor {_show(key)} puts {target} under {m['block']}")
-        if layer >= spec.num_layers:
-            raise AdapterError(
-                f"tensor {_show(key)} is for layer {layer} but the base model has {spec.num_layers}"
-                " layers; the adapter was trained for a different base model"
-            )
-        if info.dtype not in FLOAT_DTYPES:
-            raise AdapterError(
-                f"tensor {_show(key)} has dtype {info.dtype}; expected F32, F16 or BF16"
-            )
-        if not config.targets_module(module, layer):
-            raise AdapterError(
-                f"tensor {_show(key)} is for module {_show(module)}, which {CONFIG_FILE}"
-                " does not target"
-                f" (target_modules={_show(config.target_modules)},"
-                f" layers_to_transform={config.layers_to_transform!r})"
-            )
-        slot = found.setdefault((layer, target), {"module": module})
-        if m["ab"] in slot or slot["module"] != module:
-            raise AdapterError(
-                f"tensor {_show(key)} duplicates the lora_{m['ab']} of layer {layer} {target}"
-            )
-        slot[m["ab"]] = key
-    if not found:
-        raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA tensors")
-
-    plan, worst_rank = {}, 0
-    for (layer, target), slot in sorted(found.items()):
-        module = slot["module"]
-        for ab in ("A", "B"):
-            if ab not in slot:
-                raise AdapterError(f"module {_show(module)} has no lora_{ab} tensor")
-        a, b = header[slot["A"]].shape, header[slot["B"]].shape
-        out_f, in_f = spec.module_shapes[target]
-        if len(a) != 2 or len(b) != 2 or a[1] != in_f or b[0] != out_f or a[0] != b[1]:
-            raise AdapterError(
-                f"module {_show(module)} has lora_A {list(a)} and lora_B {list(b)}; the base model"
-                f" needs lora_A [r, {in_f}] and lora_B [{out_f}, r]; was the adapter trained"
-                " for a different base model?"
-            )
-        rank, expected = a[0], config.rank_for(module)
-        if rank != expected:
-            raise AdapterError(
-                f"module {_show(module)} has rank {rank} but {CONFIG_FILE} says {expected}"
-                " (r / rank_pattern)"
-            )
-        worst_rank = max(worst_rank, rank)
-        plan[(layer, target)] = (module, slot["A"], slot["B"])
-    if worst_rank > spec.max_lora_rank:
-        raise AdapterError(
-            f"adapter has rank {worst_rank} > --max-lora-rank {spec.max_lora_rank}; restart with"
-            f" --max-lora-rank {worst_rank} or use a smaller adapter"
-        )
-    return plan

@@ -28,6 +28,10 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = list(params.stop)
         self.include_stop = params.include_stop_str_in_output
+        # Stop strings are looked for only in text that arrives after the first min_tokens
+        # tokens (text those tokens made is never cut off or held back).
+        self.min_tokens = params.min_tokens
+        self.num_tokens = 0  # output tokens seen
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self.tokens = context  # prompt tail, then every output token
         self.prefix_offset = 0
@@ -43,6 +47,7 @@ class IncrementalDetokenizer:
         for token_id in new_token_ids:
             self.tokens.append(token_id)
             self._advance()
+        self.num_tokens += len(new_token_ids)
         return self._emit(final=False)
 
     def flush(self) -> str:
@@ -77,6 +82,10 @@ class IncrementalDetokenizer:
 
     def _emit(self, final: bool) -> str:
         """Cut at the first stop string, else emit all but a possible stop-string beginning."""
+        if self.num_tokens <= self.min_tokens:  # too early for a stop string: emit it all
+            delta = self.decoded[len(self.text):]
+            self.text += delta
+            return delta
         # Every stop string that could still match starts at or after len(self.text), because
         # anything that might begin one has been held back.
         hit = self._find_stop(start=len(self.text))

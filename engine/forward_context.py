@@ -1,16 +1,19 @@
 """Per-step batch metadata every layer reads during one forward pass.
 
 The model runner builds a ForwardContext once per step and enters `forward_context(ctx)`;
-attention reads the KV-cache addressing, LoRA-wrapped projections read `lora_meta`.
+attention reads the KV-cache addressing, LoRA-carrying modules read `lora` (a LoRAStep).
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from kernels.meta import LoRAMeta
 
 
 @dataclass(slots=True)
@@ -32,9 +35,21 @@ class AttentionMetadata:
 
 
 @dataclass(slots=True)
+class LoRAStep:
+    """Which adapter slot each row of one step uses. Built by LoRAManager.prepare, only when
+    some row has an adapter; its rows are in the model runner's order."""
+
+    tokens: LoRAMeta  # every new token: the projections (and embed_tokens)
+    embed: bool  # some token's slot has an embed_tokens LoRA (else that module skips LoRA)
+    # the sampling rows only (what lm_head sees), in batch order; None when no sampling row's
+    # slot has an lm_head LoRA
+    sample: LoRAMeta | None = None
+
+
+@dataclass(slots=True)
 class ForwardContext:
     attn: AttentionMetadata
-    lora_meta: Any = None  # kernels.LoRAMeta when any token in the batch has an adapter
+    lora: LoRAStep | None = None  # None when no row of the batch has an adapter
     lora_backend: str = "torch"
 
 

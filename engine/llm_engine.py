@@ -18,7 +18,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.lora import LoRAManager
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import InvalidParam, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus, TokenLogprob
 from engine.structured import GrammarCompiler, GuidedState
@@ -65,8 +65,8 @@ class LLMEngine:
         self.lora = LoRAManager(config, self.runner.model, self.runner.device, self.runner.dtype)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                    self.block_manager, slots=self.lora)
-        self.sampler = Sampler(config.seed)
         self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
+        self.sampler = Sampler(config.seed, self.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self._grammars: GrammarCompiler | None = None  # built by the first guided request
         self._aborted: list[RequestOutput] = []  # final outputs of requests ended between steps
@@ -97,6 +97,14 @@ class LLMEngine:
             raise ValueError(f"request needs {needed} KV blocks for its prompt and max_tokens but "
                              f"the cache holds {self.block_manager.num_blocks}; lower max_tokens "
                              "or give the engine more KV blocks")
+        params.check_token_ids(self.vocab_size)
+        if params.allowed_token_ids is not None and params.min_tokens > 0:
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos
+                                                  else self.eos_token_ids)
+            if stops.issuperset(params.allowed_token_ids):
+                raise InvalidParam("allowed_token_ids", "every token in allowed_token_ids ends "
+                                   "the output, so min_tokens can never be met; allow other "
+                                   "tokens or leave min_tokens out")
 
     def add_request(self, prompt: Prompt, params: SamplingParams, adapter: str | None = None,
                     request_id: str | None = None) -> str:
@@ -186,7 +194,10 @@ class LLMEngine:
                 request.guided.advance(token)  # the matcher accepts it on the mask thread
             if logprob is not None:
                 seq.logprobs.append(logprob)
-            text = request.detokenizer.step([token]) if request.detokenizer else ""
+            # The EOS or stop token that ends a request stays out of its text (as in vLLM),
+            # unless include_stop_str_in_output.
+            show = not self._ends_on_token(seq, token) or seq.params.include_stop_str_in_output
+            text = request.detokenizer.step([token]) if request.detokenizer and show else ""
             reason = self._finish_reason(request, token)
             if reason is not None:
                 if request.detokenizer is not None:
@@ -196,13 +207,19 @@ class LLMEngine:
             outputs.append(self._output(request, [token], [logprob] if logprob else [], text))
         return outputs
 
+    def _ends_on_token(self, seq: Sequence, token: int) -> bool:
+        """Whether `token`, just appended to `seq`, is an EOS or stop token that ends it (the
+        sampler masks them until min_tokens outputs, so that check is only a safeguard)."""
+        params = seq.params
+        return (((not params.ignore_eos and token in self.eos_token_ids)
+                 or token in params.stop_token_ids)
+                and seq.num_output_tokens > params.min_tokens)
+
     def _finish_reason(self, request: _Request, token: int) -> str | None:
         seq, params = request.seq, request.seq.params
-        if not params.ignore_eos and token in self.eos_token_ids:
-            request.stop_reason = None
-            return "stop"
-        if token in params.stop_token_ids:
-            request.stop_reason = token
+        if self._ends_on_token(seq, token):
+            eos = not params.ignore_eos and token in self.eos_token_ids
+            request.stop_reason = None if eos else token
             return "stop"
         if request.detokenizer is not None and request.detokenizer.stop_reason is not None:
             request.stop_reason = request.detokenizer.stop_reason

@@ -1,5 +1,5 @@
 """Adapters inside the engine: host copies (an LRU bounded by `max_cpu_loras`) and the device
-slot pool (`max_loras` slots of up to `max_lora_rank`, preallocated per layer and projection).
+slots (`max_loras` slots of up to `max_lora_rank`; their buffers: engine/lora_pool.py).
 
 A slot holds one version of one adapter and is refilled only while no running sequence uses
 it, so a step never sees a slot change under it. An adapter whose host copy was evicted is
@@ -18,7 +18,8 @@ import torch
 from adapters.errors import AdapterError, AdapterNotFound
 from adapters.format import BaseModelSpec, LoraAdapter, load_adapter
 from engine.config import Config
-from engine.layers.linear import LoRABuffers
+from engine.forward_context import LoRAStep
+from engine.lora_pool import SlotPool
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -77,9 +78,9 @@ class LoRAManager:
         self.model = model
         self.adapters: dict[str, RegisteredAdapter] = {}
         self.slots = [Slot() for _ in range(self.num_slots)]
+        self.pool = SlotPool(model, self.num_slots, self.max_rank, device, dtype)
         self.stats = LoRAStats()
         self._versions = 0
-        self._allocated = False
 
     # ---- registry and host tier -----------------------------------------------------------
     def add(self, name: str, source: str | LoraAdapter, path: str | None = None,
@@ -93,6 +94,7 @@ class LoRAManager:
         else:
             adapter = source
         adapter = self._to_host(adapter)
+        self.pool.reserve(adapter)  # before anything changes: a failed allocation changes nothing
         self._versions += 1
         previous = self.adapters.get(name)
         if previous is not None:
@@ -101,7 +103,6 @@ class LoRAManager:
             self._versions, path, adapter,
             adapter.num_bytes, adapter.max_rank, pinned=previous.pinned if previous else False)
         self._trim_host(keep={name} | set(busy))
-        self._allocate()
         return self._versions
 
     def remove(self, name: str) -> None:
@@ -284,72 +285,29 @@ class LoRAManager:
         self.stats.device_evictions += 1
         return min(idle, key=lambda i: self.slots[i].last_used)
 
-    # ---- device buffers -------------------------------------------------------------------
-    def _projections(self):
-        for index, layer in enumerate(self.model.model.layers):
-            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                           layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                yield index, linear
-
-    def _allocate(self) -> None:
-        """Preallocate every projection's slot pool, once, when the first adapter arrives."""
-        if self._allocated:
-            return
-        S, R = self.num_slots, self.max_rank
-        for _, linear in self._projections():
-            n = len(linear.slice_names)
-            linear.lora = LoRABuffers(
-                lora_a=torch.zeros(n, S, R, linear.in_features, dtype=self.dtype,
-                                   device=self.device),  # [n_slices, S, R, H]
-                lora_b=torch.zeros(S, linear.out_features, R, dtype=self.dtype,
-                                   device=self.device),  # [S, O_total, R]
-                ranks=torch.zeros(n, S, dtype=torch.int32, device=self.device),
-                scales=torch.zeros(n, S, dtype=torch.float32, device=self.device))
-        self._allocated = True
+    # ---- device buffers (engine/lora_pool.py) ---------------------------------------------
+    @property
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes of the device slot pools, per kind: projections, embed_tokens, lm_head."""
+        return self.pool.num_bytes
 
     def _fill(self, index: int, name: str, entry: RegisteredAdapter) -> None:
         adapter = self._host_copy(name, entry)
         self._clear(index)
-        for layer_index, linear in self._projections():
-            lora = linear.lora
-            for i, target in enumerate(linear.slice_names):
-                weights = adapter.modules.get((layer_index, target))
-                if weights is None:
-                    continue  # absent target: rank 0, contributes nothing
-                rank = weights.lora_a.shape[0]
-                lora.lora_a[i, index, :rank].copy_(weights.lora_a, non_blocking=True)
-                lora.lora_b[index, linear.slice_rows(target), :rank].copy_(weights.lora_b,
-                                                                            non_blocking=True)
-                lora.ranks[i, index] = rank
-                lora.scales[i, index] = weights.scaling
+        self.pool.fill(index, adapter)
         self.slots[index] = Slot(adapter=name, version=entry.version, last_used=time.monotonic())
         self.stats.device_loads += 1
         logger.info("adapter %s (v%d) loaded into slot %d", name, entry.version, index)
 
     def _clear(self, index: int) -> None:
         assert self.slots[index].ref_count == 0, "clearing a slot that a sequence still uses"
-        if self._allocated:
-            for _, linear in self._projections():
-                linear.lora.lora_a[:, index].zero_()
-                linear.lora.lora_b[index].zero_()
-                linear.lora.ranks[:, index] = 0
-                linear.lora.scales[:, index] = 0.0
+        self.pool.clear(index)
         self.slots[index] = Slot()
 
     # ---- per step -------------------------------------------------------------------------
-    def prepare(self, batch: ScheduledBatch):
-        """The token -> slot map of this step, or None when no token has an adapter (then
-        requests without adapters pay nothing for LoRA)."""
-        if not any(seq.adapter for seq in batch.seqs):
-            return None
-        from kernels import make_lora_meta
-
-        token_slots: list[int] = []
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            assert seq.adapter is None or seq.lora_slot >= 0, "running adapter without a slot"
-            token_slots.extend([seq.lora_slot if seq.adapter else -1] * num_new)
-        slots = torch.tensor(token_slots, dtype=torch.int32, device=self.device)  # [T]
-        return make_lora_meta(slots, self.num_slots)
+    def prepare(self, batch: ScheduledBatch) -> LoRAStep | None:
+        """This step's row -> slot maps, or None when no row has an adapter (SlotPool.step)."""
+        return self.pool.step(batch)
 
 
 __all__ = ["LoRAManager", "LoRAStats", "resolve_lora_backend"]

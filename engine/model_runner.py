@@ -1,8 +1,9 @@
 """Owns the model and its KV cache; turns a scheduled batch into logits.
 
 Per step it builds the flat token batch (decode rows first, then prefill chunks), the KV
-slot of every new token, the block tables attention reads, and (with LoRA) the token-to-slot
-map, then runs one forward pass and computes logits only for rows that sample.
+slot of every new token and the block tables attention reads, then runs one forward pass and
+computes logits only for rows that sample. With LoRA the adapter manager's LoRAStep gives the
+slot of every token and, for lm_head, of every sampling row (in the order built here).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import torch
 
 from engine.config import Config
-from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
+from engine.forward_context import AttentionMetadata, ForwardContext, LoRAStep, forward_context
 from engine.loader import load_model
 from engine.scheduler import ScheduledBatch
 
@@ -77,8 +78,10 @@ class ModelRunner:
         return blocks, lens, blocks.flatten().long(), mask
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, lora_meta=None, lora_backend: str = "torch"):
-        """Forward one batch; return logits [num_sampling_rows, vocab] (float32)."""
+    def run(self, batch: ScheduledBatch, lora: LoRAStep | None = None,
+            lora_backend: str = "torch"):
+        """Forward one batch; return logits [num_sampling_rows, vocab] (float32). `lora`:
+        LoRAManager.prepare(batch), None when no row has an adapter."""
         input_ids, positions, slots, sample_rows = [], [], [], []
         prefill_starts, prefill_lens, prefill_ctx, prefill_tables = [], [], [], []
         decode_tables, decode_ctx = [], []
@@ -119,7 +122,7 @@ class ModelRunner:
             prefill_context_lens=prefill_ctx,
             prefill_block_tables=prefill_tables,
         )
-        ctx = ForwardContext(attn=attn, lora_meta=lora_meta, lora_backend=lora_backend)
+        ctx = ForwardContext(attn=attn, lora=lora, lora_backend=lora_backend)
         with forward_context(ctx):
             hidden = self.model(to_device(input_ids), to_device(positions))  # [T, hidden]
             if not sample_rows:

@@ -2,6 +2,9 @@
 
 Order of operations for one row (vLLM's):
     raw logprobs = log_softmax(logits)                      (only if params.logprobs is set)
+    logits = grammar mask                                   (structured output rows)
+    logits = -inf outside allowed_token_ids; + logit_bias;
+             -inf at EOS and stop_token_ids while fewer than min_tokens outputs
     logits = repetition penalty   over prompt + output tokens
              - frequency_penalty * count(output token) - presence_penalty * [token in output]
     greedy:  token = argmax(logits)
@@ -15,6 +18,7 @@ randomness is V exponentials per row per step. A seeded row draws them from its 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +39,17 @@ def needs_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
+def needs_token_edits(seq: Sequence) -> bool:
+    """Whether this step edits the row's logits for allowed_token_ids, logit_bias or min_tokens."""
+    p = seq.params
+    return (p.allowed_token_ids is not None or p.logit_bias is not None
+            or seq.num_output_tokens < p.min_tokens)
+
+
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, eos_token_ids: Iterable[int] = ()):
         self.seed = seed
+        self.eos_token_ids = sorted(eos_token_ids)  # masked, with stop_token_ids, by min_tokens
         # One engine-wide generator per device, for rows without their own seed; created lazily
         # so CUDA noise is drawn on the GPU instead of being copied over every step.
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -53,11 +65,16 @@ class Sampler:
         # Logprobs are of the raw model distribution, so take them before anything edits logits.
         raw = torch.log_softmax(logits[want_logprobs].float(), dim=-1) if want_logprobs else None
 
+        owned = mask is not None  # logits is our own copy: never edit the caller's tensor
         if mask is not None:
             logits = mask.apply(logits)  # a masked copy; unconstrained rows keep their values
+        edited = [i for i, s in enumerate(seqs) if needs_token_edits(s)]
+        if edited:
+            logits, owned = (logits if owned else logits.clone()), True
+            apply_token_edits(logits, edited, seqs, self.eos_token_ids)
         penalized = [i for i, p in enumerate(params) if needs_penalties(p)]
         if penalized:
-            logits = logits.clone()  # never edit the caller's tensor
+            logits = logits if owned else logits.clone()
             logits[penalized] = apply_penalties(logits[penalized], [seqs[i] for i in penalized])
 
         # A greedy batch stops here: one argmax. Greedy rows of a mixed batch keep their argmax
@@ -126,6 +143,44 @@ def exponential(shape: tuple[int, ...], generator: torch.Generator,
     Same distribution as Tensor.exponential_, which on CPU costs ~6x more (15 ms per step for
     32 rows of a 32k vocab, more than the model's forward pass on small models)."""
     return torch.rand(shape, generator=generator, device=device).neg_().log1p_().neg_()
+
+
+def apply_token_edits(logits: Tensor, rows: list[int], seqs: list[Sequence],
+                      eos_token_ids: list[int]) -> None:
+    """logits: [B, V], edited in place for rows `rows` (seqs[r] belongs to row r):
+    allowed_token_ids keeps only those tokens; logit_bias adds {token: bias};
+    while a row has fewer than min_tokens outputs, its EOS (unless ignore_eos) and
+    stop_token_ids go to -inf. Each edit is one scatter over the rows that use it."""
+    device = logits.device
+    allowed_rows, allowed_ids = [], []  # (row, token) pairs, flattened
+    bias_rows, bias_ids, bias_values = [], [], []
+    ban_rows, ban_ids = [], []
+    for r in rows:
+        seq = seqs[r]
+        p = seq.params
+        if p.allowed_token_ids is not None:
+            allowed_rows += [r] * len(p.allowed_token_ids)
+            allowed_ids += p.allowed_token_ids
+        if p.logit_bias is not None:
+            bias_rows += [r] * len(p.logit_bias)
+            bias_ids += p.logit_bias.keys()
+            bias_values += p.logit_bias.values()
+        if seq.num_output_tokens < p.min_tokens:
+            stops = p.stop_token_ids if p.ignore_eos else [*eos_token_ids, *p.stop_token_ids]
+            ban_rows += [r] * len(stops)
+            ban_ids += stops
+    if allowed_rows:
+        at = (torch.tensor(allowed_rows, device=device), torch.tensor(allowed_ids, device=device))
+        kept = logits[at]  # [A]
+        logits[sorted(set(allowed_rows))] = float("-inf")
+        logits[at] = kept
+    if bias_rows:
+        at = (torch.tensor(bias_rows, device=device), torch.tensor(bias_ids, device=device))
+        values = torch.tensor(bias_values, dtype=logits.dtype, device=device)
+        logits.index_put_(at, values, accumulate=True)
+    if ban_rows:
+        at = (torch.tensor(ban_rows, device=device), torch.tensor(ban_ids, device=device))
+        logits[at] = float("-inf")
 
 
 def apply_penalties(logits: Tensor, seqs: list[Sequence]) -> Tensor:

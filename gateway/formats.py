@@ -77,8 +77,12 @@ class Format:
 
 
 class CompletionFormat(Format):
-    def __init__(self, *args):
+    """With `echo` (each prompt's text, by prompt index), a choice's text starts with its
+    prompt's: a stream sends it as the choice's first chunk, before any generated text."""
+
+    def __init__(self, *args, echo: list[str] | None = None):
         super().__init__(*args)
+        self.echo = echo
         self.offsets: dict[int, int] = {}  # text_offset of each choice's next token
 
     def _logprobs(self, index: int, entries: list[TokenLogprob]) -> CompletionLogprobs:
@@ -97,6 +101,12 @@ class CompletionFormat(Format):
         return CompletionResponse(id=self.id, created=self.created, model=self.model,
                                   choices=choices, usage=usage)
 
+    def head(self, job: GenerationJob) -> list:
+        if self.echo is None:
+            return []
+        return [self._chunk([CompletionChoice(c.index, self.echo[c.prompt_index], None, None)])
+                for c in job.choices]
+
     def delta(self, choice: Choice, out: RequestOutput):
         logprobs = self._logprobs(choice.index, out.new_logprobs) if self.logprobs else None
         if not out.new_text and not (logprobs and logprobs.tokens):
@@ -112,7 +122,8 @@ class CompletionFormat(Format):
             outs = parts[c.index]
             logprobs = (self._logprobs(c.index, [e for o in outs for e in o.new_logprobs])
                         if self.logprobs else None)
-            choices.append(CompletionChoice(c.index, "".join(o.new_text for o in outs),
+            prefix = self.echo[c.prompt_index] if self.echo is not None else ""
+            choices.append(CompletionChoice(c.index, prefix + "".join(o.new_text for o in outs),
                                             logprobs, c.finish_reason))
         return self._chunk(choices, job.usage)
 

@@ -75,16 +75,19 @@ class OpenAIController(Controller):
         adapter = await _resolve(request, runtime, data.model)
         if (forwarded := await router.route(request, data.model)) is not None:
             return forwarded  # served by a replica that holds the adapter
-        _refuse_unsupported(data)
-        if data.echo:
-            raise APIError.not_supported("echo=true", "echo")
+        if data.echo and data.logprobs is not None:
+            raise APIError.bad_request("echo with logprobs is not supported: it needs the "
+                                       "prompt's logprobs, which this server does not compute; "
+                                       "drop echo or logprobs", param="echo",
+                                       code="unsupported_parameter")
         if data.suffix:
             raise APIError.not_supported("suffix", "suffix")
         if data.best_of not in (None, 1, data.n):
             raise APIError.not_supported("best_of other than n", "best_of")
         prompts = await _off_loop_if_large(completion_prompts, data, runtime)
         job = await _start(request, runtime, data, prompts, adapter, data.logprobs, "cmpl")
-        fmt = CompletionFormat(job, data.model, runtime.token_text, data.logprobs is not None)
+        fmt = CompletionFormat(job, data.model, runtime.token_text, data.logprobs is not None,
+                               echo=prompt_texts(data, prompts, runtime) if data.echo else None)
         return await _respond(request, job, fmt, data)
 
     @post("/chat/completions", status_code=200,
@@ -94,7 +97,6 @@ class OpenAIController(Controller):
         adapter = await _resolve(request, runtime, data.model)
         if (forwarded := await router.route(request, data.model)) is not None:
             return forwarded  # served by a replica that holds the adapter
-        _refuse_unsupported(data)
         tool_names = _tool_names(data)  # None: no tools in play
         if data.top_logprobs is not None and not data.logprobs:
             raise APIError.bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
@@ -163,11 +165,6 @@ async def _resolve(request: Request, runtime: Runtime, model: str) -> str | None
     adapter = await runtime.resolver.resolve(model)
     state["adapter"] = adapter or "base"  # the metrics label; set only once resolved
     return adapter
-
-
-def _refuse_unsupported(data: SamplingRequest) -> None:
-    if data.logit_bias:
-        raise APIError.not_supported("logit_bias", "logit_bias")
 
 
 def guided_decoding(data: SamplingRequest) -> GuidedDecoding | None:
@@ -252,6 +249,20 @@ def completion_prompts(data: CompletionRequest, runtime: Runtime) -> list[list[i
         raise APIError.bad_request(str(exc), param="prompt") from None
 
 
+def prompt_texts(data: CompletionRequest, prompts: list[list[int]],
+                 runtime: Runtime) -> list[str]:
+    """What echo shows of each prompt: the text sent, or the token ids sent, decoded."""
+    if isinstance(data.prompt, str):
+        return [data.prompt]
+    if all(isinstance(p, str) for p in data.prompt):
+        return list(data.prompt)
+    tokenizer = runtime.llm.tokenizer
+    if tokenizer is None:
+        return [""] * len(prompts)  # no text at all without a tokenizer, outputs included
+    return [tokenizer.decode(ids, skip_special_tokens=data.skip_special_tokens)
+            for ids in prompts]
+
+
 def chat_prompt(data: ChatCompletionRequest, runtime: Runtime) -> list[int]:
     messages = []
     for m in data.messages:
@@ -317,9 +328,25 @@ def sampling_params(data: SamplingRequest, prompt_len: int, limit: int, logprobs
             frequency_penalty=data.frequency_penalty or 0.0,
             presence_penalty=data.presence_penalty or 0.0, stop=stop,
             stop_token_ids=list(data.stop_token_ids or []), ignore_eos=data.ignore_eos,
-            logprobs=logprobs, guided=guided)
-    except ValueError as exc:
-        raise APIError.bad_request(str(exc)) from None
+            min_tokens=data.min_tokens, logit_bias=logit_bias(data.logit_bias),
+            allowed_token_ids=data.allowed_token_ids,
+            include_stop_str_in_output=data.include_stop_str_in_output,
+            skip_special_tokens=data.skip_special_tokens, logprobs=logprobs, guided=guided)
+    except ValueError as exc:  # InvalidParam names the parameter
+        raise APIError.bad_request(str(exc), param=getattr(exc, "param", None)) from None
+
+
+def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias} -> {token id: bias}; a 400 names a key that is not one.
+    (Token ids past the vocabulary are refused at admission, where the vocabulary is known.)"""
+    bias = {}
+    for key, value in (raw or {}).items():
+        if not (key.isascii() and key.isdigit()):
+            raise APIError.bad_request(f"logit_bias key {key!r} is not a token id; keys are "
+                                       "token ids written as strings, e.g. {\"1234\": -100}",
+                                       param="logit_bias")
+        bias[int(key)] = value
+    return bias or None
 
 
 async def _start(request: Request, runtime: Runtime, data: SamplingRequest,

@@ -48,9 +48,15 @@ class SamplingRequest(Struct, kw_only=True):
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # vLLM extension
-    stop_token_ids: list[TokenId] | None = None  # vLLM extension
-    logit_bias: dict[str, float] | None = None  # not supported yet unless empty
+    # {"token id": bias in [-100, 100]}, added to the logits; checked by SamplingParams, whose
+    # 400 names the key (a Meta range here could only say `logit_bias[...]`)
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False  # vLLM extensions, from here to allowed_token_ids
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: Annotated[int, Meta(ge=0)] = 0  # no EOS, stop token or stop string before
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
     response_format: ResponseFormat | None = None  # text, json_object, json_schema
     guided_json: dict[str, Any] | str | None = None  # vLLM extensions: structured output
     guided_regex: str | None = None
@@ -63,7 +69,7 @@ class CompletionRequest(SamplingRequest, kw_only=True):
     # so list items are a union and the handler checks the list is homogeneous.
     prompt: str | list[str | TokenId | list[TokenId]]
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False  # only false is supported
+    echo: bool = False  # prepend the prompt's text to each choice's (not with logprobs)
     suffix: str | None = None  # not supported
     best_of: int | None = None  # only None or n
 

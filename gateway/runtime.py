@@ -148,8 +148,8 @@ class Runtime:
         for i, p in enumerate(params):
             try:
                 llm.validate(prompts[prompt_of[i]], p)  # reads only constants: thread-safe
-            except ValueError as exc:
-                raise APIError.bad_request(str(exc)) from None
+            except ValueError as exc:  # InvalidParam names the parameter
+                raise APIError.bad_request(str(exc), param=getattr(exc, "param", None)) from None
         choices = [Choice(i, f"{id_prefix}-{i}", prompt_of[i], len(prompts[prompt_of[i]]))
                    for i in range(count)]
         job = GenerationJob(id_prefix, engine, choices, adapter, self.metrics, arrival,

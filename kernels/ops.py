@@ -9,6 +9,11 @@ Buffers of one LoRA-wrapped projection with n output slices (qkv_proj: 3, gate_u
     ranks:  [n, S] int32 (0 = none)    scales: [n, S] float32
     o = slice_offsets: (0, ..., O), n+1 python ints
 slot(t) = meta.token_slots[t]; r = ranks[i, slot(t)]; the math runs in float32.
+
+An embedding LoRA (PEFT's lora.Embedding) is the same with x one-hot over the vocabulary: its
+shrink is a row gather, then the usual expand (`embedding_lora`). Its pool keeps A transposed,
+one row per token id:
+    lora_a: [S, V, R]   lora_b: [S, H, R]   ranks, scales: [1, S]
 """
 
 from __future__ import annotations
@@ -97,3 +102,21 @@ def apply_lora(out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, ranks: Te
         return
     y = lora_shrink(x, lora_a, ranks, meta, backend)              # [n, T, R] fp32
     lora_expand(out, y, lora_b, ranks, scales, slice_offsets, meta, backend)
+
+
+def embedding_lora(out: Tensor, ids: Tensor, lora_a: Tensor, lora_b: Tensor, ranks: Tensor,
+                   scales: Tensor, meta: LoRAMeta, backend: str = "torch") -> None:
+    """out[t] += scales[0, s] * lora_a[s, ids[t], :r] @ lora_b[s, :, :r].T
+    with s = slot(t), r = ranks[0, s]; in place, tokens with slot -1 untouched.
+
+    out: [T, H] (lora_b.dtype)   ids: [T] int, < V   lora_a: [S, V, R] (PEFT's
+    lora_embedding_A transposed)   lora_b: [S, H, R] (lora_embedding_B)   ranks, scales: [1, S]
+    The gather runs in torch on any backend; the expand is lora_expand on `backend`.
+    """
+    S, V, R = lora_a.shape
+    T = ids.shape[0]
+    assert ids.shape == (T,) and T == meta.num_tokens, f"ids must be [{meta.num_tokens}]"
+    assert lora_a.is_contiguous() and lora_a.dtype == lora_b.dtype and S == meta.num_slots
+    rows = meta.token_slots.long().clamp(min=0) * V + ids.long()  # [T] (slot -1: never read)
+    y = lora_a.view(S * V, R).index_select(0, rows).float().unsqueeze(0)  # [1, T, R] fp32
+    lora_expand(out, y, lora_b, ranks, scales, (0, out.shape[1]), meta, backend)

@@ -13,7 +13,8 @@ which way is decided once per step (kernels/cpu_dispatch.py).
 Math runs in float32 whatever the input dtype (bf16 matmuls on CPU are ~100x slower than
 fp32, and the kernels accumulate in fp32 too).
 
-`oracle_shrink` / `oracle_apply` are the float64 per-token loops the tests compare against;
+`oracle_shrink` / `oracle_apply` / `oracle_embedding_lora` are the float64 per-token loops the
+tests compare against;
 `oracle_paged_attention` is the meaning of kernels/paged_attention.py (decode attention read
 through block tables), gathered per sequence and computed in float64.
 """
@@ -197,6 +198,19 @@ def oracle_apply(out: Tensor, x: Tensor, lora_a: Tensor, lora_b: Tensor, ranks: 
     """float64 shrink then expand, per token. Returns the expected out: [T, O] float64."""
     y = oracle_shrink(x, lora_a, ranks, token_slots)
     return oracle_expand(out, y, lora_b, ranks, scales, slice_offsets, token_slots)
+
+
+def oracle_embedding_lora(out: Tensor, ids: Tensor, lora_a: Tensor, lora_b: Tensor,
+                          ranks: Tensor, scales: Tensor, token_slots: Tensor) -> Tensor:
+    """float64 per-token loop of ops.embedding_lora. Returns the expected out: [T, H] float64."""
+    expected = out.to("cpu", torch.float64, copy=True)            # [T, H]
+    ranks_cpu, scales_cpu = ranks.tolist(), scales.tolist()       # [1][S]
+    for t, (slot, token) in enumerate(zip(token_slots.tolist(), ids.tolist(), strict=True)):
+        r = ranks_cpu[0][slot] if slot >= 0 else 0
+        if r:
+            a = lora_a[slot, token, :r].cpu().double()            # [r]
+            expected[t] += scales_cpu[0][slot] * (lora_b[slot, :, :r].cpu().double() @ a)
+    return expected
 
 
 def oracle_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,

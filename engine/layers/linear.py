@@ -25,6 +25,19 @@ class LoRABuffers:
     ranks: torch.Tensor  # [n_slices, S] int32, 0 = nothing for that slice in that slot
     scales: torch.Tensor  # [n_slices, S] float32
 
+    def apply(self, y: torch.Tensor, x: torch.Tensor, slice_offsets: tuple[int, ...], meta,
+              backend: str) -> None:
+        """y += each row's own slot's delta (meta: a kernels.LoRAMeta over the rows of x)."""
+        from kernels import apply_lora
+
+        apply_lora(y, x, self.lora_a, self.lora_b, self.ranks, self.scales, slice_offsets, meta,
+                   backend=backend)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.lora_a, self.lora_b, self.ranks, self.scales))
+
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, slices: dict[str, int], bias: bool = False):
@@ -50,10 +63,6 @@ class Linear(nn.Module):
         y = F.linear(x, self.weight, self.bias)
         if self.lora is not None:
             ctx = get_forward_context()
-            if ctx.lora_meta is not None and ctx.lora_meta.has_lora:
-                from kernels import apply_lora
-
-                lora = self.lora
-                apply_lora(y, x, lora.lora_a, lora.lora_b, lora.ranks, lora.scales,
-                           self.slice_offsets, ctx.lora_meta, backend=ctx.lora_backend)
+            if ctx.lora is not None and ctx.lora.tokens.has_lora:
+                self.lora.apply(y, x, self.slice_offsets, ctx.lora.tokens, ctx.lora_backend)
         return y

@@ -2,7 +2,8 @@
 
 Differences are config switches: Qwen2 adds q/k/v biases, Qwen3 adds per-head q/k RMSNorm.
 Projections are merged (qkv_proj, gate_up_proj) with named output slices, so checkpoint
-tensors and LoRA adapters attach by their Hugging Face names.
+tensors and LoRA adapters attach by their Hugging Face names; embed_tokens and lm_head carry
+LoRAs too (engine/layers/embedding.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import PagedAttention
+from engine.layers.embedding import LMHead, VocabEmbedding
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
@@ -118,8 +120,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, hf_config: dict):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, hf_config) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.head_dim, hf_config)  # shared by every layer
@@ -142,18 +143,17 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = ModelArgs.from_hf_config(hf_config)
         self.model = LlamaModel(self.args, hf_config)
-        if not self.args.tie_word_embeddings:
-            self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
-            self.lm_head.weight.requires_grad_(False)
+        # tied: no weight of its own ("lm_head.weight" is not a parameter), only its LoRA pool
+        self.lm_head = LMHead(self.args.hidden_size, self.args.vocab_size,
+                              tied_to=self.model.embed_tokens if self.args.tie_word_embeddings
+                              else None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)  # [T, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [B, hidden] -> logits: [B, vocab] (float32 for the sampler)
-        weight = (self.model.embed_tokens.weight if self.args.tie_word_embeddings
-                  else self.lm_head.weight)
-        return F.linear(hidden, weight).float()
+        # hidden: [B, hidden], the sampling rows -> logits: [B, vocab] (float32 for the sampler)
+        return self.lm_head(hidden)
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

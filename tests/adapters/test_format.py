@@ -15,7 +15,7 @@ import torch
 from adapters.errors import AdapterError, AdapterNotFound
 from adapters.format import BaseModelSpec, load_adapter, load_adapter_bytes
 from adapters.lora_config import parse_adapter_config, pattern_key
-from adapters.safetensors_check import TARGET_MODULES
+from adapters.lora_tensors import TARGET_MODULES
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=128)  # fmt: skip
@@ -206,7 +206,12 @@ def test_spec_from_hf_config_shapes():
     assert spec.module_shapes == {
         "q_proj": (64, 64), "k_proj": (32, 64), "v_proj": (32, 64), "o_proj": (64, 64),
         "gate_proj": (128, 64), "up_proj": (128, 64), "down_proj": (64, 128),
+        "embed_tokens": (64, 128), "lm_head": (128, 64),
     }  # fmt: skip
+    assert not spec.tie_word_embeddings
+    assert BaseModelSpec.from_hf_config(dict(TINY, tie_word_embeddings=True), 8).tie_word_embeddings
+    no_vocab = BaseModelSpec.from_hf_config({k: v for k, v in TINY.items() if k != "vocab_size"}, 8)
+    assert "embed_tokens" not in no_vocab.module_shapes and "lm_head" not in no_vocab.module_shapes
     qwen3 = dict(TINY, head_dim=32, model_type="qwen3")  # head_dim != hidden / heads
     shapes = BaseModelSpec.from_hf_config(qwen3, max_lora_rank=8).module_shapes
     assert shapes["q_proj"] == (128, 64) and shapes["o_proj"] == (64, 128)
@@ -285,7 +290,9 @@ def test_missing_file_is_named(made, spec, tmp_path, missing):
         ({"lora_bias": True}, "lora_bias is set"),
         ({"layer_replication": [[0, 2]]}, "layer_replication"),
         ({"trainable_token_indices": [1, 2]}, "trainable_token_indices"),
-        ({"target_modules": ["q_proj", "embed_tokens"]}, "'embed_tokens'; lora-gateway supports"),
+        ({"target_modules": ["q_proj", "wte"]}, "'wte'; lora-gateway supports only q_proj"),
+        ({"modules_to_save": ["embed_tokens"]}, "full per-adapter copies of modules are not"),
+        ({"ensure_weight_tying": "yes"}, "ensure_weight_tying must be true or false"),
         ({"target_modules": []}, "target_modules must be a non-empty list or a regex"),
         ({"target_modules": None}, "target_modules must be a non-empty list or a regex"),
         ({"target_modules": "(q_proj"}, "not a valid regex"),
@@ -439,13 +446,13 @@ A0, B0 = f"{PREFIX}.0.self_attn.q_proj.lora_A.weight", f"{PREFIX}.0.self_attn.q_
     [
         (
             lambda t: t.update({"base_model.model.lm_head.lora_A.weight": torch.zeros(8, 64)}),
-            "targets module 'lm_head'",
+            "is for module 'lm_head', which adapter_config.json does not target",
         ),
         (
             lambda t: t.update(
                 {"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(8, 128)}
             ),
-            "embedding",
+            "is for module 'model.embed_tokens', which adapter_config.json does not target",
         ),
         (
             lambda t: t.update(

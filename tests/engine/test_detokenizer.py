@@ -167,6 +167,15 @@ def test_possible_stop_beginning_is_held_then_released(tok):
     assert detok.stop_reason is None and detok.text == "hello words wo"
 
 
+def test_min_tokens_holds_off_stop_strings(tok):
+    first = encode(tok, "hello world,")  # "hello" here is inside the first min_tokens tokens
+    ids = first + encode(tok, " hello there")
+    deltas, tail, detok = stream(tok, [[i] for i in ids], stop=["hello"],
+                                 min_tokens=len(first))
+    assert "".join(deltas[:len(first)]) == "hello world,"  # nothing held back meanwhile
+    assert detok.stop_reason == "hello" and detok.text == "hello world, " and tail == ""
+
+
 def test_load_tokenizer_round_trips(tok):
     for text in TEXTS:
         assert tok.decode(encode(tok, text)) == text

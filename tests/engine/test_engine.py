@@ -133,3 +133,106 @@ def test_async_engine_streams_and_aborts_on_disconnect(llm):
 
     asyncio.run(main())
     assert all_blocks_free(llm)
+
+
+# ---- logit_bias, min_tokens, allowed_token_ids, stop strings and special tokens ----------------
+PROMPT = [4, 5, 6]
+
+
+def greedy(max_tokens: int = 10, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def eos_id(llm) -> int:
+    return min(llm.engine.eos_token_ids)
+
+
+def test_logit_bias_bans_the_greedy_token_and_forces_another(llm):
+    full = llm.generate([PROMPT], greedy(ignore_eos=True))[0].token_ids
+    banned = llm.generate([PROMPT], greedy(ignore_eos=True, logit_bias={full[0]: -100}))[0]
+    assert full[0] not in banned.token_ids[:1] and banned.token_ids != full
+    forced = llm.generate([PROMPT], greedy(ignore_eos=True, logit_bias={77: 100}))[0]
+    assert forced.token_ids == [77] * 10
+    with pytest.raises(ValueError, match="logit_bias key 100000 is not a token of this model"):
+        llm.generate([PROMPT], greedy(logit_bias={100000: 1.0}))
+    assert all_blocks_free(llm)
+
+
+def test_min_tokens_holds_off_eos(llm):
+    eos = eos_id(llm)
+    full = llm.generate([PROMPT], greedy(ignore_eos=True))[0]
+    early = llm.generate([PROMPT], greedy(logit_bias={eos: 100}))[0]  # EOS at once
+    assert early.token_ids == [eos] and early.finish_reason == "stop" and early.text == ""
+    held = llm.generate([PROMPT], greedy(logit_bias={eos: 100}, min_tokens=5))[0]
+    assert held.token_ids == full.token_ids[:5] + [eos]  # masked until 5 outputs, then wins
+    assert held.finish_reason == "stop" and held.stop_reason is None
+    assert held.text == llm.tokenizer.decode(full.token_ids[:5])
+    stop = full.token_ids[0]
+    by_id = llm.generate([PROMPT], greedy(ignore_eos=True, min_tokens=4, stop_token_ids=[stop],
+                                          logit_bias={stop: 100}))[0]
+    assert len(by_id.token_ids) == 5 and by_id.token_ids[-1] == stop
+    assert by_id.stop_reason == stop and stop not in by_id.token_ids[:4]
+
+
+def test_min_tokens_holds_off_stop_strings(llm):
+    full = llm.generate(["the cat"], greedy(16, ignore_eos=True))[0]
+    stop = full.text[2:4]
+    out = llm.generate(["the cat"], greedy(16, ignore_eos=True, stop=[stop], min_tokens=16))[0]
+    assert out.text == full.text and out.finish_reason == "length"
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_and_token(llm):
+    full = llm.generate(["the cat"], greedy(16, ignore_eos=True))[0]
+    stop = full.text[2:4]
+    out = llm.generate(["the cat"], greedy(16, ignore_eos=True, stop=[stop],
+                                           include_stop_str_in_output=True))[0]
+    assert out.stop_reason == stop and out.text == full.text[:full.text.index(stop) + 2]
+    # A stop token's own text is left out, as vLLM does, unless asked for.
+    token = full.token_ids[3]
+    cut = full.token_ids.index(token) + 1
+    kept = llm.generate(["the cat"], greedy(16, ignore_eos=True, stop_token_ids=[token],
+                                            include_stop_str_in_output=True))[0]
+    dropped = llm.generate(["the cat"], greedy(16, ignore_eos=True, stop_token_ids=[token]))[0]
+    assert kept.token_ids == dropped.token_ids == full.token_ids[:cut]
+    assert kept.text == llm.tokenizer.decode(full.token_ids[:cut])
+    assert dropped.text == llm.tokenizer.decode(full.token_ids[:cut - 1])
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(llm):
+    bos = llm.tokenizer.bos_token_id
+    shown = llm.generate([PROMPT], greedy(3, ignore_eos=True, logit_bias={bos: 100},
+                                          skip_special_tokens=False))[0]
+    hidden = llm.generate([PROMPT], greedy(3, ignore_eos=True, logit_bias={bos: 100}))[0]
+    assert shown.token_ids == hidden.token_ids == [bos] * 3
+    assert shown.text == llm.tokenizer.bos_token * 3 and hidden.text == ""
+
+
+def test_allowed_token_ids_are_the_only_ones_sampled(llm):
+    allowed = [10, 11, 12, 200]
+    outs = llm.generate([PROMPT] * 4, SamplingParams(max_tokens=12, temperature=1.5, seed=3,
+                                                     ignore_eos=True, allowed_token_ids=allowed))
+    assert all(set(o.token_ids) <= set(allowed) for o in outs)
+    assert len({t for o in outs for t in o.token_ids}) > 1  # really sampling
+    with pytest.raises(ValueError, match="min_tokens can never be met"):
+        llm.generate([PROMPT], greedy(min_tokens=2, allowed_token_ids=sorted(
+            llm.engine.eos_token_ids)))
+
+
+def test_mixed_batch_leaves_unconstrained_rows_as_they_run_alone(llm):
+    plain = greedy(12, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=11, ignore_eos=True)
+    constrained = [greedy(12, logit_bias={77: 100, 5: -100}),
+                   greedy(12, allowed_token_ids=[10, 11, 12]),
+                   greedy(12, logit_bias={eos_id(llm): 100}, min_tokens=6),
+                   SamplingParams(max_tokens=12, temperature=1.0, seed=5, min_tokens=3,
+                                  allowed_token_ids=[20, 21, eos_id(llm)])]
+    prompts = [[1, 2, 3], [9, 8], PROMPT, [7, 7, 7, 7], [30, 31], [5, 6]]
+    params = [plain, seeded, *constrained]
+    mixed = llm.generate(prompts, params)
+    for i in (0, 1):
+        assert mixed[i].token_ids == llm.generate([prompts[i]], params[i])[0].token_ids
+    assert mixed[2].token_ids == [77] * 12
+    assert set(mixed[3].token_ids) <= {10, 11, 12}
+    assert len(mixed[4].token_ids) == 7 and mixed[4].finish_reason == "stop"
+    assert len(mixed[5].token_ids) >= 3 and set(mixed[5].token_ids) <= {20, 21, eos_id(llm)}
+    assert all_blocks_free(llm)

@@ -16,6 +16,7 @@ import json  # noqa: E402
 
 import pytest  # noqa: E402
 import safetensors.torch  # noqa: E402
+from peft_reference import build_base, load_peft, peft_greedy, save_peft_adapters  # noqa: E402
 
 from adapters.errors import AdapterError  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
@@ -38,73 +39,6 @@ ADAPTERS = {
 REQUESTS = [*ADAPTERS, None, *reversed(ADAPTERS), None, None]
 QV = [i for i, adapter in enumerate(REQUESTS) if adapter == "qv-r16"]  # requests to replace under
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-
-
-def build_base(path: str) -> str:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, tie_word_embeddings=False,
-                         bos_token_id=None, eos_token_id=None)  # no EOS: every token counts
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.15)  # diverse greedy outputs
-    model.save_pretrained(path)
-    return path
-
-
-def save_peft_adapters(base: str, out_dir: str, specs: dict[str, dict], seed: int) -> dict[str, str]:
-    """PEFT-made adapters with N(0, 0.3) weights (so they change outputs); name -> dir."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = None
-    for name, spec in specs.items():
-        config = LoraConfig(**spec, init_lora_weights=False)
-        if model is None:
-            model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), config, name)
-        else:
-            model.add_adapter(name, config)
-    with torch.no_grad():
-        for param_name, p in model.named_parameters():
-            if "lora_" in param_name:
-                p.normal_(0, 0.3)
-    model.save_pretrained(out_dir)  # adapter `name` lands in out_dir/name
-    return {name: os.path.join(out_dir, name) for name in specs}
-
-
-def peft_greedy(model, prompts: list[list[int]], adapters: list[str | None]) -> list[list[int]]:
-    outputs = []
-    for prompt, adapter in zip(prompts, adapters, strict=True):
-        ids = torch.tensor([prompt])
-        # An explicit mask: without one, generate masks every prompt token equal to pad_token_id.
-        kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                      do_sample=False, pad_token_id=0)
-        if adapter is None:
-            with model.disable_adapter():
-                out = model.generate(input_ids=ids, **kwargs)
-        else:
-            model.set_adapter(adapter)
-            out = model.generate(input_ids=ids, **kwargs)
-        outputs.append(out[0, len(prompt):].tolist())
-    return outputs
-
-
-def load_peft(base: str, dirs: dict[str, str]):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    names = list(dirs)
-    model = PeftModel.from_pretrained(hf, dirs[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(dirs[name], adapter_name=name)
-    return model.eval()
 
 
 class World:
@@ -208,10 +142,9 @@ def bad_adapters(world: World, root: str) -> dict[str, tuple[str, str]]:
         "other-model": (edited_copy(qv, os.path.join(root, "other-model"),
                                     {q_a: torch.randn(16, 96)}),
                         "lora_A [16, 96]"),
-        "lm-head": (peft_adapter(world, root, "lm-head", r=4, lora_alpha=8,
-                                 target_modules=["q_proj", "lm_head"]), "'lm_head'"),
-        "embed-tokens": (peft_adapter(world, root, "embed-tokens", r=4, lora_alpha=8,
-                                      target_modules=["embed_tokens", "v_proj"]), "'embed_tokens'"),
+        "modules-to-save": (peft_adapter(world, root, "modules-to-save", r=4, lora_alpha=8,
+                                         target_modules=["q_proj"], modules_to_save=["lm_head"]),
+                            "modules_to_save is ['lm_head']; full per-adapter copies"),
         "dora": (peft_adapter(world, root, "dora", r=4, lora_alpha=8, use_dora=True,
                               target_modules=["q_proj"]), "DoRA adapters are not supported"),
     }

@@ -10,6 +10,7 @@ import torch
 from engine.sampler import Sampler, apply_penalties
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
+from engine.structured import GuidedDecoding
 
 V = 64
 
@@ -180,3 +181,102 @@ def test_logprobs_are_log_softmax_of_raw_logits():
 def test_invalid_sampling_params_raise_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+# ---- logit_bias, allowed_token_ids, min_tokens -------------------------------------------------
+def test_logit_bias_bans_and_forces_tokens_of_its_row_only():
+    logits = torch.randn(3, V)
+    argmax = logits.argmax(dim=-1).tolist()
+    seqs = [seq(temperature=0.0, logit_bias={argmax[0]: -100.0}),
+            seq(temperature=0.0, logit_bias={7: 100.0}),
+            seq(temperature=0.0)]
+    out = Sampler()(logits, seqs).token_ids
+    assert out[0] != argmax[0]
+    assert out[0] == logits[0].topk(2).indices[1].item()  # the runner-up takes over
+    assert out[1] == 7
+    assert out[2] == argmax[2]  # the row without logit_bias is untouched
+    # sampled rows too: +100 leaves every other token e^-100 times less likely
+    assert support([0.2] * 5, n=500, logit_bias={3: 100.0}) == {3}
+    assert 0 not in support([0.96, 0.01, 0.01, 0.01, 0.01], n=500, logit_bias={0: -100.0})
+
+
+def test_logit_bias_comes_before_penalties():
+    # token 0 is in the prompt; repetition 2 halves positive logits. Bias first:
+    # (1 + 1) / 2 = 1.0 < 1.2, so token 1 wins; bias after would give 0.5 + 1 = 1.5 > 1.2.
+    logits = torch.tensor([[1.0, 1.2]])
+    s = seq(prompt=[0], temperature=0.0, repetition_penalty=2.0, logit_bias={0: 1.0})
+    assert Sampler()(logits, [s]).token_ids == [1]
+
+
+def test_allowed_token_ids_restrict_the_support():
+    assert support(PROBS, n=2000, allowed_token_ids=[2, 4]) == {2, 4}
+    logits = torch.randn(2, V)
+    allowed = [3, 9, 40]
+    out = Sampler()(logits, [seq(temperature=0.0, allowed_token_ids=allowed),
+                             seq(temperature=0.0)]).token_ids
+    assert out[0] == allowed[logits[0, allowed].argmax().item()]
+    assert out[1] == logits[1].argmax().item()
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
+    eos, stop = 5, 6
+    logits = torch.zeros(1, V)
+    logits[0, eos], logits[0, stop], logits[0, 9] = 3.0, 2.0, 1.0
+    sampler = Sampler(eos_token_ids=[eos])
+
+    def pick(output: list[int], **params) -> int:
+        return sampler(logits, [seq(output=output, temperature=0.0, min_tokens=3,
+                                    stop_token_ids=[stop], **params)]).token_ids[0]
+
+    assert pick([1]) == 9 and pick([1, 2]) == 9  # fewer than 3 outputs: neither may end it
+    assert pick([1, 2, 3]) == eos  # 3 outputs: EOS may come now
+    assert pick([1], ignore_eos=True) == eos  # an ignored EOS ends nothing: not masked
+    assert pick([1], allowed_token_ids=[eos, stop, 9]) == 9
+
+
+def test_rows_without_these_parameters_build_nothing(monkeypatch):
+    import engine.sampler as sampler_module
+
+    def fail(*args, **kwargs):
+        raise AssertionError("no row asked for logit_bias, allowed_token_ids or min_tokens")
+
+    monkeypatch.setattr(sampler_module, "apply_token_edits", fail)
+    seqs = [seq(output=[1, 2], temperature=0.7, top_k=5, repetition_penalty=1.3),
+            seq(temperature=0.0, logprobs=2), seq(output=[1, 2, 3], min_tokens=3)]
+    Sampler(eos_token_ids=[0])(torch.randn(3, V), seqs)  # min_tokens already met: no edit
+
+
+def test_edits_leave_the_callers_logits_alone():
+    logits = torch.randn(3, V)
+    before = logits.clone()
+    seqs = [seq(logit_bias={1: 5.0, 2: -100.0}, repetition_penalty=1.2),
+            seq(allowed_token_ids=[4, 5]), seq(min_tokens=4, stop_token_ids=[3])]
+    Sampler(eos_token_ids=[0])(logits, seqs)
+    assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize(("kwargs", "param", "message"), [
+    ({"logit_bias": {3: 100.5}}, "logit_bias", "logit_bias\\[3\\] must be in \\[-100, 100\\]"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias", "logit_bias key -1 is not a token id"),
+    ({"logit_bias": {"7": 1.0}}, "logit_bias", "logit_bias key '7' is not a token id"),
+    ({"allowed_token_ids": []}, "allowed_token_ids", "must not be empty"),
+    ({"allowed_token_ids": [1, -2]}, "allowed_token_ids", "non-negative"),
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens", "must be in \\[0, max_tokens=4\\]"),
+    ({"min_tokens": -1}, "min_tokens", "min_tokens"),
+    ({"min_tokens": 2, "guided": GuidedDecoding("regex", "a+")}, "min_tokens",
+     "min_tokens cannot be combined with structured output"),
+    ({"allowed_token_ids": [1], "guided": GuidedDecoding("json_object")}, "allowed_token_ids",
+     "allowed_token_ids cannot be combined with structured output"),
+])
+def test_new_sampling_params_name_the_bad_parameter(kwargs, param, message):
+    with pytest.raises(ValueError, match=message) as err:
+        SamplingParams(**kwargs)
+    assert err.value.param == param
+
+
+def test_token_ids_are_checked_against_the_vocabulary():
+    SamplingParams(logit_bias={63: 1.0}, allowed_token_ids=[0, 63]).check_token_ids(V)
+    with pytest.raises(ValueError, match="logit_bias key 64 is not a token of this model"):
+        SamplingParams(logit_bias={1: 1.0, 64: 1.0}).check_token_ids(V)
+    with pytest.raises(ValueError, match="allowed_token_ids token id 99 is not a token"):
+        SamplingParams(allowed_token_ids=[99]).check_token_ids(V)

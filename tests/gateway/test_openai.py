@@ -279,3 +279,115 @@ def test_sampling_params_follow_openai_defaults_and_seed_offsets():
     assert (p.max_tokens, p.seed, p.stop, p.temperature, p.top_p) == (4, 9, ["END"], 1.0, 1.0)
     bare = ChatCompletionRequest(model=BASE, messages=[ChatMessage(role="user", content="hi")])
     assert sampling_params(bare, 10, 512, None, 0).max_tokens == 502  # the rest of the context
+
+
+# ---- logit_bias, echo and vLLM's sampling extensions ------------------------------------------
+def test_logit_bias_bans_and_forces_tokens_on_both_routes(client, offline):
+    ids = offline.generate([PROMPTS[0]], greedy_params(4))[0].token_ids
+    forced = client.completions.create(model=ADAPTERS[1], prompt=PROMPTS[0],
+                                       logit_bias={"77": 100}, **GREEDY)
+    assert forced.choices[0].text == offline.tokenizer.decode([77] * 12)
+    banned = client.completions.create(model=BASE, prompt=PROMPTS[0], max_tokens=4,
+                                       temperature=0, logit_bias={str(ids[0]): -100},
+                                       extra_body={"ignore_eos": True})
+    expected = offline_texts(offline, [PROMPTS[0]], [None],
+                             greedy_params(4, logit_bias={ids[0]: -100}))[0]
+    assert banned.choices[0].text == expected != offline.tokenizer.decode(ids)
+    chunks = list(client.chat.completions.create(
+        model=BASE, messages=[{"role": "user", "content": "hi"}], logit_bias={"77": 100},
+        stream=True, **GREEDY))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == offline.tokenizer.decode([77] * 12)
+
+
+@pytest.mark.parametrize(("bias", "says"), [
+    ({"abc": 1}, "logit_bias key 'abc' is not a token id"),
+    ({"-3": 1}, "logit_bias key '-3' is not a token id"),
+    ({"10000000": 1}, "logit_bias key 10000000 is not a token of this model"),
+    ({"5": 100.5}, "logit_bias[5] must be in [-100, 100], got 100.5"),
+])
+def test_bad_logit_bias_is_a_400_naming_the_key(client, bias, says):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=BASE, prompt="hi", max_tokens=2, logit_bias=bias)
+    assert says in err.value.body["message"] and err.value.body["param"] == "logit_bias"
+
+
+def test_echo_prepends_the_prompt_streamed_or_not(client, offline):
+    prompts = [PROMPTS[4], PROMPTS[5]]
+    expected = offline_texts(offline, prompts, [None, None])
+    whole = client.completions.create(model=BASE, prompt=prompts, n=2, echo=True, **GREEDY)
+    assert [c.text for c in whole.choices] == [prompts[0] + expected[0]] * 2 + \
+        [prompts[1] + expected[1]] * 2
+    assert whole.usage.completion_tokens == 4 * 12
+    ids = offline.tokenizer.encode(PROMPTS[5])
+    by_ids = client.completions.create(model=BASE, prompt=ids, echo=True, **GREEDY)
+    assert by_ids.choices[0].text == offline.tokenizer.decode(ids, skip_special_tokens=True) \
+        + expected[1]
+
+    chunks = list(client.completions.create(model=ADAPTERS[0], prompt=prompts, echo=True,
+                                            stream=True, **GREEDY))
+    generated = offline_texts(offline, prompts, [ADAPTERS[0]] * 2)
+    for index in (0, 1):
+        texts = [c.choices[0].text for c in chunks if c.choices[0].index == index]
+        assert texts[0] == prompts[index]  # the choice's first chunk is the prompt
+        assert "".join(texts) == prompts[index] + generated[index]
+
+
+def test_echo_with_logprobs_is_a_clear_400(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=BASE, prompt="hi", max_tokens=2, echo=True, logprobs=1)
+    assert "echo with logprobs is not supported" in err.value.body["message"]
+    assert err.value.body["param"] == "echo"
+
+
+def test_min_tokens_holds_off_eos_on_both_routes(client, offline):
+    eos = min(offline.engine.eos_token_ids)
+    body = {"min_tokens": 4}
+    r = client.completions.create(model=ADAPTERS[2], prompt=PROMPTS[1], max_tokens=12,
+                                  temperature=0, logit_bias={str(eos): 100}, extra_body=body)
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 5
+    early = client.completions.create(model=ADAPTERS[2], prompt=PROMPTS[1], max_tokens=12,
+                                      temperature=0, logit_bias={str(eos): 100})
+    assert early.usage.completion_tokens == 1 and early.choices[0].text == ""
+    chunks = list(client.chat.completions.create(
+        model=BASE, messages=[{"role": "user", "content": "hi"}], max_tokens=12, temperature=0,
+        logit_bias={str(eos): 100}, stream=True, stream_options={"include_usage": True},
+        extra_body=body))
+    assert chunks[-1].usage.completion_tokens == 5
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=BASE, prompt="hi", max_tokens=2,
+                                  extra_body={"min_tokens": 3})
+    assert err.value.body["param"] == "min_tokens"
+
+
+def test_vllm_stop_and_token_extensions(client, offline):
+    full = offline_texts(offline, [PROMPTS[6]], [None], greedy_params(16))[0]
+    starts = [i for i in range(len(full) // 2, len(full) - 1)
+              if not any(c.isspace() or c == "\ufffd" for c in full[i:i + 2])]
+    stop = full[starts[0]:starts[0] + 2]
+    kept = client.completions.create(model=BASE, prompt=PROMPTS[6], max_tokens=16,
+                                     temperature=0, stop=[stop],
+                                     extra_body={"ignore_eos": True,
+                                                 "include_stop_str_in_output": True})
+    assert kept.choices[0].text == full[:full.index(stop) + 2]
+
+    bos = offline.tokenizer.bos_token_id
+    special = client.completions.create(model=BASE, prompt="hi", max_tokens=2, temperature=0,
+                                        logit_bias={str(bos): 100},
+                                        extra_body={"skip_special_tokens": False})
+    assert special.choices[0].text == offline.tokenizer.bos_token * 2
+
+    allowed = [40, 41, 42]
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=9, ignore_eos=True,
+                            allowed_token_ids=allowed)
+    expected = offline.generate([PROMPTS[2]], params, adapters=[ADAPTERS[3]])[0]
+    assert set(expected.token_ids) <= set(allowed)
+    r = client.completions.create(model=ADAPTERS[3], prompt=PROMPTS[2], max_tokens=12,
+                                  temperature=1.0, seed=9,
+                                  extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    assert r.choices[0].text == expected.text
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=BASE, prompt="hi", max_tokens=2,
+                                  extra_body={"allowed_token_ids": [1, 10**7]})
+    assert err.value.body["param"] == "allowed_token_ids"

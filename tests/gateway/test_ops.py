@@ -106,7 +106,7 @@ def test_bad_requests_get_4xx_in_openai_shape_and_the_server_keeps_serving(http,
 @pytest.mark.parametrize("field", [
     {"response_format": {"type": "yaml"}},
     {"tool_choice": "required"},  # without tools
-    {"logit_bias": {"5": 1.0}},
+    {"logit_bias": {"5": 101.0}},  # out of [-100, 100]
     {"top_logprobs": 2},
 ])
 def test_unimplemented_chat_fields_are_refused(http, field):
@@ -119,8 +119,8 @@ def test_trivial_values_of_unimplemented_fields_are_accepted(http):
             "response_format": {"type": "text"}, "tool_choice": "none", "user": "u1",
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
     assert http.post("/v1/chat/completions", json=body).status_code == 200
-    echo = {"model": BASE, "prompt": "hi", **SMALL, "echo": True}
-    assert_openai_error(http.post("/v1/completions", json=echo), 400)
+    echo = {"model": BASE, "prompt": "hi", **SMALL, "echo": True, "logprobs": 1}
+    assert_openai_error(http.post("/v1/completions", json=echo), 400)  # no prompt logprobs
 
 
 async def test_keys_guard_v1_and_admin_routes_but_not_probes(server, server_config):

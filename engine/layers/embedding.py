@@ -1,0 +1,85 @@
+"""The vocabulary ends of the model, each able to carry a per-row LoRA delta.
+
+`VocabEmbedding` (embed_tokens): token ids -> hidden rows, plus each token's own adapter's
+embedding LoRA (PEFT's lora.Embedding). `LMHead` (lm_head): final hidden rows -> logits, with
+its own weight or the embedding's (tie_word_embeddings), plus each *sampling row's* adapter's
+lm_head LoRA; LoRAStep.sample holds the slots of exactly those rows. A tied lm_head shares the
+base weight only: its LoRA is its own, as in PEFT. The adapter manager sets `lora` to the slot
+pool buffers when the first adapter that adapts the module arrives; until then, and in steps
+where no row's slot adapts the module, nothing is computed for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.forward_context import get_forward_context
+from engine.layers.linear import LoRABuffers
+
+
+@dataclass(slots=True)
+class EmbeddingLoRABuffers:
+    """embed_tokens' device slot pool (see kernels.embedding_lora for the math)."""
+
+    lora_a: torch.Tensor  # [S, V, R]: lora_embedding_A transposed, one row per token id
+    lora_b: torch.Tensor  # [S, H, R]: lora_embedding_B
+    ranks: torch.Tensor  # [1, S] int32, 0 = no embedding LoRA in that slot
+    scales: torch.Tensor  # [1, S] float32
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.lora_a, self.lora_b, self.ranks, self.scales))
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.lora: EmbeddingLoRABuffers | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids: [T] -> y: [T, H]
+        y = F.embedding(ids, self.weight)
+        if self.lora is not None:
+            ctx = get_forward_context()
+            if ctx.lora is not None and ctx.lora.embed:
+                from kernels import embedding_lora
+
+                lora = self.lora
+                embedding_lora(y, ids, lora.lora_a, lora.lora_b, lora.ranks, lora.scales,
+                               ctx.lora.tokens, backend=ctx.lora_backend)
+        return y
+
+
+class LMHead(nn.Module):
+    def __init__(self, hidden_size: int, vocab_size: int, tied_to: VocabEmbedding | None = None):
+        super().__init__()
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self._tied_to = (tied_to,) if tied_to is not None else ()  # a tuple: not a submodule
+        if tied_to is None:
+            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.lora: LoRABuffers | None = None  # one slice: lora_a [1, S, R, H], lora_b [S, V, R]
+
+    @property
+    def tied(self) -> bool:
+        return bool(self._tied_to)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [B, H], the sampling rows -> logits: [B, V] (float32 for the sampler)
+        weight = self._tied_to[0].weight if self._tied_to else self.weight
+        logits = F.linear(hidden, weight)
+        if self.lora is not None:
+            ctx = get_forward_context()
+            if ctx.lora is not None and ctx.lora.sample is not None:
+                meta = ctx.lora.sample
+                assert meta.num_tokens == hidden.shape[0], (
+                    f"lm_head LoRA metadata has {meta.num_tokens} rows, the step samples "
+                    f"{hidden.shape[0]}")
+                self.lora.apply(logits, hidden, (0, self.vocab_size), meta, ctx.lora_backend)
+        return logits.float()

@@ -1,0 +1,165 @@
+"""The device side of the adapter slots: for every module an adapter can adapt, one buffer pool
+holding `max_loras` slots of up to `max_lora_rank`, preallocated and refilled in place.
+
+Three kinds of pool, each allocated once, when the first adapter that needs it is registered:
+    projections    every decoder layer's Linear.lora (LoRABuffers), with the first adapter
+    embed_tokens   VocabEmbedding.lora (EmbeddingLoRABuffers), with the first embedding LoRA
+    lm_head        LMHead.lora (LoRABuffers, one slice), with the first lm_head LoRA
+so a server whose adapters never touch the vocabulary ends holds no vocabulary-sized buffers.
+Per slot, in elements (R = max_lora_rank, V = vocab, H = hidden):
+    projections    R * (sum over layers and Linears of n_slices * in + out)
+    embed_tokens   R * (V + H)       lm_head   R * (H + V)
+`num_bytes` reports what each kind holds.
+
+Per step, `step(batch)` gives the slot of every row (LoRAStep): of every new token for the
+projections and embed_tokens, of every sampling row for lm_head. The embed_tokens and lm_head
+parts are built, and those modules' LoRA run, only when some row's slot adapts them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from adapters.format import LoraAdapter
+from engine.forward_context import LoRAStep
+from engine.layers.embedding import EmbeddingLoRABuffers
+from engine.layers.linear import LoRABuffers
+from engine.models.llama import LlamaForCausalLM
+from engine.scheduler import ScheduledBatch
+
+logger = logging.getLogger(__name__)
+
+EMBED, HEAD = (None, "embed_tokens"), (None, "lm_head")  # their keys in LoraAdapter.modules
+
+
+class SlotPool:
+    def __init__(self, model: LlamaForCausalLM, num_slots: int, max_rank: int,
+                 device: torch.device, dtype: torch.dtype):
+        self.model = model
+        self.num_slots, self.max_rank = num_slots, max_rank
+        self.device, self.dtype = device, dtype
+        self.embedding = model.model.embed_tokens
+        self.head = model.lm_head
+        self.embed_slots: set[int] = set()  # slots whose adapter has an embed_tokens LoRA
+        self.head_slots: set[int] = set()  # ... an lm_head LoRA
+
+    def _projections(self):
+        for index, layer in enumerate(self.model.model.layers):
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                           layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                yield index, linear
+
+    @property
+    def num_bytes(self) -> dict[str, int]:
+        """Device bytes per kind of pool (0: not allocated)."""
+        projections = sum(linear.lora.num_bytes for _, linear in self._projections()
+                          if linear.lora is not None)
+        return {"projections": projections,
+                "embed_tokens": self.embedding.lora.num_bytes if self.embedding.lora else 0,
+                "lm_head": self.head.lora.num_bytes if self.head.lora else 0}
+
+    # ---- allocation -------------------------------------------------------------------------
+    def reserve(self, adapter: LoraAdapter) -> None:
+        """Allocate the pools `adapter` needs that do not exist yet (once per kind)."""
+        allocated = []
+        if next(self._projections())[1].lora is None:
+            for _, linear in self._projections():
+                linear.lora = self._linear_pool(len(linear.slice_names), linear.in_features,
+                                                linear.out_features)
+            allocated.append("projections")
+        if EMBED in adapter.modules and self.embedding.lora is None:
+            S, R, V, H = self.num_slots, self.max_rank, self.embedding.vocab_size, self.embedding.hidden_size
+            self.embedding.lora = EmbeddingLoRABuffers(
+                lora_a=self._zeros(S, V, R), lora_b=self._zeros(S, H, R),
+                ranks=torch.zeros(1, S, dtype=torch.int32, device=self.device),
+                scales=torch.zeros(1, S, dtype=torch.float32, device=self.device))
+            allocated.append("embed_tokens")
+        if HEAD in adapter.modules and self.head.lora is None:
+            self.head.lora = self._linear_pool(1, self.head.hidden_size, self.head.vocab_size)
+            allocated.append("lm_head")
+        if allocated:
+            sizes = self.num_bytes
+            logger.info("LoRA slot pools (%d slots, rank %d): %s", self.num_slots, self.max_rank,
+                        ", ".join(f"{kind} {sizes[kind] / 2**20:.1f} MiB" for kind in sizes))
+
+    def _zeros(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=self.dtype, device=self.device)
+
+    def _linear_pool(self, n: int, in_features: int, out_features: int) -> LoRABuffers:
+        S, R = self.num_slots, self.max_rank
+        return LoRABuffers(
+            lora_a=self._zeros(n, S, R, in_features),  # [n_slices, S, R, H]
+            lora_b=self._zeros(S, out_features, R),  # [S, O_total, R]
+            ranks=torch.zeros(n, S, dtype=torch.int32, device=self.device),
+            scales=torch.zeros(n, S, dtype=torch.float32, device=self.device))
+
+    # ---- one slot ---------------------------------------------------------------------------
+    def fill(self, index: int, adapter: LoraAdapter) -> None:
+        """Copy `adapter` into slot `index` (cleared before) of every pool; absent targets stay
+        at rank 0."""
+        self.reserve(adapter)
+        for layer_index, linear in self._projections():
+            for i, target in enumerate(linear.slice_names):
+                weights = adapter.modules.get((layer_index, target))
+                if weights is not None:
+                    _copy_linear(linear.lora, i, index, linear.slice_rows(target), weights)
+        if (weights := adapter.modules.get(HEAD)) is not None:
+            _copy_linear(self.head.lora, 0, index, slice(None), weights)
+            self.head_slots.add(index)
+        if (weights := adapter.modules.get(EMBED)) is not None:
+            self.embed_slots.add(index)
+            lora, rank = self.embedding.lora, weights.rank
+            lora.lora_a[index, :, :rank].copy_(weights.lora_a.T, non_blocking=True)  # [V, r]
+            lora.lora_b[index, :, :rank].copy_(weights.lora_b, non_blocking=True)  # [H, r]
+            lora.ranks[0, index] = rank
+            lora.scales[0, index] = weights.scaling
+
+    def clear(self, index: int) -> None:
+        self.embed_slots.discard(index)
+        self.head_slots.discard(index)
+        pools = [linear.lora for _, linear in self._projections()]
+        pools += [self.head.lora, self.embedding.lora]
+        for lora in pools:
+            if lora is None:
+                continue
+            if isinstance(lora, EmbeddingLoRABuffers):
+                lora.lora_a[index].zero_()
+            else:
+                lora.lora_a[:, index].zero_()
+            lora.lora_b[index].zero_()
+            lora.ranks[:, index] = 0
+            lora.scales[:, index] = 0.0
+
+
+    # ---- per step ---------------------------------------------------------------------------
+    def step(self, batch: ScheduledBatch) -> LoRAStep | None:
+        """The slot of every row of `batch`, or None when no row has an adapter (then requests
+        without adapters pay nothing for LoRA)."""
+        if not any(seq.adapter for seq in batch.seqs):
+            return None
+        from kernels import make_lora_meta
+
+        token_slots: list[int] = []
+        sample_slots: list[int] = []  # the sampling rows, in the model runner's order
+        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            assert seq.adapter is None or seq.lora_slot >= 0, "running adapter without a slot"
+            slot = seq.lora_slot if seq.adapter else -1
+            token_slots.extend([slot] * num_new)
+            if batch.samples(i):
+                sample_slots.append(slot)
+        as_meta = lambda slots: make_lora_meta(  # noqa: E731
+            torch.tensor(slots, dtype=torch.int32, device=self.device), self.num_slots)
+        embed = not self.embed_slots.isdisjoint(seq.lora_slot for seq in batch.seqs if seq.adapter)
+        sample = as_meta(sample_slots) if not self.head_slots.isdisjoint(sample_slots) else None
+        return LoRAStep(tokens=as_meta(token_slots), embed=embed, sample=sample)
+
+
+def _copy_linear(lora: LoRABuffers, i: int, index: int, rows: slice, weights) -> None:
+    """Slice i of slot `index`: lora_a [r, in] and lora_b [out, r] of one adapted module."""
+    rank = weights.rank
+    lora.lora_a[i, index, :rank].copy_(weights.lora_a, non_blocking=True)
+    lora.lora_b[index, rows, :rank].copy_(weights.lora_b, non_blocking=True)
+    lora.ranks[i, index] = rank
+    lora.scales[i, index] = weights.scaling
