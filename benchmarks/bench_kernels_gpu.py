@@ -18,8 +18,8 @@ efficiency. `--block-m auto,1` adds rows for the same kernels with one token per
 vs 1 on distinct and identical traffic is the SGMV/BGMV question of kernels/lora_triton.py.
 
 Decode attention (second table): kernels/paged_attention.py vs the engine's torch path
-(PagedAttention._decode: index_select of every context position's K/V into a padded copy, then
-SDPA under a mask; its cache_slots/mask are built outside the timing, once per step as in the
+(PagedAttention._decode: index_select of each row's whole K/V blocks into a padded copy, then
+SDPA under a mask; its block ids/mask are built outside the timing, once per step as in the
 engine) at 32 q / 8 kv heads, head_dim 128, 16-token blocks scattered at random over the pool,
 for each batch x context ("ragged": lengths uniform in [1, the largest context]). "KV GB/s" is
 the K and V bytes of the contexts (the least either path must read) over the time; "% copy" as
@@ -214,11 +214,10 @@ def run_attention(batch: int, context: str, max_context: int, copy_bw: float) ->
     scale = D ** -0.5
 
     layer = PagedAttention(ATTN_HEADS, n_kv, D, scale)
-    k_flat, v_flat = (c.view(num_blocks * bs, n_kv, D) for c in (k_cache, v_cache))
-    slots = (tables.long()[:, :, None] * bs + torch.arange(bs, device="cuda")).flatten(1)  # [B, L]
-    mask = (torch.arange(slots.shape[1], device="cuda")[None, :] < lens[:, None])[:, None, None, :]
-    slots = slots.flatten()
-    torch_path = lambda: layer._decode(q, k_flat, v_flat, slots, mask)
+    layer.k_cache, layer.v_cache = k_cache, v_cache
+    block_ids = tables.flatten().long()  # as ModelRunner._decode_addressing builds them
+    mask = (torch.arange(width * bs, device="cuda")[None, :] < lens[:, None])[:, None, None, :]
+    torch_path = lambda: layer._decode(q, block_ids, mask)
     out = torch.empty_like(q)
     kernel = lambda: pa.paged_attention_decode(q, k_cache, v_cache, tables, lens, scale, out=out)
 

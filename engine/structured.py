@@ -30,7 +30,11 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-import xgrammar as xgr
+
+try:
+    import xgrammar as xgr
+except ImportError:  # only structured output needs it: the engine serves everything else
+    xgr = None
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
@@ -149,6 +153,9 @@ class GrammarCompiler:
     """xgrammar over one tokenizer and the model's vocab (which may exceed the tokenizer's)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        if xgr is None:
+            raise ValueError("structured output needs the xgrammar package, which is not "
+                             "installed here (pip install xgrammar)")
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_token_ids))
         self.vocab_size = vocab_size

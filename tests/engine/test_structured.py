@@ -188,3 +188,11 @@ def test_tool_call_schema_and_parse(llm):
                            ["add"]) == ("add", '{"a": 1}')
     assert parse_tool_call('{"name": "nope", "arguments": {}}', ["add"]) is None
     assert parse_tool_call("plain text", ["add"]) is None
+
+
+def test_without_xgrammar_only_structured_output_is_refused(llm, monkeypatch):
+    import engine.structured as structured
+
+    monkeypatch.setattr(structured, "xgr", None)
+    with pytest.raises(ValueError, match="xgrammar"):
+        structured.GrammarCompiler(llm.tokenizer, 100, [0])
