@@ -1,9 +1,10 @@
 """PEFT LoRA adapters: validate adapter_config.json and adapter_model.safetensors against the
-served base model, and return float32 host tensors per (layer, target).
+served base model, and return float32 host tensors per (layer, target), plus the full module
+copies of modules_to_save (adapters.saved_modules) in the dtype they were saved in.
 
 Everything is checked before anything is returned: the config (adapters.lora_config), then the
 safetensors header (adapters.safetensors_check) and every key, shape, rank and dtype in it
-(adapters.lora_tensors), and only then are the tensors deserialized. Pickled weights are
+(adapters.saved_modules, adapters.lora_tensors), and only then are the tensors deserialized. Pickled weights are
 refused and never opened.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import safetensors.torch
 import torch
@@ -21,6 +22,7 @@ from adapters.errors import short_repr as _show
 from adapters.lora_config import LoraConfig, parse_adapter_config
 from adapters.lora_tensors import check_lora_tensors
 from adapters.safetensors_check import CONFIG_FILE, check_safetensors
+from adapters.saved_modules import check_saved_modules, tied_to_embedding
 from adapters.sources import MAX_CONFIG_BYTES, read_adapter_files
 
 __all__ = [
@@ -38,17 +40,20 @@ class BaseModelSpec:
     module_shapes: dict[str, tuple[int, int]]
     max_lora_rank: int
     tie_word_embeddings: bool = False  # lm_head reuses embed_tokens' weight
+    # adapters with saved modules (modules_to_save) the server holds at once; 0 refuses them
+    max_full_module_slots: int = 0
 
     @classmethod
-    def from_hf_config(cls, hf_config: dict, max_lora_rank: int) -> BaseModelSpec:
+    def from_hf_config(cls, hf_config: dict, max_lora_rank: int,
+                       max_full_module_slots: int = 0) -> BaseModelSpec:
         """From a Llama / Mistral / Qwen2 / Qwen3 config.json (as a dict)."""
         cfg = hf_config
         if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
             cfg = cfg["text_config"]
-        for field in ("hidden_size", "num_attention_heads", "intermediate_size",
-                      "num_hidden_layers"):  # fmt: skip
-            if not isinstance(cfg.get(field), int) or cfg[field] <= 0:
-                raise ValueError(f"base model config.json: {field} missing or not a positive int")
+        for key in ("hidden_size", "num_attention_heads", "intermediate_size",
+                    "num_hidden_layers"):  # fmt: skip
+            if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
+                raise ValueError(f"base model config.json: {key} missing or not a positive int")
         hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads") or heads
         head_dim = cfg.get("head_dim") or hidden // heads
@@ -67,7 +72,7 @@ class BaseModelSpec:
         if max_lora_rank < 1:
             raise ValueError(f"--max-lora-rank must be >= 1, got {max_lora_rank}")
         tied = bool(cfg.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False)))
-        return cls(cfg["num_hidden_layers"], shapes, max_lora_rank, tied)
+        return cls(cfg["num_hidden_layers"], shapes, max_lora_rank, tied, max_full_module_slots)
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,6 +98,9 @@ class LoraAdapter:
     modules: dict[tuple[int | None, str], LoraModuleWeights]  # (layer, target) -> weights
     sha256: str  # hex digest of the adapter_model.safetensors bytes
     num_bytes: int  # size of adapter_model.safetensors
+    # modules_to_save: target ("embed_tokens", "lm_head") -> the adapter's own weight [V, H],
+    # CPU, as saved (F32/F16/BF16); with PEFT's weight tying both ends are one tensor
+    saved_modules: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def max_rank(self) -> int:
@@ -115,6 +123,7 @@ def load_adapter_bytes(config_raw: bytes, weights_raw: bytes, spec: BaseModelSpe
     config = parse_adapter_config(config_raw)
     weights_raw = bytes(weights_raw)
     header = check_safetensors(weights_raw)
+    saved_keys = check_saved_modules(header, config, spec)
     plan = check_lora_tensors(header, config, spec)
     try:
         tensors = safetensors.torch.load(weights_raw)
@@ -132,11 +141,23 @@ def load_adapter_bytes(config_raw: bytes, weights_raw: bytes, spec: BaseModelSpe
         )
     if config.ensure_weight_tying and spec.tie_word_embeddings:
         _check_tied_head(modules)
+    saved = {target: tensors[key].contiguous() for target, key in saved_keys.items()}
+    for target, key in saved_keys.items():
+        if not bool(torch.isfinite(saved[target]).all()):
+            raise AdapterError(f"tensor {_show(key)} contains NaN or infinite values")
+    if tied_to_embedding(config, spec):
+        if not torch.equal(saved["lm_head"], saved["embed_tokens"]):
+            raise AdapterError(
+                "adapter sets ensure_weight_tying on a base model with tied embeddings, so its"
+                " saved lm_head must equal its saved embed_tokens, but the saved tensors differ"
+            )
+        saved["lm_head"] = saved["embed_tokens"]  # one tensor, as PEFT reloads it
     return LoraAdapter(
         config=config,
         modules=modules,
         sha256=hashlib.sha256(weights_raw).hexdigest(),
         num_bytes=len(weights_raw),
+        saved_modules=saved,
     )
 
 

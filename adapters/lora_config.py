@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from adapters.errors import AdapterError
 from adapters.errors import short_repr as _show
 from adapters.lora_tensors import SUPPORTED_TARGETS, TARGET_MODULES
+from adapters.saved_modules import parse_modules_to_save
 
 __all__ = ["ALL_LINEAR", "LoraConfig", "parse_adapter_config", "pattern_key"]
 
@@ -108,8 +109,9 @@ def pattern_key(pattern_keys: Iterable[str], module_name: str) -> str:
 class LoraConfig:
     """The parts of a PEFT LoraConfig that decide what the adapter computes.
 
-    Fields this engine refuses (DoRA, biases, modules_to_save, fan_in_fan_out) keep their
-    only accepted value so callers can read them. Not hashable (holds dicts).
+    Fields this engine refuses (DoRA, biases, fan_in_fan_out) keep their only accepted value
+    so callers can read them. modules_to_save holds the model-level modules the adapter saves
+    a full copy of (adapters.saved_modules). Not hashable (holds dicts).
     ensure_weight_tying matters only on a base with tied embeddings (see
     adapters.lora_tensors.check_lora_tensors).
     """
@@ -124,7 +126,7 @@ class LoraConfig:
     base_model_name_or_path: str | None
     bias: str
     fan_in_fan_out: bool
-    modules_to_save: tuple[str, ...] | None
+    modules_to_save: tuple[str, ...]  # sorted subset of saved_modules.SAVED_TARGETS; () if none
     use_dora: bool
     exclude_modules: tuple[str, ...] | str | None = None
     ensure_weight_tying: bool = False
@@ -190,10 +192,6 @@ def parse_adapter_config(raw: bytes | str | dict) -> LoraConfig:
         raise _bad("bias", f"is {_show(c['bias'])}; only 'none' is supported (no trained biases)")
     if c.get("fan_in_fan_out"):
         raise _bad("fan_in_fan_out", "is true; only nn.Linear-layout adapters are supported")
-    if c.get("modules_to_save"):
-        raise _bad("modules_to_save", f"is {_show(c['modules_to_save'])}; full per-adapter copies"
-                   " of modules are not supported; train a LoRA on them instead (target_modules"
-                   " may name embed_tokens and lm_head)")
     for field in ("r", "lora_alpha"):
         if field not in c:
             raise _bad(field, "is missing")
@@ -222,7 +220,7 @@ def parse_adapter_config(raw: bytes | str | dict) -> LoraConfig:
         base_model_name_or_path=base_model,
         bias="none",
         fan_in_fan_out=False,
-        modules_to_save=None,
+        modules_to_save=parse_modules_to_save(c.get("modules_to_save")),
         use_dora=False,
         exclude_modules=_exclude(c.get("exclude_modules")),
         ensure_weight_tying=_bool(c, "ensure_weight_tying"),

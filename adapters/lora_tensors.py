@@ -7,7 +7,9 @@ Targets: the seven projections of every decoder layer, and two model-level modul
 [r, hidden], ``lora_B`` [vocab, r]). Beside an embedding LoRA PEFT also saves the base layers'
 own weights (``...embed_tokens.base_layer.weight``, ``lm_head.base_layer.weight``:
 save_embedding_layers); those copies are checked for shape and never loaded: the served base
-model's weights are used (as PEFT does when the adapter was trained on this base).
+model's weights are used (as PEFT does when the adapter was trained on this base). Full copies
+of embed_tokens / lm_head (``...embed_tokens.weight``, ``lm_head.weight``: modules_to_save) are
+adapters.saved_modules' to check; they are skipped here.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ _HEAD_KEY = re.compile(r"base_model\.model\.(?P<module>lm_head)\.lora_(?P<ab>[AB
 _BASE_COPY_KEY = re.compile(
     r"base_model\.model\.(?P<module>(?:model\.)?embed_tokens|lm_head)\.base_layer\.weight"
 )
+# A full copy of a vocabulary end (PEFT's modules_to_save, or a resized vocabulary's layers).
+SAVED_KEY = re.compile(r"base_model\.model\.(?P<module>(?:model\.)?embed_tokens|lm_head)\.weight")
 _ANY_LORA_KEY = re.compile(
     r"base_model\.model\.(?P<module>[\w.]+)\.lora_[AB](?:\.default)?\.weight"
 )
@@ -160,6 +164,8 @@ def check_lora_tensors(
     for key, info in header.items():
         if _BASE_COPY_KEY.fullmatch(key):
             _check_base_copy(key, info, spec)
+            continue
+        if SAVED_KEY.fullmatch(key):  # adapters.saved_modules checked it
             continue
         k = _lora_key(key, spec)
         if info.dtype not in FLOAT_DTYPES:

@@ -55,6 +55,11 @@ class Config:
     # passes to it. Counted in steps, not seconds, so it bounds the wait in forward passes
     # whatever the hardware and is deterministic in tests. None turns aging off.
     lora_starvation_steps: int | None = 32
+    # Adapters with PEFT modules_to_save (their own full embed_tokens and/or lm_head, a
+    # [vocab, hidden] matrix each: about 1 GB per module on an 8B model in bf16) that may be on
+    # the device at once. Each also holds one of the max_loras slots; its copies are allocated
+    # when it is loaded and freed when it leaves. 0 (the default) refuses such adapters.
+    max_full_module_slots: int = 0
     seed: int = 0
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -74,6 +79,10 @@ class Config:
         if self.lora_starvation_steps is not None and self.lora_starvation_steps < 1:
             raise ValueError(f"lora_starvation_steps must be at least 1 (or None to disable "
                              f"aging), got {self.lora_starvation_steps}")
+        if not 0 <= self.max_full_module_slots <= self.max_loras:
+            raise ValueError(f"max_full_module_slots must be in [0, max_loras={self.max_loras}] "
+                             "(each adapter with saved modules also holds a LoRA slot), got "
+                             f"{self.max_full_module_slots}")
         if self.lora_backend not in LORA_BACKENDS:
             raise ValueError(f"lora_backend must be one of {LORA_BACKENDS}, got {self.lora_backend!r}")
         context = self.hf_config.get("max_position_embeddings", 4096)

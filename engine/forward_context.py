@@ -35,6 +35,18 @@ class AttentionMetadata:
 
 
 @dataclass(slots=True)
+class FullModuleStep:
+    """Rows whose adapter replaces embed_tokens or lm_head with its own saved copy (PEFT's
+    modules_to_save), one group per such adapter in the step. Built by the slot pool only for
+    steps with such rows; every other row keeps the base module."""
+
+    embed: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (weight [V, H], token rows [n] int64)
+    head: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (weight [V, H], sampling rows [n] int64)
+    head_base_rows: torch.Tensor | None  # [B'] int64: sampling rows on the base lm_head
+    # (None when no group replaces lm_head)
+
+
+@dataclass(slots=True)
 class LoRAStep:
     """Which adapter slot each row of one step uses. Built by LoRAManager.prepare, only when
     some row has an adapter; its rows are in the model runner's order."""
@@ -44,6 +56,7 @@ class LoRAStep:
     # the sampling rows only (what lm_head sees), in batch order; None when no sampling row's
     # slot has an lm_head LoRA
     sample: LoRAMeta | None = None
+    full: FullModuleStep | None = None  # None when no row's adapter has a saved module
 
 
 @dataclass(slots=True)

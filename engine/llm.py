@@ -31,7 +31,8 @@ class LLM:
                  num_kv_blocks: int | None = None, max_model_len: int | None = None,
                  max_loras: int = 4, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
                  lora_backend: str = "auto", lora_starvation_steps: int | None = 32,
-                 seed: int = 0, enable_prefix_caching: bool = True):
+                 seed: int = 0, enable_prefix_caching: bool = True,
+                 max_full_module_slots: int = 0):
         self.config = Config(model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
                              num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
@@ -39,7 +40,8 @@ class LLM:
                              max_loras=max_loras, max_lora_rank=max_lora_rank,
                              max_cpu_loras=max_cpu_loras,
                              lora_backend=lora_backend,
-                             lora_starvation_steps=lora_starvation_steps, seed=seed)
+                             lora_starvation_steps=lora_starvation_steps,
+                             max_full_module_slots=max_full_module_slots, seed=seed)
         self.engine = LLMEngine(self.config)
 
     @property

@@ -1,5 +1,7 @@
 """Adapters inside the engine: host copies (an LRU bounded by `max_cpu_loras`) and the device
-slots (`max_loras` slots of up to `max_lora_rank`; their buffers: engine/lora_pool.py).
+slots (`max_loras` slots of up to `max_lora_rank`; their buffers: engine/lora_pool.py). An
+adapter with saved modules (modules_to_save) needs one of `max_full_module_slots` full-module
+slots too: it gets a LoRA slot only while one is free or held by an idle adapter it evicts.
 
 A slot holds one version of one adapter and is refilled only while no running sequence uses
 it, so a step never sees a slot change under it. An adapter whose host copy was evicted is
@@ -11,49 +13,22 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
 from adapters.errors import AdapterError, AdapterNotFound
 from adapters.format import BaseModelSpec, LoraAdapter, load_adapter
+from adapters.saved_modules import FLAG, full_modules_off
 from engine.config import Config
 from engine.forward_context import LoRAStep
 from engine.lora_pool import SlotPool
+from engine.lora_state import LoRAStats, RegisteredAdapter, Slot
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class Slot:
-    adapter: str | None = None
-    version: int = 0
-    ref_count: int = 0  # running sequences that use this slot
-    last_used: float = 0.0
-    stale: bool = False  # adapter replaced or removed: finish current users, admit no one
-
-
-@dataclass(slots=True)
-class RegisteredAdapter:
-    version: int
-    path: str | None  # the disk tier; None for adapters handed over only in memory
-    host: LoraAdapter | None  # the host tier; None once evicted from host memory
-    num_bytes: int
-    rank: int
-    pinned: bool = False
-    last_used: float = field(default_factory=time.monotonic)
-
-
-@dataclass(slots=True)
-class LoRAStats:
-    device_loads: int = 0  # host -> slot copies
-    device_hits: int = 0  # admissions that found their adapter already in a slot
-    device_evictions: int = 0
-    host_loads: int = 0  # disk -> host parses
-    host_evictions: int = 0
 
 
 def resolve_lora_backend(backend: str, device: torch.device) -> str:
@@ -74,11 +49,13 @@ class LoRAManager:
         self.starvation_steps = config.lora_starvation_steps
         self.device, self.dtype = device, dtype
         self.backend = resolve_lora_backend(config.lora_backend, device)
-        self.spec = BaseModelSpec.from_hf_config(config.hf_config, config.max_lora_rank)
+        self.spec = BaseModelSpec.from_hf_config(config.hf_config, config.max_lora_rank,
+                                                 config.max_full_module_slots)
         self.model = model
         self.adapters: dict[str, RegisteredAdapter] = {}
         self.slots = [Slot() for _ in range(self.num_slots)]
-        self.pool = SlotPool(model, self.num_slots, self.max_rank, device, dtype)
+        self.pool = SlotPool(model, self.num_slots, self.max_rank, device, dtype,
+                             config.max_full_module_slots)
         self.stats = LoRAStats()
         self._versions = 0
 
@@ -93,6 +70,8 @@ class LoRAManager:
             adapter, path = load_adapter(source, self.spec), source
         else:
             adapter = source
+        if adapter.saved_modules and not self.pool.full.capacity:
+            raise full_modules_off(tuple(adapter.saved_modules))
         adapter = self._to_host(adapter)
         self.pool.reserve(adapter)  # before anything changes: a failed allocation changes nothing
         self._versions += 1
@@ -100,8 +79,8 @@ class LoRAManager:
         if previous is not None:
             self._retire(name)
         self.adapters[name] = RegisteredAdapter(
-            self._versions, path, adapter,
-            adapter.num_bytes, adapter.max_rank, pinned=previous.pinned if previous else False)
+            self._versions, path, adapter, adapter.num_bytes, adapter.max_rank,
+            tuple(adapter.saved_modules), pinned=previous.pinned if previous else False)
         self._trim_host(keep={name} | set(busy))
         return self._versions
 
@@ -135,19 +114,27 @@ class LoRAManager:
         entry = self._get(name)
         self._host_copy(name, entry)
         if self._find(name, entry.version) is None:
-            index = self._victim()
+            index = self._victim(bool(entry.saved_modules))
             if index is None:
                 return "host"
             self._fill(index, name, entry)
         return "device"
 
     def pin(self, name: str, pinned: bool = True) -> None:
-        self._get(name).pinned = pinned
+        entry = self._get(name)
+        entry.pinned = pinned
         # At least one slot must stay evictable, or other adapters' requests could never run.
-        if pinned and sum(e.pinned for e in self.adapters.values()) >= self.num_slots:
-            self._get(name).pinned = False
+        pinned_entries = [e for e in self.adapters.values() if e.pinned]
+        if pinned and len(pinned_entries) >= self.num_slots:
+            entry.pinned = False
             raise AdapterError(f"cannot pin {name!r}: pinning every one of the --max-loras "
                                f"({self.num_slots}) slots would starve other adapters; raise --max-loras")
+        if (pinned and entry.saved_modules
+                and sum(bool(e.saved_modules) for e in pinned_entries) >= self.pool.full.capacity):
+            entry.pinned = False
+            raise AdapterError(f"cannot pin {name!r}: pinning every one of the {FLAG} "
+                               f"({self.pool.full.capacity}) slots would starve other adapters with "
+                               f"saved modules; raise {FLAG}")
 
     def check_known(self, name: str) -> None:
         self._get(name)
@@ -192,7 +179,9 @@ class LoRAManager:
             excess -= 1
 
     def _to_host(self, adapter: LoraAdapter) -> LoraAdapter:
-        """Host copies live in pinned memory on CUDA, so slot fills are async DMA copies."""
+        """Host copies live in pinned memory on CUDA, so slot fills are async DMA copies. Saved
+        modules stay pageable: page-locking [vocab, hidden] matrices per cached adapter would
+        exhaust pinned memory, and they are copied only when their adapter enters a slot."""
         if self.device.type != "cuda":
             return adapter
         modules = {key: replace(m, lora_a=m.lora_a.pin_memory(), lora_b=m.lora_b.pin_memory())
@@ -223,7 +212,7 @@ class LoRAManager:
             return False
         index = self._find(seq.adapter, entry.version)
         if index is None:
-            index = self._victim()
+            index = self._victim(bool(entry.saved_modules))
             if index is None:
                 return False
             self._fill(index, seq.adapter, entry)
@@ -252,17 +241,24 @@ class LoRAManager:
             self._clear(seq.lora_slot)
         seq.lora_slot = -1
 
-    def drain_for(self, waited: int) -> str | None:
-        """Aging: once a request has waited `lora_starvation_steps` steps for a slot, the
-        adapter whose slot should take no new sequences until it goes idle and changes hands:
-        the unpinned slot with the fewest running sequences (the soonest idle), least recently
-        used on ties. None before then, when disabled, or while a replaced or removed adapter's
+    def drain_for(self, waited: int, adapter: str) -> str | None:
+        """Aging: once a request for `adapter` has waited `lora_starvation_steps` steps for a
+        slot, the adapter whose slot should take no new sequences until it goes idle and
+        changes hands: the unpinned slot with the fewest running sequences (the soonest idle),
+        least recently used on ties; one that holds a full-module slot when `adapter` waits
+        for one. None before then, when disabled, or while a replaced or removed adapter's
         slot is draining already. Never evicts: the slot's running sequences finish first."""
         if self.starvation_steps is None or waited < self.starvation_steps:
             return None
-        if any(slot.adapter is None or slot.stale for slot in self.slots):
+        if any(slot.stale for slot in self.slots):
             return None
-        candidates = [s for s in self.slots if not self.adapters[s.adapter].pinned]
+        entry = self.adapters.get(adapter)
+        needs_full = entry is not None and bool(entry.saved_modules) and not self.pool.full.has_free
+        if not needs_full and any(slot.adapter is None for slot in self.slots):
+            return None
+        candidates = [s for i, s in enumerate(self.slots) if s.adapter is not None
+                      and not self.adapters[s.adapter].pinned
+                      and (not needs_full or self.pool.full.holds(i))]
         if not candidates:
             return None
         return min(candidates, key=lambda s: (s.ref_count, s.last_used)).adapter
@@ -273,13 +269,16 @@ class LoRAManager:
                 return index
         return None
 
-    def _victim(self) -> int | None:
-        """A free slot, else the least recently used idle slot of an unpinned adapter."""
+    def _victim(self, needs_full: bool = False) -> int | None:
+        """A free slot, else the least recently used idle slot of an unpinned adapter. With
+        `needs_full` and no full-module slot free, only an idle slot that holds one will do
+        (clearing it frees both)."""
+        full_free = not needs_full or self.pool.full.has_free
         for index, slot in enumerate(self.slots):
-            if slot.adapter is None:
+            if slot.adapter is None and full_free:
                 return index
-        idle = [i for i, s in enumerate(self.slots) if s.ref_count == 0
-                and not self.adapters[s.adapter].pinned]
+        idle = [i for i, s in enumerate(self.slots) if s.adapter is not None and s.ref_count == 0
+                and not self.adapters[s.adapter].pinned and (full_free or self.pool.full.holds(i))]
         if not idle:
             return None
         self.stats.device_evictions += 1
@@ -288,7 +287,8 @@ class LoRAManager:
     # ---- device buffers (engine/lora_pool.py) ---------------------------------------------
     @property
     def device_bytes(self) -> dict[str, int]:
-        """Bytes of the device slot pools, per kind: projections, embed_tokens, lm_head."""
+        """Bytes of the device slot pools, per kind: projections, embed_tokens, lm_head, and
+        full_modules (the saved modules of the resident adapters that have them)."""
         return self.pool.num_bytes
 
     def _fill(self, index: int, name: str, entry: RegisteredAdapter) -> None:

@@ -9,11 +9,14 @@ so a server whose adapters never touch the vocabulary ends holds no vocabulary-s
 Per slot, in elements (R = max_lora_rank, V = vocab, H = hidden):
     projections    R * (sum over layers and Linears of n_slices * in + out)
     embed_tokens   R * (V + H)       lm_head   R * (H + V)
+Adapters with saved modules (modules_to_save) also hold a full-module slot, keyed by their
+LoRA slot, whose copies are allocated per adapter (engine/full_modules.py).
 `num_bytes` reports what each kind holds.
 
 Per step, `step(batch)` gives the slot of every row (LoRAStep): of every new token for the
 projections and embed_tokens, of every sampling row for lm_head. The embed_tokens and lm_head
-parts are built, and those modules' LoRA run, only when some row's slot adapts them.
+parts are built, and those modules' LoRA run, only when some row's slot adapts them; the
+replaced rows (LoRAStep.full) only when some row's adapter has a saved module.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from adapters.format import LoraAdapter
 from engine.forward_context import LoRAStep
+from engine.full_modules import FullModuleSlots
 from engine.layers.embedding import EmbeddingLoRABuffers
 from engine.layers.linear import LoRABuffers
 from engine.models.llama import LlamaForCausalLM
@@ -36,7 +40,7 @@ EMBED, HEAD = (None, "embed_tokens"), (None, "lm_head")  # their keys in LoraAda
 
 class SlotPool:
     def __init__(self, model: LlamaForCausalLM, num_slots: int, max_rank: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, num_full_slots: int = 0):
         self.model = model
         self.num_slots, self.max_rank = num_slots, max_rank
         self.device, self.dtype = device, dtype
@@ -44,6 +48,7 @@ class SlotPool:
         self.head = model.lm_head
         self.embed_slots: set[int] = set()  # slots whose adapter has an embed_tokens LoRA
         self.head_slots: set[int] = set()  # ... an lm_head LoRA
+        self.full = FullModuleSlots(num_full_slots, device, dtype)  # ... saved modules
 
     def _projections(self):
         for index, layer in enumerate(self.model.model.layers):
@@ -58,7 +63,8 @@ class SlotPool:
                           if linear.lora is not None)
         return {"projections": projections,
                 "embed_tokens": self.embedding.lora.num_bytes if self.embedding.lora else 0,
-                "lm_head": self.head.lora.num_bytes if self.head.lora else 0}
+                "lm_head": self.head.lora.num_bytes if self.head.lora else 0,
+                "full_modules": self.full.num_bytes}
 
     # ---- allocation -------------------------------------------------------------------------
     def reserve(self, adapter: LoraAdapter) -> None:
@@ -115,10 +121,13 @@ class SlotPool:
             lora.lora_b[index, :, :rank].copy_(weights.lora_b, non_blocking=True)  # [H, r]
             lora.ranks[0, index] = rank
             lora.scales[0, index] = weights.scaling
+        if adapter.saved_modules:
+            self.full.fill(index, adapter.saved_modules)
 
     def clear(self, index: int) -> None:
         self.embed_slots.discard(index)
         self.head_slots.discard(index)
+        self.full.clear(index)
         pools = [linear.lora for _, linear in self._projections()]
         pools += [self.head.lora, self.embedding.lora]
         for lora in pools:
@@ -131,7 +140,6 @@ class SlotPool:
             lora.lora_b[index].zero_()
             lora.ranks[:, index] = 0
             lora.scales[:, index] = 0.0
-
 
     # ---- per step ---------------------------------------------------------------------------
     def step(self, batch: ScheduledBatch) -> LoRAStep | None:
@@ -151,9 +159,12 @@ class SlotPool:
                 sample_slots.append(slot)
         as_meta = lambda slots: make_lora_meta(  # noqa: E731
             torch.tensor(slots, dtype=torch.int32, device=self.device), self.num_slots)
-        embed = not self.embed_slots.isdisjoint(seq.lora_slot for seq in batch.seqs if seq.adapter)
+        used = {seq.lora_slot for seq in batch.seqs if seq.adapter}
+        embed = not self.embed_slots.isdisjoint(used)
         sample = as_meta(sample_slots) if not self.head_slots.isdisjoint(sample_slots) else None
-        return LoRAStep(tokens=as_meta(token_slots), embed=embed, sample=sample)
+        full = (self.full.step(token_slots, sample_slots)
+                if not self.full.held.keys().isdisjoint(used) else None)
+        return LoRAStep(tokens=as_meta(token_slots), embed=embed, sample=sample, full=full)
 
 
 def _copy_linear(lora: LoRABuffers, i: int, index: int, rows: slice, weights) -> None:

@@ -50,13 +50,16 @@ class ModelRunner:
         return self.num_kv_blocks * self.bytes_per_block
 
     def _size_kv_cache(self, config: Config) -> int:
-        """Enough blocks for max_num_seqs full-length sequences, capped by free memory."""
+        """Enough blocks for max_num_seqs full-length sequences, capped by free memory less
+        what the full-module slots may take (two [vocab, hidden] copies each)."""
         wanted = config.max_num_seqs * -(-config.max_model_len // self.block_size)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
         else:
             free = _available_host_memory()
-        affordable = int(free * config.kv_cache_memory_fraction) // self.bytes_per_block
+        element = torch.empty((), dtype=self.dtype).element_size()
+        free -= config.max_full_module_slots * 2 * self.args.vocab_size * self.args.hidden_size * element
+        affordable = int(max(free, 0) * config.kv_cache_memory_fraction) // self.bytes_per_block
         blocks = min(wanted, affordable)
         if blocks < -(-config.max_model_len // self.block_size):
             raise ValueError(f"only {blocks} KV blocks fit in memory, fewer than one "

@@ -13,8 +13,8 @@ Adapter slots and aging. A waiting sequence whose adapter has no slot is skipped
 behind it go ahead, so a busy resident adapter could keep its slot forever. Every step a
 sequence is skipped for want of a slot counts against it; once the longest-waiting one has
 waited `lora_starvation_steps` steps, the slot policy names one resident adapter (the slot that
-will go idle soonest) which then admits no new sequences until that slot has drained and been
-handed over. Running sequences are never preempted or moved for this; requests without an
+will go idle soonest; one holding a full-module slot when the waiting adapter needs one) which
+then admits no new sequences until that slot has drained and been handed over. Running sequences are never preempted or moved for this; requests without an
 adapter and adapters in the other slots are admitted as before, in arrival order.
 """
 
@@ -40,9 +40,9 @@ class SlotPolicy(Protocol):
     def version(self, adapter: str) -> int:
         """The version of `adapter`'s weights that acquire() would run a sequence with now."""
 
-    def drain_for(self, waited: int) -> str | None:
+    def drain_for(self, waited: int, adapter: str) -> str | None:
         """The resident adapter that should admit no new sequences, so that its slot drains for
-        a sequence refused a slot in `waited` steps; None while no slot need drain."""
+        a sequence of `adapter` refused a slot in `waited` steps; None while no slot need drain."""
 
 
 @dataclass(slots=True)
@@ -138,8 +138,10 @@ class Scheduler:
 
     def _age(self) -> None:
         """Pick this step's draining adapter from the longest wait for a slot (see above)."""
-        waited = max(self.slot_waits.values(), default=0)
-        draining = self.slots.drain_for(waited) if self.slots is not None and waited else None
+        longest, waited = max(self.slot_waits.items(), key=lambda item: item[1],
+                              default=(None, 0))
+        draining = (self.slots.drain_for(waited, longest.adapter)
+                    if self.slots is not None and waited else None)
         if draining is not None and draining != self.draining:
             logger.info("adapter %s admits no new requests until its slot drains: a request "
                         "has waited %d steps for a slot", draining, waited)

@@ -1,15 +1,13 @@
-"""The adapter residency manager: disk store, host copies, device slots, and the registry.
+"""The adapter residency manager: the adapter service the handlers use (resolve, list_models,
+load, unload, residency, check_loaded), the admin verbs (upload, register, load, evict, pin,
+unpin, delete, get, list), and this replica's side of the registry.
 
-The adapter service the handlers use (resolve, list_models, load, unload, residency,
-check_loaded) plus the admin verbs (upload, register, load, evict, pin, unpin, delete, get,
-list). Tiers: the disk store under --adapter-dir (known again after a restart, parsed lazily on
-first use), host copies and device slots inside the engine (LRU, see engine/lora.py).
-
-Every adapter is validated against the base model off the engine thread before anything is
-stored; the engine thread only copies tensors. One asyncio lock per adapter id serializes that
-id's changes and its first load, so concurrent requests for a cold adapter trigger one load
-while requests for other adapters keep flowing. Local sources are accepted from HTTP callers
-too (vLLM does the same); the admin key guards those routes.
+The tiers (disk store, host copies, device slots) and the moves between them are in
+gateway/adapter_tiers.py; this module decides when to move, serializes the moves and announces
+them. One asyncio lock per adapter id serializes that id's changes and its first load, so
+concurrent requests for a cold adapter trigger one load while requests for other adapters keep
+flowing. Local sources are accepted from HTTP callers too (vLLM does the same); the admin key
+guards those routes.
 """
 
 from __future__ import annotations
@@ -21,12 +19,10 @@ import os
 import socket
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 
 import msgspec
 
 from adapters.errors import AdapterNotFound
-from adapters.format import LoraAdapter, load_adapter, load_adapter_bytes
 from adapters.ids import validate_adapter_id
 from adapters.registry import (
     EVENT_DELETED,
@@ -36,11 +32,12 @@ from adapters.registry import (
     ReplicaState,
     make_registry,
 )
-from adapters.sources import HUB_SCHEME, InvalidSource, hub_allowed, parse_source, resolve_source
-from adapters.store import AdapterExists, AdapterStore
+from adapters.sources import HUB_SCHEME, InvalidSource, hub_allowed, parse_source
+from adapters.store import AdapterExists
 from adapters.store_meta import StoredAdapter, StoredMeta
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
+from gateway.adapter_tiers import AdapterRecord, AdapterTiers
 from gateway.config import ServerConfig
 from gateway.errors import APIError
 from gateway.metrics import EngineSnapshot, Metrics
@@ -66,53 +63,35 @@ class AdapterInfo(msgspec.Struct):
     created: int
 
 
-@dataclass(slots=True)
-class AdapterRecord:
-    """A registered adapter: its stored copy, and whether the engine knows it yet."""
-
-    stored: StoredAdapter
-    in_engine: bool = False  # False: on disk only, parsed and registered on first use
-    pinned: bool = False
-
-    @property
-    def name(self) -> str:
-        return self.stored.adapter_id
-
-    @property
-    def source(self) -> str:
-        return self.stored.source
-
-    @property
-    def created(self) -> int:
-        return int(self.stored.created_at)
-
-
 class AdapterManager:
     def __init__(self, base_name: str, engine: AsyncEngine, llm: LLMEngine, metrics: Metrics,
                  config: ServerConfig, *, hub_endpoint: str | None = None,
                  hub_cache_dir: str | None = None):
         self.base_name, self.engine, self.llm, self.metrics = base_name, engine, llm, metrics
         self.adapter_dir = os.path.expanduser(config.adapter_dir or DEFAULT_ADAPTER_DIR)
+        self.tiers = AdapterTiers(
+            self.adapter_dir, engine, llm, metrics,
+            hub_endpoint=hub_endpoint or os.environ.get("HF_ENDPOINT") or None,
+            hub_cache_dir=hub_cache_dir or os.environ.get("HF_HUB_CACHE") or None)
         self.hub_allow = list(config.hub_allow)
-        self.hub_endpoint = hub_endpoint or os.environ.get("HF_ENDPOINT") or None
-        self.hub_cache_dir = hub_cache_dir or os.environ.get("HF_HUB_CACHE") or None
         self.replica_id = config.replica_id or socket.gethostname()
         self.url = config.advertise_url or f"http://{config.host}:{config.port}"
         self.registry = make_registry(config.redis_url, self.replica_id)
-        self.store: AdapterStore | None = None
-        self.records: dict[str, AdapterRecord] = {}
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
-        self._loading: set[str] = set()
         self._publisher: asyncio.Task | None = None
+
+    @property
+    def records(self) -> dict[str, AdapterRecord]:
+        return self.tiers.records
 
     # ---- life cycle ----------------------------------------------------------------------
     async def start(self) -> None:
         """Open the store (every stored adapter is known again, parsed on first use), join
         the registry and start the residency heartbeat."""
-        self.store = await asyncio.to_thread(AdapterStore, self.adapter_dir)
+        stored_adapters = await self.tiers.open()
         await self.registry.start()
         self.registry.subscribe(self._on_event)
-        for stored in await asyncio.to_thread(self.store.list):
+        for stored in stored_adapters:
             self.records[stored.adapter_id] = AdapterRecord(stored)
             if await self.registry.get_adapter(stored.adapter_id) is None:
                 await self.registry.put_adapter(_entry(stored))
@@ -125,8 +104,7 @@ class AdapterManager:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._publisher
         await self.registry.close()
-        if self.store is not None:
-            self.store.close()
+        self.tiers.close()
 
     # ---- the request path ----------------------------------------------------------------
     async def resolve(self, model: str) -> str | None:
@@ -161,21 +139,9 @@ class AdapterManager:
         return source.repo_id
 
     async def _ensure_in_engine(self, adapter_id: str) -> None:
+        """Disk -> host once: concurrent callers for a cold adapter wait on the one load."""
         async with self._locks[adapter_id]:
-            record = self._record(adapter_id)
-            if record.in_engine:
-                return
-            self._loading.add(adapter_id)
-            try:
-                started = time.perf_counter()
-                adapter = await asyncio.to_thread(load_adapter, record.stored.path,
-                                                  self.llm.lora.spec)
-                self._observe("host", started)
-                await self.engine.call(self.llm.add_adapter, adapter_id, adapter,
-                                       record.stored.path)
-                record.in_engine = True
-            finally:
-                self._loading.discard(adapter_id)
+            await self.tiers.to_host(adapter_id)
         await self.publish()
 
     # ---- registering ---------------------------------------------------------------------
@@ -184,10 +150,8 @@ class AdapterManager:
         self._check_id(adapter_id)
         async with self._locks[adapter_id]:
             self._check_free(adapter_id, replace, conflict=409)
-            adapter = await asyncio.to_thread(load_adapter_bytes, config_raw, weights_raw,
-                                              self.llm.lora.spec)
-            await self._commit(adapter_id, config_raw, weights_raw, adapter,
-                               StoredMeta(UPLOAD_SOURCE), replace)
+            await self._announce(await self.tiers.put(adapter_id, config_raw, weights_raw,
+                                                      StoredMeta(UPLOAD_SOURCE), replace))
         return await self.get(adapter_id)
 
     async def register(self, adapter_id: str, source: str, replace: bool = False) -> AdapterInfo:
@@ -207,41 +171,22 @@ class AdapterManager:
             async with self._locks[adapter_id]:
                 await self._add(adapter_id, source, conflict=400, replace=replace)
         await self._ensure_in_engine(adapter_id)
-        started = time.perf_counter()
-        await self.engine.call(self.llm.load_adapter, adapter_id)
-        self._observe("device", started)
+        await self.tiers.to_device(adapter_id)
         await self.publish()
         return await self.get(adapter_id)
 
     async def _add(self, adapter_id: str, source: str, *, conflict: int | None,
                    replace: bool) -> None:
-        """Fetch, validate, store, announce and register; the caller holds the id's lock."""
+        """Fetch, validate, store, register and announce; the caller holds the id's lock."""
         if conflict is not None:
             self._check_free(adapter_id, replace, conflict)
-        parsed = parse_source(source)
-        started = time.perf_counter()
-        files = await asyncio.to_thread(resolve_source, parsed, endpoint=self.hub_endpoint,
-                                        cache_dir=self.hub_cache_dir)
-        if parsed.kind == "hub":
-            self._observe("disk", started)
-        adapter = await asyncio.to_thread(load_adapter_bytes, files.config_raw,
-                                          files.weights_raw, self.llm.lora.spec)
-        meta = StoredMeta(files.origin, files.revision)
-        await self._commit(adapter_id, files.config_raw, files.weights_raw, adapter, meta,
-                           replace)
+        await self._announce(await self.tiers.fetch(adapter_id, source, replace))
 
-    async def _commit(self, adapter_id: str, config_raw: bytes, weights_raw: bytes,
-                      adapter: LoraAdapter, meta: StoredMeta, replace: bool) -> None:
-        meta = StoredMeta(meta.source, meta.revision, adapter.max_rank, adapter.targets)
-        stored = await asyncio.to_thread(self.store.put, adapter_id, config_raw, weights_raw,
-                                         meta, replace)
-        await self.engine.call(self.llm.add_adapter, adapter_id, adapter, stored.path)
-        old = self.records.get(adapter_id)
-        self.records[adapter_id] = AdapterRecord(stored, in_engine=True,
-                                                 pinned=old.pinned if old else False)
+    async def _announce(self, stored: StoredAdapter) -> None:
         await self.registry.put_adapter(_entry(stored))  # announces "replaced" if it was
         await self.publish()
-        logger.info("adapter %s v%d registered from %s", adapter_id, stored.version, meta.source)
+        logger.info("adapter %s v%d registered from %s", stored.adapter_id, stored.version,
+                    stored.source)
 
     def _check_id(self, adapter_id: str) -> None:
         validate_adapter_id(adapter_id)
@@ -261,20 +206,14 @@ class AdapterManager:
 
     # ---- residency verbs -----------------------------------------------------------------
     async def evict(self, adapter_id: str) -> AdapterInfo:
-        """Off the device and out of host memory (down to disk); 409 while a request runs on it
-        or it is pinned."""
-        record = self._record(adapter_id)
-        if record.in_engine:
-            if not await self.engine.call(self.llm.evict_adapter, adapter_id):
-                raise APIError(409, f"adapter {adapter_id!r} is in use by running requests; "
-                                    "retry when they finish", code="adapter_busy")
+        """Down to disk; 409 while a request runs on it or it is pinned."""
+        await self.tiers.evict(adapter_id)
         await self.publish()
         return await self.get(adapter_id)
 
     async def pin(self, adapter_id: str, pinned: bool = True) -> AdapterInfo:
         await self._ensure_in_engine(adapter_id)
-        await self.engine.call(self.llm.pin_adapter, adapter_id, pinned)
-        self._record(adapter_id).pinned = pinned
+        await self.tiers.pin(adapter_id, pinned)
         return await self.get(adapter_id)
 
     async def unpin(self, adapter_id: str) -> AdapterInfo:
@@ -283,24 +222,17 @@ class AdapterManager:
     async def delete(self, adapter_id: str) -> None:
         """Forget it everywhere: engine (its requests aborted), store, registry catalog."""
         async with self._locks[adapter_id]:
-            await self._drop(adapter_id)
-            await asyncio.to_thread(self.store.delete, adapter_id)
+            await self.tiers.remove(adapter_id)
         await self.registry.delete_adapter(adapter_id)  # announces "deleted"
         await self.publish()
         logger.info("adapter %s deleted", adapter_id)
-
-    async def _drop(self, adapter_id: str) -> None:
-        record = self._record(adapter_id)
-        if record.in_engine:
-            await self.engine.call(self.llm.remove_adapter, adapter_id)
-        del self.records[adapter_id]
 
     # ---- what the OpenAI handlers call ----------------------------------------------------------
     def list_models(self) -> list[AdapterRecord]:
         return list(self.records.values())
 
     def check_loaded(self, name: str) -> None:
-        self._record(name)
+        self.tiers.record(name)
 
     async def unload(self, name: str) -> None:
         """vLLM's unload: forgets the adapter for good (memory and the stored copy)."""
@@ -311,27 +243,19 @@ class AdapterManager:
 
     # ---- reading -------------------------------------------------------------------------
     async def get(self, adapter_id: str) -> AdapterInfo:
-        record = self._record(adapter_id)
-        tiers = await self.engine.call(_tiers, self.llm)
-        return _info(record, tiers)
+        record = self.tiers.record(adapter_id)
+        return _info(record, await self.tiers.placements())
 
     async def list(self) -> list[AdapterInfo]:
-        tiers = await self.engine.call(_tiers, self.llm)
-        return [_info(r, tiers) for _, r in sorted(self.records.items())]
-
-    def _record(self, adapter_id: str) -> AdapterRecord:
-        record = self.records.get(adapter_id)
-        if record is None:
-            raise AdapterNotFound(f"adapter {adapter_id!r} is not registered; GET "
-                                  "/admin/adapters lists the registered ones")
-        return record
+        placements = await self.tiers.placements()
+        return [_info(r, placements) for _, r in sorted(self.records.items())]
 
     # ---- registry ------------------------------------------------------------------------
     async def publish(self) -> None:
         """This replica's residency, loads in flight, free slots and queue depth."""
-        resident, free, waiting = await self.engine.call(_state, self.llm)
+        resident, free, waiting = await self.tiers.occupancy()
         await self.registry.publish_state(ReplicaState(
-            self.replica_id, self.url, tuple(resident), tuple(sorted(self._loading)), free,
+            self.replica_id, self.url, tuple(resident), tuple(sorted(self.tiers.loading)), free,
             waiting, time.time()))
 
     async def _publish_loop(self) -> None:
@@ -352,26 +276,18 @@ class AdapterManager:
             if entry is not None and entry.sha256 == self.records[adapter_id].stored.sha256:
                 return  # same bytes as ours
             async with self._locks[adapter_id]:
-                await self._drop(adapter_id)
                 if entry is not None and entry.source.startswith(HUB_SCHEME):
+                    await self.tiers.drop(adapter_id)
                     await self._add(adapter_id, entry.source, conflict=None, replace=True)
                 else:  # an upload we cannot fetch: better gone than stale
-                    with contextlib.suppress(AdapterNotFound):
-                        await asyncio.to_thread(self.store.delete, adapter_id)
+                    await self.tiers.remove(adapter_id, missing_ok=True)
         elif event.kind == EVENT_DELETED:
             async with self._locks[adapter_id]:
                 if adapter_id in self.records:
-                    await self._drop(adapter_id)
-                    with contextlib.suppress(AdapterNotFound):
-                        await asyncio.to_thread(self.store.delete, adapter_id)
+                    await self.tiers.remove(adapter_id, missing_ok=True)
         logger.info("adapter %s %s by replica %s: local copy dropped", adapter_id, event.kind,
                     event.origin or "?")
         await self.publish()
-
-    def _observe(self, tier: str, started: float) -> None:
-        self.metrics.adapter_load_seconds.labels(tier).observe(time.perf_counter() - started)
-        if tier != "device":  # the engine counts its own device loads
-            self.metrics.tiers.loads[tier] += 1
 
 
 def _entry(stored: StoredAdapter) -> CatalogEntry:
@@ -379,20 +295,8 @@ def _entry(stored: StoredAdapter) -> CatalogEntry:
                         stored.rank, tuple(stored.targets), stored.num_bytes, stored.version)
 
 
-def _info(record: AdapterRecord, tiers: dict[str, tuple[str, bool]]) -> AdapterInfo:
+def _info(record: AdapterRecord, placements: dict[str, tuple[str, bool]]) -> AdapterInfo:
     s = record.stored
-    residency, pinned = tiers.get(s.adapter_id, ("disk", record.pinned))
+    residency, pinned = placements.get(s.adapter_id, ("disk", record.pinned))
     return AdapterInfo(s.adapter_id, s.version, s.sha256, s.rank, list(s.targets), s.num_bytes,
                        s.source, residency, pinned, int(s.created_at))
-
-
-def _tiers(llm: LLMEngine) -> dict[str, tuple[str, bool]]:
-    """Runs on the engine thread: each engine adapter's residency and pin."""
-    lora = llm.lora
-    return {name: (lora.residency(name), entry.pinned) for name, entry in lora.adapters.items()}
-
-
-def _state(llm: LLMEngine) -> tuple[list[str], int, int]:
-    """Runs on the engine thread: resident adapters, free slots, waiting sequences."""
-    lora = llm.lora
-    return lora.resident(), sum(s.adapter is None for s in lora.slots), llm.num_waiting

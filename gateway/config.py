@@ -36,6 +36,7 @@ class ServerConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_starvation_steps: int = 32  # 0 turns slot aging off
+    max_full_module_slots: int = 0  # adapters with modules_to_save on the device; 0 refuses them
     adapter_dir: str | None = None
     hub_allow: tuple[str, ...] = ()
     redis_url: str | None = None
@@ -61,9 +62,13 @@ class ServerConfig:
                      "max_upload_mb"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_waiting", "lora_starvation_steps"):
+        for name in ("max_waiting", "lora_starvation_steps", "max_full_module_slots"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{_flag(name)} must be at least 0, got {getattr(self, name)}")
+        if self.max_full_module_slots > self.max_loras:
+            raise ValueError(f"--max-full-module-slots ({self.max_full_module_slots}) must not "
+                             f"exceed --max-loras ({self.max_loras}): each adapter with saved "
+                             "modules also holds a LoRA slot")
         for name in ("api_key", "admin_key"):
             if getattr(self, name) == "":
                 raise ValueError(f"--{_flag(name)} is empty; give a key or leave the flag out")
@@ -142,6 +147,11 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "lora_starvation_steps": (int, "steps a request may wait for an adapter slot before a busy "
                                    "adapter stops taking new requests so its slot frees (0: "
                                    "never)"),
+    "max_full_module_slots": (int, "adapters with PEFT modules_to_save (their own full lm_head "
+                                   "and/or embed_tokens, a [vocab, hidden] matrix each: ~1 GB "
+                                   "per module on an 8B model in bf16) held on the device at "
+                                   "once, each also taking one --max-loras slot; 0 refuses "
+                                   "such adapters"),
     "adapter_dir": (str, "directory where uploaded and downloaded adapters are stored"),
     "hub_allow": (list, "ORG/REPO glob of Hub adapters loaded on first use (repeatable)"),
     "redis_url": (str, "Redis URL of the adapter registry shared by replicas"),

@@ -68,7 +68,8 @@ class Runtime:
                       max_model_len=c.max_model_len,
                       enable_prefix_caching=c.enable_prefix_caching, max_loras=c.max_loras,
                       max_lora_rank=c.max_lora_rank, max_cpu_loras=c.max_cpu_loras,
-                      lora_starvation_steps=c.lora_starvation_steps or None)
+                      lora_starvation_steps=c.lora_starvation_steps or None,
+                      max_full_module_slots=c.max_full_module_slots)
 
     async def start(self) -> None:
         sources = self.config.adapter_sources()

@@ -7,6 +7,10 @@ lm_head LoRA; LoRAStep.sample holds the slots of exactly those rows. A tied lm_h
 base weight only: its LoRA is its own, as in PEFT. The adapter manager sets `lora` to the slot
 pool buffers when the first adapter that adapts the module arrives; until then, and in steps
 where no row's slot adapts the module, nothing is computed for it.
+
+An adapter may instead replace either module outright with its own saved copy (PEFT's
+modules_to_save; engine/full_modules.py): LoRAStep.full names those rows, which then use the
+copy in place of the base weight (never both: PEFT saves no LoRA beside a saved copy).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_context import get_forward_context
+from engine.full_modules import embed_full_rows, head_logits
 from engine.layers.linear import LoRABuffers
 
 
@@ -46,14 +51,17 @@ class VocabEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # ids: [T] -> y: [T, H]
         y = F.embedding(ids, self.weight)
-        if self.lora is not None:
-            ctx = get_forward_context()
-            if ctx.lora is not None and ctx.lora.embed:
-                from kernels import embedding_lora
+        ctx = get_forward_context()
+        if ctx.lora is None:
+            return y
+        if ctx.lora.full is not None:
+            embed_full_rows(y, ids, ctx.lora.full)
+        if self.lora is not None and ctx.lora.embed:
+            from kernels import embedding_lora
 
-                lora = self.lora
-                embedding_lora(y, ids, lora.lora_a, lora.lora_b, lora.ranks, lora.scales,
-                               ctx.lora.tokens, backend=ctx.lora_backend)
+            lora = self.lora
+            embedding_lora(y, ids, lora.lora_a, lora.lora_b, lora.ranks, lora.scales,
+                           ctx.lora.tokens, backend=ctx.lora_backend)
         return y
 
 
@@ -73,13 +81,16 @@ class LMHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [B, H], the sampling rows -> logits: [B, V] (float32 for the sampler)
         weight = self._tied_to[0].weight if self._tied_to else self.weight
-        logits = F.linear(hidden, weight)
-        if self.lora is not None:
-            ctx = get_forward_context()
-            if ctx.lora is not None and ctx.lora.sample is not None:
-                meta = ctx.lora.sample
-                assert meta.num_tokens == hidden.shape[0], (
-                    f"lm_head LoRA metadata has {meta.num_tokens} rows, the step samples "
-                    f"{hidden.shape[0]}")
-                self.lora.apply(logits, hidden, (0, self.vocab_size), meta, ctx.lora_backend)
+        ctx = get_forward_context()
+        full = ctx.lora.full if ctx.lora is not None else None
+        if full is not None and full.head:
+            logits = head_logits(hidden, weight, full)  # some rows on their adapter's own copy
+        else:
+            logits = F.linear(hidden, weight)
+        if self.lora is not None and ctx.lora is not None and ctx.lora.sample is not None:
+            meta = ctx.lora.sample
+            assert meta.num_tokens == hidden.shape[0], (
+                f"lm_head LoRA metadata has {meta.num_tokens} rows, the step samples "
+                f"{hidden.shape[0]}")
+            self.lora.apply(logits, hidden, (0, self.vocab_size), meta, ctx.lora_backend)
         return logits.float()

@@ -291,7 +291,8 @@ def test_missing_file_is_named(made, spec, tmp_path, missing):
         ({"layer_replication": [[0, 2]]}, "layer_replication"),
         ({"trainable_token_indices": [1, 2]}, "trainable_token_indices"),
         ({"target_modules": ["q_proj", "wte"]}, "'wte'; lora-gateway supports only q_proj"),
-        ({"modules_to_save": ["embed_tokens"]}, "full per-adapter copies of modules are not"),
+        ({"modules_to_save": ["embed_tokens"]}, "only when started with --max-full-module-slots"),
+        ({"modules_to_save": ["score"]}, "saved copies of embed_tokens and lm_head only"),
         ({"ensure_weight_tying": "yes"}, "ensure_weight_tying must be true or false"),
         ({"target_modules": []}, "target_modules must be a non-empty list or a regex"),
         ({"target_modules": None}, "target_modules must be a non-empty list or a regex"),
@@ -464,7 +465,8 @@ A0, B0 = f"{PREFIX}.0.self_attn.q_proj.lora_A.weight", f"{PREFIX}.0.self_attn.q_
             lambda t: t.update(
                 {"base_model.model.model.embed_tokens.weight": torch.zeros(128, 64)}
             ),
-            "unexpected tensor 'base_model.model.model.embed_tokens.weight'",
+            "tensor 'base_model.model.model.embed_tokens.weight' is a full copy of embed_tokens,"
+            " which adapter_config.json does not list in modules_to_save",
         ),
         (
             lambda t: t.update({f"{PREFIX}.0.self_attn.rotary.lora_A.weight": torch.zeros(8, 64)}),

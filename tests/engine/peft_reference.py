@@ -29,7 +29,8 @@ def build_base(path: str, tie_word_embeddings: bool = False) -> str:
 
 
 def save_peft_adapters(base: str, out_dir: str, specs: dict[str, dict], seed: int) -> dict[str, str]:
-    """PEFT-made adapters with N(0, 0.3) weights (so they change outputs); name -> dir."""
+    """PEFT-made adapters with N(0, 0.3) LoRA weights and saved modules (modules_to_save) moved
+    off the base by N(0, 0.1) noise, so they change outputs; name -> dir."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -47,6 +48,8 @@ def save_peft_adapters(base: str, out_dir: str, specs: dict[str, dict], seed: in
         for param_name, p in model.named_parameters():
             if "lora_" in param_name:
                 p.normal_(0, 0.3)
+            elif ".modules_to_save." in param_name:
+                p.add_(torch.randn_like(p), alpha=0.1)
     model.save_pretrained(out_dir)  # adapter `name` lands in out_dir/name
     return {name: os.path.join(out_dir, name) for name in specs}
 

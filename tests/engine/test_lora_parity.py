@@ -144,7 +144,7 @@ def bad_adapters(world: World, root: str) -> dict[str, tuple[str, str]]:
                         "lora_A [16, 96]"),
         "modules-to-save": (peft_adapter(world, root, "modules-to-save", r=4, lora_alpha=8,
                                          target_modules=["q_proj"], modules_to_save=["lm_head"]),
-                            "modules_to_save is ['lm_head']; full per-adapter copies"),
+                            "modules_to_save is ['lm_head']: the adapter replaces whole modules"),
         "dora": (peft_adapter(world, root, "dora", r=4, lora_alpha=8, use_dora=True,
                               target_modules=["q_proj"]), "DoRA adapters are not supported"),
     }

@@ -269,18 +269,6 @@ async def test_64_concurrent_streams_over_8_adapters_with_4_slots(server, offlin
     assert server.runtime.llm.lora.stats.device_evictions > 0, "8 adapters in 4 slots must swap"
 
 
-def test_sampling_params_follow_openai_defaults_and_seed_offsets():
-    from gateway.openai_api import sampling_params
-    from gateway.protocol import ChatCompletionRequest, ChatMessage
-
-    chat = ChatCompletionRequest(model=BASE, messages=[ChatMessage(role="user", content="hi")],
-                                 seed=7, stop="END", max_tokens=9, max_completion_tokens=4)
-    p = sampling_params(chat, prompt_len=10, limit=512, logprobs=None, offset=2)
-    assert (p.max_tokens, p.seed, p.stop, p.temperature, p.top_p) == (4, 9, ["END"], 1.0, 1.0)
-    bare = ChatCompletionRequest(model=BASE, messages=[ChatMessage(role="user", content="hi")])
-    assert sampling_params(bare, 10, 512, None, 0).max_tokens == 502  # the rest of the context
-
-
 # ---- logit_bias, echo and vLLM's sampling extensions ------------------------------------------
 def test_logit_bias_bans_and_forces_tokens_on_both_routes(client, offline):
     ids = offline.generate([PROMPTS[0]], greedy_params(4))[0].token_ids

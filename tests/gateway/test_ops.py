@@ -252,6 +252,22 @@ def test_config_reads_flags_then_environment(tmp_path):
     assert serve_main(["--model", str(tmp_path / "missing")]) == 2
 
 
+def test_full_module_slots_flag_reaches_the_engine(tmp_path):
+    """Saved modules (modules_to_save) are opt-in: off by default, on with the flag or env."""
+    (tmp_path / "config.json").write_text("{}")
+    parser = add_serve_arguments(argparse.ArgumentParser())
+    off = ServerConfig.from_args(parser.parse_args(["--model", str(tmp_path)]), environ={})
+    assert Runtime(off).engine_config().max_full_module_slots == 0
+    on = ServerConfig.from_args(parser.parse_args(
+        ["--model", str(tmp_path), "--max-full-module-slots", "2"]), environ={})
+    assert Runtime(on).engine_config().max_full_module_slots == 2
+    env = ServerConfig.from_args(parser.parse_args(["--model", str(tmp_path)]),
+                                 environ={"LORAGW_MAX_FULL_MODULE_SLOTS": "1"})
+    assert env.max_full_module_slots == 1
+    with pytest.raises(ValueError, match=r"--max-full-module-slots \(5\) must not exceed --max-loras"):
+        ServerConfig(model=str(tmp_path), max_loras=4, max_full_module_slots=5)
+
+
 def test_serve_exits_nonzero_when_start_up_fails(model_dir, tmp_path):
     broken = tmp_path / "no-weights"
     broken.mkdir()

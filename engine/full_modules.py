@@ -1,0 +1,95 @@
+"""Full-module slots: the device copies of adapters' saved modules (PEFT's modules_to_save on
+embed_tokens and lm_head; adapters.saved_modules), at most `capacity` adapters at once.
+
+An adapter with saved modules holds one of these slots for as long as it holds its LoRA slot,
+keyed by that LoRA slot's index. Unlike the LoRA pools nothing is preallocated: a slot's
+[V, H] copies are allocated when its adapter is loaded and dropped when it leaves (the last
+reference goes with them), since each is vocabulary-sized (~1 GB per module on an 8B model in
+bf16). Saved copies PEFT ties to one tensor (ensure_weight_tying) stay one tensor here.
+
+Per step, rows whose adapter replaces a module are grouped by adapter (FullModuleStep):
+    embed_tokens   y[t] = E_a[ids[t]]          for every new token t of adapter a
+    lm_head        logits[b] = h[b] @ W_a.T    for every sampling row b of adapter a
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.forward_context import FullModuleStep
+
+EMBED, HEAD = "embed_tokens", "lm_head"
+
+
+class FullModuleSlots:
+    def __init__(self, capacity: int, device: torch.device, dtype: torch.dtype):
+        self.capacity = capacity
+        self.device, self.dtype = device, dtype
+        self.held: dict[int, dict[str, torch.Tensor]] = {}  # LoRA slot -> target -> [V, H]
+
+    @property
+    def has_free(self) -> bool:
+        return len(self.held) < self.capacity
+
+    def holds(self, index: int) -> bool:
+        return index in self.held
+
+    @property
+    def num_bytes(self) -> int:
+        """Device bytes of the copies held now (a tied pair counted once)."""
+        unique = {t.data_ptr(): t for copies in self.held.values() for t in copies.values()}
+        return sum(t.numel() * t.element_size() for t in unique.values())
+
+    def fill(self, index: int, saved: dict[str, torch.Tensor]) -> None:
+        """Copy an adapter's saved modules (host, any float dtype) for LoRA slot `index`."""
+        assert index not in self.held and self.has_free, "no free full-module slot to fill"
+        copies: dict[int, torch.Tensor] = {}  # id(host tensor) -> its device copy
+        for host in saved.values():
+            if id(host) not in copies:
+                copy = torch.empty(host.shape, dtype=self.dtype, device=self.device)
+                copies[id(host)] = copy.copy_(host, non_blocking=True)  # [V, H]
+        self.held[index] = {target: copies[id(host)] for target, host in saved.items()}
+
+    def clear(self, index: int) -> None:
+        self.held.pop(index, None)
+
+    def step(self, token_slots: list[int], sample_slots: list[int]) -> FullModuleStep | None:
+        """The step's replaced rows, from the LoRA slot of every new token and of every
+        sampling row (-1: no adapter); None when no row's adapter replaces a module."""
+        embed = self._groups(token_slots, EMBED)
+        head = self._groups(sample_slots, HEAD)
+        if not embed and not head:
+            return None
+        base_rows = None
+        if head:
+            base_rows = self._rows([row for row, slot in enumerate(sample_slots)
+                                    if HEAD not in self.held.get(slot, ())])
+        return FullModuleStep(embed=embed, head=head, head_base_rows=base_rows)
+
+    def _groups(self, slots: list[int], target: str) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        rows: dict[int, list[int]] = {}
+        for row, slot in enumerate(slots):
+            if target in self.held.get(slot, ()):
+                rows.setdefault(slot, []).append(row)
+        return tuple((self.held[slot][target], self._rows(r)) for slot, r in rows.items())
+
+    def _rows(self, rows: list[int]) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.long, device=self.device)  # [n]
+
+
+def embed_full_rows(y: torch.Tensor, ids: torch.Tensor, step: FullModuleStep) -> None:
+    """y[t] = E_a[ids[t]] for each (E_a, rows) group and t in rows; in place.
+    y: [T, H]   ids: [T]   E_a: [V, H] (y.dtype)"""
+    for weight, rows in step.embed:
+        y.index_copy_(0, rows, weight.index_select(0, ids.index_select(0, rows)))
+
+
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, step: FullModuleStep) -> torch.Tensor:
+    """logits[b] = hidden[b] @ W_a.T for the rows of each (W_a, rows) group, hidden[b] @
+    weight.T (the base lm_head) for the rest. hidden: [B, H]   weight, W_a: [V, H] -> [B, V]"""
+    logits = hidden.new_empty(hidden.shape[0], weight.shape[0])
+    groups = ((weight, step.head_base_rows),) + step.head
+    for w, rows in groups:
+        if rows.numel():
+            logits.index_copy_(0, rows, torch.nn.functional.linear(hidden.index_select(0, rows), w))
+    return logits

@@ -1,0 +1,39 @@
+"""The adapter manager's nouns (engine/lora.py): a device Slot, a RegisteredAdapter with its
+tiers, and the LoRAStats counters the metrics read."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from adapters.format import LoraAdapter
+
+
+@dataclass(slots=True)
+class Slot:
+    adapter: str | None = None
+    version: int = 0
+    ref_count: int = 0  # running sequences that use this slot
+    last_used: float = 0.0
+    stale: bool = False  # adapter replaced or removed: finish current users, admit no one
+
+
+@dataclass(slots=True)
+class RegisteredAdapter:
+    version: int
+    path: str | None  # the disk tier; None for adapters handed over only in memory
+    host: LoraAdapter | None  # the host tier; None once evicted from host memory
+    num_bytes: int
+    rank: int
+    saved_modules: tuple[str, ...] = ()  # modules_to_save targets: needs a full-module slot
+    pinned: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class LoRAStats:
+    device_loads: int = 0  # host -> slot copies
+    device_hits: int = 0  # admissions that found their adapter already in a slot
+    device_evictions: int = 0
+    host_loads: int = 0  # disk -> host parses
+    host_evictions: int = 0
