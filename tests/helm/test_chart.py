@@ -344,7 +344,7 @@ def test_engine_values_become_loragw_serve_flags():
     assert all(isinstance(a, str) for a in container["args"]), "args are strings"
 
 
-def test_prefix_caching_and_slot_aging_reach_the_server_and_parse_as_its_flags():
+def test_prefix_caching_slot_aging_and_full_modules_reach_the_server_as_its_flags():
     import argparse
 
     from gateway.config import add_serve_arguments
@@ -355,6 +355,9 @@ def test_prefix_caching_and_slot_aging_reach_the_server_and_parse_as_its_flags()
     off = gateway(render({"engine": {"enablePrefixCaching": False, "loraStarvationSteps": 0}}))
     assert "--no-enable-prefix-caching" in off["args"] and "--enable-prefix-caching" not in off["args"]
     assert flag(off, "--lora-starvation-steps") == ["0"]
+    assert flag(default, "--max-full-module-slots") == []  # 0: the server refuses them
+    saved = gateway(render({"engine": {"maxFullModuleSlots": 2}}))
+    assert flag(saved, "--max-full-module-slots") == ["2"]
     args = off["args"][1:]  # after "serve"; drop flags whose value is a downward-API placeholder
     kept = [a for i, a in enumerate(args)
             if "$(" not in a and not (i + 1 < len(args) and "$(" in args[i + 1])]
