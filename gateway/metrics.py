@@ -41,6 +41,8 @@ class EngineSnapshot:
     hits: dict[str, int] = field(default_factory=dict)
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    # Device bytes of the adapter pools: projections, embed_tokens, lm_head, full_modules
+    lora_device_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_blocks_used(self) -> int:
@@ -127,6 +129,12 @@ class _LiveCollector(Collector):
             yield _gauge("loragw_lora_slots_resident", "Device adapter slots holding an "
                          "adapter", len(snap.resident))
             yield _gauge("loragw_lora_slots_total", "Device adapter slots", snap.slots_total)
+            pools = GaugeMetricFamily("loragw_lora_device_bytes", "Device memory of the adapter "
+                                      "slot pools (vocab pools and full modules only once an "
+                                      "adapter needs them)", labels=["pool"])
+            for pool, nbytes in sorted(snap.lora_device_bytes.items()):
+                pools.add_metric([pool], nbytes)
+            yield pools
             adapters = GaugeMetricFamily("loragw_adapters", "Registered adapters per tier",
                                          labels=["tier"])
             for tier in TIERS:

@@ -211,4 +211,5 @@ def take_snapshot(llm: LLMEngine) -> EngineSnapshot:
         evictions={"device": stats.device_evictions, "host": stats.host_evictions},
         hits={"device": stats.device_hits},
         prefix_cache_queries=llm.block_manager.cache.stats.queries,
-        prefix_cache_hits=llm.block_manager.cache.stats.hits)
+        prefix_cache_hits=llm.block_manager.cache.stats.hits,
+        lora_device_bytes=dict(lora.device_bytes))

@@ -57,7 +57,8 @@ def test_probes_and_metrics(http, base_name):
                  "loragw_lora_slots_used ", "loragw_lora_slots_total 4.0",
                  'loragw_adapter_loads_total{tier="device"}',
                  'loragw_adapter_evictions_total{tier="device"}',
-                 'loragw_adapter_hits_total{tier="device"}'):
+                 'loragw_adapter_hits_total{tier="device"}',
+                 'loragw_lora_device_bytes{pool="projections"}'):
         assert line in text, f"{line!r} missing from /metrics"
     assert 'adapter="nope"' not in text  # unknown names never become label values
 
