@@ -19,60 +19,17 @@ import torch
 
 from adapters.errors import AdapterError
 from adapters.errors import short_repr as _show
-from adapters.lora_config import LoraConfig, parse_adapter_config
+from adapters.lora_config import parse_adapter_config
 from adapters.lora_tensors import check_lora_tensors
 from adapters.safetensors_check import CONFIG_FILE, check_safetensors
 from adapters.saved_modules import check_saved_modules, tied_to_embedding
 from adapters.sources import MAX_CONFIG_BYTES, read_adapter_files
+from adapters.types import EMBED_TOKENS, LM_HEAD, BaseModelSpec, LoraConfig
 
+# BaseModelSpec lives in adapters.types; the engine imports it from here with the loader.
 __all__ = [
     "BaseModelSpec", "LoraModuleWeights", "LoraAdapter", "load_adapter", "load_adapter_bytes",
 ]  # fmt: skip
-
-
-@dataclass(frozen=True)
-class BaseModelSpec:
-    """What the served base model offers adapters; built by the engine."""
-
-    num_layers: int
-    # target -> (out_features, in_features); embed_tokens is (hidden, vocab), lm_head
-    # (vocab, hidden): both absent when config.json gives no vocab_size
-    module_shapes: dict[str, tuple[int, int]]
-    max_lora_rank: int
-    tie_word_embeddings: bool = False  # lm_head reuses embed_tokens' weight
-    # adapters with saved modules (modules_to_save) the server holds at once; 0 refuses them
-    max_full_module_slots: int = 0
-
-    @classmethod
-    def from_hf_config(cls, hf_config: dict, max_lora_rank: int,
-                       max_full_module_slots: int = 0) -> BaseModelSpec:
-        """From a Llama / Mistral / Qwen2 / Qwen3 config.json (as a dict)."""
-        cfg = hf_config
-        if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
-            cfg = cfg["text_config"]
-        for key in ("hidden_size", "num_attention_heads", "intermediate_size",
-                    "num_hidden_layers"):  # fmt: skip
-            if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
-                raise ValueError(f"base model config.json: {key} missing or not a positive int")
-        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        head_dim = cfg.get("head_dim") or hidden // heads
-        if not cfg.get("head_dim") and hidden % heads:
-            raise ValueError(f"base model config.json: hidden_size {hidden} % heads {heads} != 0")
-        inter = cfg["intermediate_size"]
-        q, kv = heads * head_dim, kv_heads * head_dim
-        shapes = {
-            "q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden),
-            "o_proj": (hidden, q),
-            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
-        }  # fmt: skip
-        vocab = cfg.get("vocab_size")
-        if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
-            shapes |= {"embed_tokens": (hidden, vocab), "lm_head": (vocab, hidden)}
-        if max_lora_rank < 1:
-            raise ValueError(f"--max-lora-rank must be >= 1, got {max_lora_rank}")
-        tied = bool(cfg.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False)))
-        return cls(cfg["num_hidden_layers"], shapes, max_lora_rank, tied, max_full_module_slots)
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,7 +39,7 @@ class LoraModuleWeights:
     lora_embedding_A and lora_embedding_B)."""
 
     layer: int | None  # None for the model-level targets: embed_tokens, lm_head
-    target: str  # one of SUPPORTED_TARGETS
+    target: str  # one of adapters.types.SUPPORTED_TARGETS
     lora_a: torch.Tensor  # [r, in]  float32, CPU (embed_tokens: in = vocab)
     lora_b: torch.Tensor  # [out, r] float32, CPU (lm_head: out = vocab)
     scaling: float
@@ -146,12 +103,12 @@ def load_adapter_bytes(config_raw: bytes, weights_raw: bytes, spec: BaseModelSpe
         if not bool(torch.isfinite(saved[target]).all()):
             raise AdapterError(f"tensor {_show(key)} contains NaN or infinite values")
     if tied_to_embedding(config, spec):
-        if not torch.equal(saved["lm_head"], saved["embed_tokens"]):
+        if not torch.equal(saved[LM_HEAD], saved[EMBED_TOKENS]):
             raise AdapterError(
                 "adapter sets ensure_weight_tying on a base model with tied embeddings, so its"
                 " saved lm_head must equal its saved embed_tokens, but the saved tensors differ"
             )
-        saved["lm_head"] = saved["embed_tokens"]  # one tensor, as PEFT reloads it
+        saved[LM_HEAD] = saved[EMBED_TOKENS]  # one tensor, as PEFT reloads it
     return LoraAdapter(
         config=config,
         modules=modules,
@@ -164,7 +121,7 @@ def load_adapter_bytes(config_raw: bytes, weights_raw: bytes, spec: BaseModelSpe
 def _check_tied_head(modules: dict[tuple[int | None, str], LoraModuleWeights]) -> None:
     """ensure_weight_tying on a tied base: PEFT's lm_head LoRA *is* the embedding LoRA,
     transposed. Served as saved, so the saved copy must be exactly that."""
-    embed, head = modules.get((None, "embed_tokens")), modules.get((None, "lm_head"))
+    embed, head = modules.get((None, EMBED_TOKENS)), modules.get((None, LM_HEAD))
     if embed is None or head is None:
         return
     if not (torch.equal(head.lora_a, embed.lora_b.T) and torch.equal(head.lora_b, embed.lora_a.T)):

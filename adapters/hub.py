@@ -31,7 +31,7 @@ from huggingface_hub.errors import (
 
 from adapters.errors import AdapterError, AdapterNotFound
 from adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
-from adapters.sources import (
+from adapters.source_checks import (
     HUB_SCHEME,
     PICKLE_SUFFIXES,
     pickle_refusal,

@@ -1,12 +1,7 @@
-"""adapter_config.json: parse it, refuse what this engine would serve differently from PEFT,
-and answer PEFT's per-module questions (is this module adapted? with what rank and scaling?).
-
-PEFT semantics mirrored here (peft 0.21): target_modules as a list matches a module whose name
-equals an entry or ends with "." + entry, then layers_to_transform filters by layer index; as a
-str it is ``re.fullmatch`` on the full module name (PEFT refuses layers_to_transform with it,
-and so do we); "all-linear" means every projection (not lm_head, not embed_tokens).
-rank_pattern / alpha_pattern: see ``pattern_key``. Module names are the base model's:
-'model.layers.3.self_attn.k_proj', 'model.embed_tokens', 'lm_head'.
+"""adapter_config.json: parse it into a LoraConfig (adapters.types), refusing what this engine
+would serve differently from PEFT (DoRA, trained biases, fan_in_fan_out, layers_to_transform
+with target_modules as a str, regexes whose backtracking cost is unbounded, ...). Which module
+gets a LoRA, and with what rank and scaling, is LoraConfig's to answer.
 """
 
 from __future__ import annotations
@@ -14,17 +9,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterable
-from dataclasses import dataclass
 
 from adapters.errors import AdapterError
 from adapters.errors import short_repr as _show
-from adapters.lora_tensors import SUPPORTED_TARGETS, TARGET_MODULES
 from adapters.saved_modules import parse_modules_to_save
+from adapters.types import ALL_LINEAR, SUPPORTED_TARGETS, LoraConfig
 
-__all__ = ["ALL_LINEAR", "LoraConfig", "parse_adapter_config", "pattern_key"]
-
-ALL_LINEAR = "all-linear"
+__all__ = ["parse_adapter_config"]
 
 # Config regexes (target_modules as a str, rank_pattern / alpha_pattern keys) come from the
 # adapter's author. Python's re cannot be interrupted, so we bound their cost: a repeat may
@@ -86,85 +77,6 @@ def _check_regex(pattern: str, field: str, max_repeats: int = MAX_PATTERN_REPEAT
     if repeats > max_repeats:
         raise _bad(field, f"pattern {_show(pattern)} has more than {max_repeats} repeats")
     return pattern
-
-
-def pattern_key(pattern_keys: Iterable[str], module_name: str) -> str:
-    """PEFT's get_pattern_key: the first key, in dict (= file) order, that matches a dotted
-    suffix of the full module name, ``re.match(rf"(.*\\.)?({key})$", module_name)``; else
-    module_name itself (so ``pattern.get(pattern_key(...), default)`` gives the default).
-
-    module_name is the name inside the base model, e.g. 'model.layers.3.self_attn.k_proj'.
-    Keys are regexes ('.' matches any character) anchored at a '.' boundary and at the end:
-    'q_proj' and 'layers\\.1\\..*' match, '_proj' does not. The first match wins, not the
-    most specific; PEFT writes adapter_config.json with sorted keys, so for overlapping keys
-    the file's order is what PeftModel.from_pretrained (and this engine) applies.
-    """
-    for key in pattern_keys:
-        if re.match(rf"(.*\.)?({key})$", module_name):
-            return key
-    return module_name
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    """The parts of a PEFT LoraConfig that decide what the adapter computes.
-
-    Fields this engine refuses (DoRA, biases, fan_in_fan_out) keep their only accepted value
-    so callers can read them. modules_to_save holds the model-level modules the adapter saves
-    a full copy of (adapters.saved_modules). Not hashable (holds dicts).
-    ensure_weight_tying matters only on a base with tied embeddings (see
-    adapters.lora_tensors.check_lora_tensors).
-    """
-
-    r: int
-    lora_alpha: float
-    use_rslora: bool
-    target_modules: tuple[str, ...] | str  # names (suffix match) or a regex (full match)
-    rank_pattern: dict[str, int]  # regex key -> rank, first match wins (see pattern_key)
-    alpha_pattern: dict[str, float]
-    layers_to_transform: tuple[int, ...] | None
-    base_model_name_or_path: str | None
-    bias: str
-    fan_in_fan_out: bool
-    modules_to_save: tuple[str, ...]  # sorted subset of saved_modules.SAVED_TARGETS; () if none
-    use_dora: bool
-    exclude_modules: tuple[str, ...] | str | None = None
-    ensure_weight_tying: bool = False
-
-    def rank_for(self, module_name: str) -> int:
-        """Rank PEFT gives module_name, e.g. 'model.layers.3.self_attn.k_proj'."""
-        return self.rank_pattern.get(pattern_key(self.rank_pattern, module_name), self.r)
-
-    def alpha_for(self, module_name: str) -> float:
-        return self.alpha_pattern.get(pattern_key(self.alpha_pattern, module_name), self.lora_alpha)
-
-    def scaling(self, module_name: str) -> float:
-        """alpha/r, or alpha/sqrt(r) with use_rslora, after rank_pattern/alpha_pattern."""
-        r, alpha = self.rank_for(module_name), self.alpha_for(module_name)
-        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
-
-    def targets_module(self, module_name: str, layer: int | None) -> bool:
-        """Whether PEFT would have put a LoRA on module_name (check_target_module_exists);
-        layer is None for modules outside the decoder layers (embed_tokens, lm_head)."""
-        ex = self.exclude_modules
-        if isinstance(ex, str) and re.fullmatch(ex, module_name):
-            return False
-        if isinstance(ex, tuple) and any(_suffix_match(e, module_name) for e in ex):
-            return False
-        if self.target_modules == ALL_LINEAR:
-            return module_name.rsplit(".", 1)[-1] in TARGET_MODULES
-        if isinstance(self.target_modules, str):  # never with layers_to_transform
-            return re.fullmatch(self.target_modules, module_name) is not None
-        if module_name in self.target_modules:  # named in full: PEFT skips the layer filter
-            return True
-        if not any(_suffix_match(t, module_name) for t in self.target_modules):
-            return False
-        return self.layers_to_transform is None or (
-            layer is not None and layer in self.layers_to_transform)
-
-
-def _suffix_match(name: str, module_name: str) -> bool:
-    return module_name == name or module_name.endswith("." + name)
 
 
 def _reject_constant(name: str) -> None:

@@ -16,38 +16,36 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from adapters.errors import AdapterError
 from adapters.errors import short_repr as _show
 from adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE, TensorInfo
+from adapters.types import (
+    BLOCK_OF,
+    EMBED_LORA_KEY,
+    EMBED_TOKENS,
+    FLOAT_DTYPES,
+    HEAD_LORA_KEY,
+    LM_HEAD,
+    MODEL_TARGETS,
+    SAVED_KEY,
+    SUPPORTED_TARGETS,
+    TARGET_MODULES,
+    BaseModelSpec,
+    LoraConfig,
+    no_vocab_error,
+)
 
-if TYPE_CHECKING:
-    from adapters.format import BaseModelSpec
-    from adapters.lora_config import LoraConfig
-
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-MODEL_TARGETS = ("embed_tokens", "lm_head")  # one per model, outside the decoder layers
-SUPPORTED_TARGETS = TARGET_MODULES + MODEL_TARGETS
-FLOAT_DTYPES = ("F32", "F16", "BF16")
-BLOCK_OF = {t: "self_attn" for t in TARGET_MODULES[:4]} | {t: "mlp" for t in TARGET_MODULES[4:]}
-
-# PEFT saves keys without the adapter name; some exporters keep ".default". The module name
-# (group "module") is what PEFT matched target_modules / rank_pattern against.
+# A LoRA on a decoder-layer projection. PEFT saves keys without the adapter name; some exporters
+# keep ".default". The module name (group "module") is what PEFT matched target_modules /
+# rank_pattern against.
 _KEY = re.compile(
     r"base_model\.model\.(?P<module>(?:model\.)?layers\.(?P<layer>0|[1-9][0-9]{0,5})\."
     r"(?P<block>self_attn|mlp)\.(?P<target>\w+))\.lora_(?P<ab>[AB])(?:\.default)?\.weight"
 )
-_EMBED_KEY = re.compile(
-    r"base_model\.model\.(?P<module>(?:model\.)?embed_tokens)\.lora_embedding_(?P<ab>[AB])"
-    r"(?:\.default)?"
-)
-_HEAD_KEY = re.compile(r"base_model\.model\.(?P<module>lm_head)\.lora_(?P<ab>[AB])(?:\.default)?\.weight")
 _BASE_COPY_KEY = re.compile(
     r"base_model\.model\.(?P<module>(?:model\.)?embed_tokens|lm_head)\.base_layer\.weight"
 )
-# A full copy of a vocabulary end (PEFT's modules_to_save, or a resized vocabulary's layers).
-SAVED_KEY = re.compile(r"base_model\.model\.(?P<module>(?:model\.)?embed_tokens|lm_head)\.weight")
 _ANY_LORA_KEY = re.compile(
     r"base_model\.model\.(?P<module>[\w.]+)\.lora_[AB](?:\.default)?\.weight"
 )
@@ -100,10 +98,10 @@ class _LoraKey:
 
 def _lora_key(key: str, spec: BaseModelSpec) -> _LoraKey:
     """What a LoRA tensor key adapts; refuses keys this engine does not serve."""
-    if m := _EMBED_KEY.fullmatch(key) or _HEAD_KEY.fullmatch(key):
+    if m := EMBED_LORA_KEY.fullmatch(key) or HEAD_LORA_KEY.fullmatch(key):
         target = m["module"].rsplit(".", 1)[-1]
         if target not in spec.module_shapes:
-            raise _no_vocab(key, target)
+            raise no_vocab_error(key, target)
         return _LoraKey(None, target, m["module"], m["ab"])
     m = _KEY.fullmatch(key)
     if m is None:
@@ -121,21 +119,14 @@ def _lora_key(key: str, spec: BaseModelSpec) -> _LoraKey:
     return _LoraKey(layer, target, m["module"], m["ab"])
 
 
-def _no_vocab(key: str, target: str) -> AdapterError:
-    return AdapterError(
-        f"tensor {_show(key)} is for {target}, but the base model's config.json gives no"
-        " vocab_size to check it against"
-    )
-
-
 def _check_base_copy(key: str, info: TensorInfo, spec: BaseModelSpec) -> None:
     """A copy of the base embed_tokens / lm_head weight, [vocab, hidden]. PEFT saves one for
     both ends whenever a model it saves from has a LoRA on either (another adapter's, too)."""
     target = key.split(".base_layer.")[0].rsplit(".", 1)[-1]
     if target not in spec.module_shapes:
-        raise _no_vocab(key, target)
+        raise no_vocab_error(key, target)
     out_f, in_f = spec.module_shapes[target]
-    vocab, hidden = (in_f, out_f) if target == "embed_tokens" else (out_f, in_f)
+    vocab, hidden = (in_f, out_f) if target == EMBED_TOKENS else (out_f, in_f)
     if info.dtype not in FLOAT_DTYPES or list(info.shape) != [vocab, hidden]:
         raise AdapterError(
             f"tensor {_show(key)} is {info.dtype}{list(info.shape)}, but the base model's"
@@ -172,7 +163,7 @@ def check_lora_tensors(
             raise AdapterError(
                 f"tensor {_show(key)} has dtype {info.dtype}; expected F32, F16 or BF16"
             )
-        if not (config.targets_module(k.module, k.layer) or (k.target == "lm_head" and tied)):
+        if not (config.targets_module(k.module, k.layer) or (k.target == LM_HEAD and tied)):
             raise AdapterError(
                 f"tensor {_show(key)} is for module {_show(k.module)}, which {CONFIG_FILE}"
                 " does not target"
@@ -186,7 +177,7 @@ def check_lora_tensors(
         slot[k.ab] = key
     if not found:
         raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA tensors")
-    if tied and ((None, "embed_tokens") in found) != ((None, "lm_head") in found):
+    if tied and ((None, EMBED_TOKENS) in found) != ((None, LM_HEAD) in found):
         raise AdapterError(
             f"{CONFIG_FILE} sets ensure_weight_tying on a base model with tied embeddings, so"
             " PEFT ties lm_head's LoRA to embed_tokens' LoRA, but the file holds only one of them;"
@@ -202,7 +193,7 @@ def check_lora_tensors(
         a, b = header[slot["A"]].shape, header[slot["B"]].shape
         out_f, in_f = spec.module_shapes[target]
         if len(a) != 2 or len(b) != 2 or a[1] != in_f or b[0] != out_f or a[0] != b[1]:
-            names = ("lora_embedding_A", "lora_embedding_B") if target == "embed_tokens" else (
+            names = ("lora_embedding_A", "lora_embedding_B") if target == EMBED_TOKENS else (
                 "lora_A", "lora_B")
             raise AdapterError(
                 f"module {_show(module)} has {names[0]} {list(a)} and {names[1]} {list(b)}; the"

@@ -19,7 +19,7 @@ import uuid
 
 from redis.asyncio import Redis
 
-from adapters.registry import (
+from adapters.registry_types import (
     CatalogEntry,
     ReplicaState,
     decode_all,

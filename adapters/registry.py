@@ -1,7 +1,9 @@
 """The residency registry: which adapters exist fleet-wide, and which replica holds which.
 
-One interface (``Registry``), two implementations: ``InProcessRegistry`` (the default, a single
-replica, no Redis) and ``RedisRegistry`` in ``adapters.registry_redis`` (``--redis-url``).
+One interface (``Registry``, adapters.registry_types), two implementations:
+``InProcessRegistry`` (adapters.registry_inprocess: the default, a single replica, no Redis) and
+``RedisRegistry`` (adapters.registry_redis: ``--redis-url``); ``make_registry`` picks one. The
+nouns are re-exported here, so callers import everything registry-shaped from this module.
 The residency manager writes the catalog and this replica's state; the router reads
 ``replicas()``; every replica subscribes to "deleted" / "replaced" events to drop stale copies.
 Events a replica causes reach its own subscribers too; filter on ``event.origin`` if needed.
@@ -12,148 +14,22 @@ writes are replayed when Redis returns, and ``healthy`` says which mode is in fo
 
 from __future__ import annotations
 
-import inspect
-import logging
-import time
-from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, replace
-from typing import Protocol, TypeVar, runtime_checkable
+from adapters.registry_inprocess import InProcessRegistry
+from adapters.registry_types import (
+    EVENT_DELETED,
+    EVENT_REPLACED,
+    AdapterEvent,
+    CatalogEntry,
+    EventCallback,
+    Registry,
+    ReplicaState,
+    decode_state,
+)
 
-import msgspec
-
-logger = logging.getLogger(__name__)
-
-EVENT_DELETED = "deleted"
-EVENT_REPLACED = "replaced"
-T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class CatalogEntry:
-    """One registered adapter, fleet-wide. ``version`` grows each time the id gets new weights."""
-
-    adapter_id: str
-    source: str  # local dir, hf://ORG/REPO[@REV], or "upload"
-    revision: str | None
-    sha256: str  # of adapter_model.safetensors
-    rank: int
-    targets: tuple[str, ...]  # target modules, e.g. ("q_proj", "v_proj")
-    num_bytes: int
-    version: int
-
-    def same_weights(self, other: CatalogEntry) -> bool:
-        return self.sha256 == other.sha256 and self.version == other.version
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaState:
-    """What one replica advertises to the router. Filled by the residency manager."""
-
-    replica_id: str
-    url: str  # --advertise-url: where other replicas forward requests
-    resident: tuple[str, ...]  # adapter ids in device slots
-    loading: tuple[str, ...]  # adapter ids being loaded into a slot
-    free_slots: int
-    queue_depth: int  # waiting requests
-    updated_at: float  # time.time() of the last publish (heartbeats refresh it)
-
-
-@dataclass(frozen=True, slots=True)
-class AdapterEvent:
-    """Broadcast when an adapter id is deleted or gets new weights."""
-
-    kind: str  # EVENT_DELETED | EVENT_REPLACED
-    adapter_id: str
-    version: int  # the new version (replaced) or the version that was removed (deleted)
-    origin: str  # replica_id that caused it; "" when found by a resync after an outage
-
-
-EventCallback = Callable[[AdapterEvent], Awaitable[None] | None]
-
-
-@runtime_checkable
-class Registry(Protocol):
-    replica_id: str
-
-    async def start(self) -> None: ...
-    async def close(self) -> None: ...
-    async def put_adapter(self, entry: CatalogEntry) -> None: ...
-    async def get_adapter(self, adapter_id: str) -> CatalogEntry | None: ...
-    async def list_adapters(self) -> list[CatalogEntry]: ...
-    async def delete_adapter(self, adapter_id: str) -> bool: ...
-    async def publish_state(self, state: ReplicaState) -> None: ...
-    async def replicas(self) -> list[ReplicaState]: ...
-    def subscribe(self, callback: EventCallback) -> None: ...
-
-    @property
-    def healthy(self) -> bool: ...
-
-
-def stamp(state: ReplicaState) -> ReplicaState:
-    """The state with ``updated_at`` set to now: what a publish or heartbeat stores."""
-    return replace(state, updated_at=time.time())
-
-
-async def deliver(callbacks: list[EventCallback], event: AdapterEvent) -> None:
-    """Run every subscriber on ``event`` in order; one failing subscriber does not stop the rest."""
-    for callback in list(callbacks):
-        try:
-            result = callback(event)
-            if inspect.isawaitable(result):
-                await result
-        except Exception:
-            logger.exception("registry subscriber %r failed on %s", callback, event)
-
-
-class InProcessRegistry:
-    """The single-replica registry: plain dicts, events handed straight to subscribers."""
-
-    def __init__(self, replica_id: str) -> None:
-        self.replica_id = replica_id
-        self._catalog: dict[str, CatalogEntry] = {}
-        self._state: ReplicaState | None = None
-        self._callbacks: list[EventCallback] = []
-
-    @property
-    def healthy(self) -> bool:
-        return True
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
-
-    async def put_adapter(self, entry: CatalogEntry) -> None:
-        old = self._catalog.get(entry.adapter_id)
-        self._catalog[entry.adapter_id] = entry
-        if old is not None and not old.same_weights(entry):
-            event = AdapterEvent(EVENT_REPLACED, entry.adapter_id, entry.version, self.replica_id)
-            await deliver(self._callbacks, event)
-
-    async def get_adapter(self, adapter_id: str) -> CatalogEntry | None:
-        return self._catalog.get(adapter_id)
-
-    async def list_adapters(self) -> list[CatalogEntry]:
-        return sorted(self._catalog.values(), key=lambda e: e.adapter_id)
-
-    async def delete_adapter(self, adapter_id: str) -> bool:
-        old = self._catalog.pop(adapter_id, None)
-        if old is None:
-            return False
-        event = AdapterEvent(EVENT_DELETED, adapter_id, old.version, self.replica_id)
-        await deliver(self._callbacks, event)
-        return True
-
-    async def publish_state(self, state: ReplicaState) -> None:
-        assert state.replica_id == self.replica_id, (state.replica_id, self.replica_id)
-        self._state = stamp(state)
-
-    async def replicas(self) -> list[ReplicaState]:
-        return [self._state] if self._state is not None else []
-
-    def subscribe(self, callback: EventCallback) -> None:
-        self._callbacks.append(callback)
+__all__ = [
+    "EVENT_DELETED", "EVENT_REPLACED", "AdapterEvent", "CatalogEntry", "EventCallback",
+    "InProcessRegistry", "Registry", "ReplicaState", "decode_state", "make_registry",
+]  # fmt: skip
 
 
 def make_registry(
@@ -173,32 +49,3 @@ def make_registry(
     from adapters.registry_redis import RedisRegistry
 
     return RedisRegistry(redis_url, replica_id, heartbeat_s=heartbeat_s, ttl_s=ttl_s, prefix=prefix)
-
-
-def catalog_changes(before: dict[str, CatalogEntry], after: dict[str, CatalogEntry]):
-    """Deletes and replacements between two catalog snapshots, as events of unknown origin."""
-    for adapter_id, old in before.items():
-        new = after.get(adapter_id)
-        if new is None:
-            yield AdapterEvent(EVENT_DELETED, adapter_id, old.version, origin="")
-        elif not new.same_weights(old):
-            yield AdapterEvent(EVENT_REPLACED, adapter_id, new.version, origin="")
-
-
-# Wire format: the same dataclasses, as msgspec JSON.
-_encoder = msgspec.json.Encoder()
-encode = _encoder.encode
-decode_entry = msgspec.json.Decoder(CatalogEntry).decode
-decode_state = msgspec.json.Decoder(ReplicaState).decode
-decode_event = msgspec.json.Decoder(AdapterEvent).decode
-
-
-def decode_all(decode: Callable[[bytes], T], payloads: Iterable[bytes]) -> list[T]:
-    """Decode each payload, skipping (with a warning) any written by an incompatible version."""
-    out = []
-    for raw in payloads:
-        try:
-            out.append(decode(raw))
-        except msgspec.DecodeError as exc:
-            logger.warning("registry: ignoring a malformed record %r: %s", raw[:200], exc)
-    return out

@@ -23,7 +23,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from adapters.redis_layout import RedisLayout
-from adapters.registry import (
+from adapters.registry_types import (
     AdapterEvent,
     CatalogEntry,
     EventCallback,

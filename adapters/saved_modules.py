@@ -22,22 +22,27 @@ two [V, H] matrices on the device (about 1 GB each on an 8B model in bf16).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from adapters.errors import AdapterError
 from adapters.errors import short_repr as _show
-from adapters.lora_tensors import _EMBED_KEY, _HEAD_KEY, FLOAT_DTYPES, SAVED_KEY, _no_vocab
 from adapters.safetensors_check import CONFIG_FILE, TensorInfo
+from adapters.types import (
+    EMBED_LORA_KEY,
+    EMBED_TOKENS,
+    FLOAT_DTYPES,
+    HEAD_LORA_KEY,
+    LM_HEAD,
+    MODEL_TARGETS,
+    SAVED_KEY,
+    BaseModelSpec,
+    LoraConfig,
+    no_vocab_error,
+)
 
-if TYPE_CHECKING:
-    from adapters.format import BaseModelSpec
-    from adapters.lora_config import LoraConfig
-
-SAVED_TARGETS = ("embed_tokens", "lm_head")
+SAVED_TARGETS = MODEL_TARGETS  # the only modules a saved copy may replace: the vocabulary ends
 # modules_to_save entries for the vocabulary ends, as PEFT users and PEFT itself write them
 # (ensure_weight_tying adds 'model.embed_tokens') -> the target whose full copy is saved
-SAVED_MODULE_NAMES = {"embed_tokens": "embed_tokens", "model.embed_tokens": "embed_tokens",
-                      "lm_head": "lm_head"}
+SAVED_MODULE_NAMES = {"embed_tokens": EMBED_TOKENS, "model.embed_tokens": EMBED_TOKENS,
+                      "lm_head": LM_HEAD}
 FLAG = "--max-full-module-slots"
 
 
@@ -76,7 +81,7 @@ def full_modules_off(targets: tuple[str, ...]) -> AdapterError:
 def tied_to_embedding(config: LoraConfig, spec: BaseModelSpec) -> bool:
     """PEFT ties lm_head's saved copy to embed_tokens' (ensure_weight_tying on a tied base)."""
     return (config.ensure_weight_tying and spec.tie_word_embeddings
-            and "embed_tokens" in config.modules_to_save)
+            and EMBED_TOKENS in config.modules_to_save)
 
 
 def check_saved_modules(
@@ -89,10 +94,10 @@ def check_saved_modules(
     [vocab, hidden], a listed module with no tensor, and a LoRA beside a saved copy.
     """
     tied = tied_to_embedding(config, spec)
-    expected = set(config.modules_to_save) | ({"lm_head"} if tied else set())
+    expected = set(config.modules_to_save) | ({LM_HEAD} if tied else set())
     if expected and spec.max_full_module_slots < 1:
         raise full_modules_off(config.modules_to_save)
-    if config.ensure_weight_tying and spec.tie_word_embeddings and expected == {"lm_head"}:
+    if config.ensure_weight_tying and spec.tie_word_embeddings and expected == {LM_HEAD}:
         raise AdapterError(
             f"{CONFIG_FILE} sets ensure_weight_tying on a base model with tied embeddings and"
             " lists only lm_head in modules_to_save; PEFT saves such an adapter listing"
@@ -117,13 +122,13 @@ def check_saved_modules(
         found[target] = key
     for target in sorted(expected - set(found)):
         why = (" (ensure_weight_tying on a base with tied embeddings saves lm_head's copy too)"
-               if tied and target == "lm_head" else "")
+               if tied and target == LM_HEAD else "")
         raise AdapterError(
             f"{CONFIG_FILE} lists {target} in modules_to_save but the file holds no"
             f" {target} weight{why}; save the adapter again with PEFT"
         )
     for key in header:
-        m = _EMBED_KEY.fullmatch(key) or _HEAD_KEY.fullmatch(key)
+        m = EMBED_LORA_KEY.fullmatch(key) or HEAD_LORA_KEY.fullmatch(key)
         if m and (target := m["module"].rsplit(".", 1)[-1]) in found:
             raise AdapterError(
                 f"adapter holds both a LoRA on {target} (tensor {_show(key)}) and a full saved"
@@ -135,8 +140,8 @@ def check_saved_modules(
 
 def _check_shape(key: str, info: TensorInfo, target: str, spec: BaseModelSpec) -> None:
     if target not in spec.module_shapes:
-        raise _no_vocab(key, target)
-    vocab, hidden = spec.module_shapes["lm_head"]
+        raise no_vocab_error(key, target)
+    vocab, hidden = spec.module_shapes[LM_HEAD]
     shape = list(info.shape)
     if info.dtype not in FLOAT_DTYPES:
         raise AdapterError(f"tensor {_show(key)} has dtype {info.dtype}; expected F32, F16 or BF16")

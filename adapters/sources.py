@@ -16,27 +16,23 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import re
 from dataclasses import dataclass
 from typing import Literal
 
-from adapters.errors import AdapterError, AdapterNotFound, InvalidAdapterId
+from adapters.errors import AdapterError, AdapterNotFound
 from adapters.errors import short_repr as _show
-from adapters.ids import validate_adapter_id
 from adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
+from adapters.source_checks import (
+    HUB_SCHEME,
+    PICKLE_SUFFIXES,
+    InvalidSource,
+    pickle_refusal,
+    validate_repo_id,
+    validate_revision,
+)
 
-HUB_SCHEME = "hf://"
-MAX_REPO_ID_LEN = 96  # the Hub's own limit
-_REVISION = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._/-]{0,255}")
 _FORMS = "a local directory, hf://ORG/REPO[@REVISION] or ORG/REPO"
 MAX_CONFIG_BYTES = 1 << 20
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")  # refused, never opened
-
-
-class InvalidSource(AdapterError):
-    """The source string is malformed (HTTP 400)."""
-
-    status = 400
 
 
 @dataclass(frozen=True)
@@ -64,32 +60,6 @@ class AdapterFiles:
     weights_raw: bytes  # adapter_model.safetensors
     origin: str  # what the store records as source: "/abs/dir" or "hf://ORG/REPO@<commit sha>"
     revision: str | None  # the revision asked for (hub), None for local folders
-
-
-def validate_repo_id(repo_id: str) -> str:
-    """A Hub repo id: ``REPO`` or ``ORG/REPO`` under the adapter-id rules and the Hub's own."""
-    try:
-        validate_adapter_id(repo_id)
-    except InvalidAdapterId as e:
-        raise InvalidSource(f"Hub repo id: {e}") from None
-    if len(repo_id) > MAX_REPO_ID_LEN or "--" in repo_id or ".." in repo_id:
-        raise InvalidSource(
-            f"Hub repo id {_show(repo_id)} is not valid on the Hub (at most {MAX_REPO_ID_LEN}"
-            " characters, no '--' or '..')"
-        )
-    if repo_id.endswith((".", "-", ".git")):
-        raise InvalidSource(f"Hub repo id {_show(repo_id)} must not end with '.', '-' or '.git'")
-    return repo_id
-
-
-def validate_revision(revision: str) -> str:
-    """A branch, tag or commit: ``main``, ``v1.0``, ``refs/pr/3``, a 40-hex sha."""
-    if not _REVISION.fullmatch(revision) or ".." in revision or "//" in revision:
-        raise InvalidSource(
-            f"revision {_show(revision)} is not a branch, tag or commit name"
-            " (letters, digits, '.', '_', '-', '/'; no '..')"
-        )
-    return revision
 
 
 def parse_source(source: str, *, allow_local: bool = True) -> AdapterSource:
@@ -166,15 +136,6 @@ def read_adapter_files(folder: str) -> tuple[bytes, bytes]:
         raise AdapterError(f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
     with open(weights_path, "rb") as f:
         return config_raw, f.read()
-
-
-def pickle_refusal(where: str, pickled: list[str]) -> str:
-    return (
-        f"adapter at {where} has pickled weights ({', '.join(pickled)}) and no {WEIGHTS_FILE};"
-        " pickles are refused because unpickling can run arbitrary code; convert them to"
-        f" {WEIGHTS_FILE}: load with PEFT in a trusted environment, then"
-        " save_pretrained(dir, safe_serialization=True)"
-    )
 
 
 def resolve_source(

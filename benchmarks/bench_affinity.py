@@ -5,7 +5,7 @@
 Three replicas, 3 device slots each (LRU among slots no running request uses), 30 adapters
 with zipf popularity, Poisson arrivals spread round-robin over the replicas (what a Kubernetes
 Service does). "round-robin" serves each request where it lands; "affinity" asks
-`gateway.router.choose` with each replica's live state (resident, loading, free slots, queue
+`gateway.fleet.router.choose` with each replica's live state (resident, loading, free slots, queue
 depth) and forwards when it says so. A discrete-event simulation: no model runs, so the
 result depends only on the named assumptions below, which the table prints.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
 
 from adapters.registry import ReplicaState  # noqa: E402
-from gateway.router import choose  # noqa: E402
+from gateway.fleet.router import choose  # noqa: E402
 
 logger = logging.getLogger("bench_affinity")
 

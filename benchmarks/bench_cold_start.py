@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "bench-cold"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    from engine.demo import build_demo_model
+    from demo.model import build_demo_model
 
     models = {"demo": build_demo_model(os.path.join(args.out, "demo")),
               "llama-25M": build_random_llama(os.path.join(args.out, "llama25m"))}

@@ -197,7 +197,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     model = args.model
     if model is None:
-        from engine.demo import build_demo_model
+        from demo.model import build_demo_model
 
         model = build_demo_model(os.path.join(tempfile.gettempdir(), "lora-gateway-bench"))
 

@@ -29,8 +29,8 @@ import time
 from tqdm import tqdm
 
 from benchmarks.common import build_random_llama
+from demo.model import build_demo_model
 from engine import LLM
-from engine.demo import build_demo_model
 from engine.sampling_params import SamplingParams
 from engine.structured import GuidedDecoding
 

@@ -14,9 +14,11 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
+from dataclasses import replace
 
-from engine.llm_engine import LLMEngine, Prompt, RequestOutput
+from engine.llm_engine import EngineRequest, LLMEngine, Prompt, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.snapshot import EngineSnapshot, take_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -44,15 +46,25 @@ class AsyncEngine:
     async def submit(self, prompt: Prompt, params: SamplingParams, adapter: str | None = None,
                      request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request (ValueError here on bad input) and return its stream of increments."""
-        request_id = request_id or uuid.uuid4().hex
-        queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        streams = await self.submit_many([EngineRequest(prompt, params, adapter, request_id)])
+        return streams[0]
+
+    async def submit_many(self, requests: list[EngineRequest]) -> list[AsyncIterator[RequestOutput]]:
+        """Queue requests in one trip to the engine thread, all or none (LLMEngine.add_requests
+        checks every one first); one stream of increments each, in order."""
+        loop = asyncio.get_running_loop()
+        requests = [r if r.request_id else replace(r, request_id=uuid.uuid4().hex)
+                    for r in requests]
+        queues = [asyncio.Queue() for _ in requests]
+        for r, queue in zip(requests, queues):
+            self._streams[r.request_id] = (loop, queue)
         try:
-            await self.call(self.engine.add_request, prompt, params, adapter, request_id)
+            await self.call(self.engine.add_requests, requests)
         except BaseException:
-            self._streams.pop(request_id, None)
+            for r in requests:
+                self._streams.pop(r.request_id, None)
             raise
-        return self._stream(request_id, queue)
+        return [self._stream(r.request_id, queue) for r, queue in zip(requests, queues)]
 
     async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -72,6 +84,10 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         await self.call(self.engine.abort, request_id)
+
+    async def snapshot(self) -> EngineSnapshot:
+        """The engine's state between two steps (engine/snapshot.py)."""
+        return await self.call(take_snapshot, self.engine, self.step_errors)
 
     def shutdown(self) -> None:
         with self._wake:

@@ -1,15 +1,30 @@
-"""The one engine Config. Components copy out the fields they need."""
+"""The one engine Config. Components copy out the fields they need.
+
+`EngineOptions` holds every knob a user sets, each with its default and help; `Config` adds
+the model directory and its config.json. `loragw serve` derives its engine flags from
+`EngineOptions`' fields (gateway/config.py), so a knob is declared once, here. Validation
+happens once too, in `EngineOptions.__post_init__`; `option_name` says how a message names an
+option (the field name here, `--max-loras` on the command line).
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LORA_BACKENDS = ("auto", "torch", "triton")
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "torch", "triton")  # LoRA kernels and decode attention (engine/backends.py)
+
+
+def option(default: Any, help: str, **meta: Any) -> Any:
+    """A dataclass field with its help text (and, in `meta`, `choices`, or `off`: the flag value
+    that stands for None) for the command line."""
+    return field(default=default, metadata={"help": help, **meta})
 
 
 def resolve_device(device: str) -> torch.device:
@@ -18,52 +33,94 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device, hf_config: dict) -> torch.dtype:
+def resolve_dtype(dtype: str, device: torch.device, hf_config: dict) -> torch.dtype:
     """`auto`: the checkpoint's dtype on CUDA; float32 on CPU (bf16 matmuls there are ~100x slower)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
     if dtype == "auto":
         if device.type == "cpu":
             return torch.float32
         return DTYPES.get(str(hf_config.get("torch_dtype") or hf_config.get("dtype")), torch.bfloat16)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
     return DTYPES[dtype]
 
 
-@dataclass(frozen=True)
-class Config:
-    model: str
-    device: str = "auto"
-    dtype: str = "auto"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    # Reuse the KV blocks of earlier requests with the same leading tokens and adapter version
-    # (vLLM V1's default). Off: every prompt is prefilled in full.
-    enable_prefix_caching: bool = True
-    num_kv_blocks: int | None = None
-    max_model_len: int | None = None
-    # Fraction of free memory the KV cache may take when num_kv_blocks is not given.
-    kv_cache_memory_fraction: float = 0.5
-    max_loras: int = 4
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None  # host-memory LRU of parsed adapters; None = max(max_loras, 16)
-    lora_backend: str = "auto"
-    # Aging for adapter slots: once a request has been refused a slot for this many scheduling
-    # steps, one resident adapter stops admitting new requests until its slot drains and
-    # passes to it. Counted in steps, not seconds, so it bounds the wait in forward passes
-    # whatever the hardware and is deterministic in tests. None turns aging off.
-    lora_starvation_steps: int | None = 32
-    # Adapters with PEFT modules_to_save (their own full embed_tokens and/or lm_head, a
-    # [vocab, hidden] matrix each: about 1 GB per module on an 8B model in bf16) that may be on
-    # the device at once. Each also holds one of the max_loras slots; its copies are allocated
-    # when it is loaded and freed when it leaves. 0 (the default) refuses such adapters.
-    max_full_module_slots: int = 0
-    seed: int = 0
-    hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+@dataclass(frozen=True, kw_only=True)
+class EngineOptions:
+    device: str = option("auto", "auto | cpu | cuda", choices=DEVICES)
+    dtype: str = option("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU)",
+                        choices=("auto", *DTYPES))
+    max_num_seqs: int = option(64, "sequences decoded together per step")
+    max_num_batched_tokens: int = option(2048, "tokens per engine step (prefill chunk budget)")
+    block_size: int = option(16, "tokens per KV-cache block")
+    # vLLM V1's default. Off: every prompt is prefilled in full.
+    enable_prefix_caching: bool = option(True, "reuse the KV cache of earlier requests' shared "
+                                         "prompt prefixes (per adapter version)")
+    num_kv_blocks: int | None = option(None, "KV-cache blocks (default: sized from free memory)")
+    max_model_len: int | None = option(None, "context window in tokens (default: the model's)")
+    kv_cache_memory_fraction: float = option(0.5, "fraction of free memory the KV cache may take "
+                                             "when --num-kv-blocks is not given")
+    max_loras: int = option(4, "adapter slots on the device")
+    max_lora_rank: int = option(16, "largest adapter rank accepted")
+    max_cpu_loras: int | None = option(None, "parsed adapters kept in host memory (default: "
+                                       "max(--max-loras, 16))")
+    lora_backend: str = option("auto", "LoRA kernels: auto (triton on CUDA, torch elsewhere), "
+                               "torch or triton", choices=BACKENDS)
+    attention_backend: str = option("auto", "decode attention: auto (the Triton kernel on CUDA "
+                                    "once it passes its start-up self-check, torch elsewhere), "
+                                    "torch or triton", choices=BACKENDS)
+    # Counted in steps, not seconds, so it bounds the wait in forward passes whatever the
+    # hardware and is deterministic in tests. None turns aging off (0 on the command line).
+    lora_starvation_steps: int | None = option(
+        32, "steps a request may wait for an adapter slot before a busy adapter stops taking "
+        "new requests so its slot frees (0: never)", off=0)
+    # Each saved module is a [vocab, hidden] matrix: about 1 GB per module on an 8B model in
+    # bf16; allocated when its adapter is loaded, freed when it leaves.
+    max_full_module_slots: int = option(
+        0, "adapters with PEFT modules_to_save (their own full lm_head and/or embed_tokens) "
+        "held on the device at once, each also taking one --max-loras slot; 0 refuses them")
+    seed: int = option(0, "seed of the sampler's generator (requests without a seed)")
+
+    def option_name(self, name: str) -> str:
+        """How messages name an option: the field name (the command line names its flag)."""
+        return name
 
     def __post_init__(self) -> None:
+        n = self.option_name
+        for name in ("device", "dtype", "lora_backend", "attention_backend"):
+            choices = ENGINE_FIELDS[name].metadata["choices"]
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{n(name)} must be one of {', '.join(choices)}; got "
+                                 f"{getattr(self, name)!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras",
+                     "max_lora_rank", "num_kv_blocks", "max_model_len", "max_cpu_loras",
+                     "lora_starvation_steps"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                off = " (or None to disable aging)" if name == "lora_starvation_steps" else ""
+                raise ValueError(f"{n(name)} must be at least 1{off}, got {value}")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"{n('kv_cache_memory_fraction')} must be in (0, 1], got "
+                             f"{self.kv_cache_memory_fraction}")
+        if not 0 <= self.max_full_module_slots <= self.max_loras:
+            raise ValueError(f"{n('max_full_module_slots')} must be in [0, {n('max_loras')}="
+                             f"{self.max_loras}] (each adapter with saved modules also holds a "
+                             f"LoRA slot), got {self.max_full_module_slots}")
+
+    def engine_options(self) -> dict[str, Any]:
+        """The engine knobs alone, as keyword arguments for Config."""
+        return {name: getattr(self, name) for name in ENGINE_FIELDS}
+
+
+ENGINE_FIELDS = {f.name: f for f in EngineOptions.__dataclass_fields__.values()}
+
+
+@dataclass(frozen=True)
+class Config(EngineOptions):
+    """`Config(model_dir, max_loras=8, ...)`: the model directory, then any EngineOptions."""
+
+    model: str
+    hf_config: dict = field(default_factory=dict, compare=False, repr=False)  # its config.json
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
         if not os.path.isdir(self.model):
             raise ValueError(f"model path {self.model!r} is not a directory")
         config_path = os.path.join(self.model, "config.json")
@@ -71,25 +128,9 @@ class Config:
             raise ValueError(f"{self.model!r} has no config.json; expected a Hugging Face checkpoint")
         with open(config_path) as f:
             object.__setattr__(self, "hf_config", json.load(f))
-        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras",
-                    "max_lora_rank")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.lora_starvation_steps is not None and self.lora_starvation_steps < 1:
-            raise ValueError(f"lora_starvation_steps must be at least 1 (or None to disable "
-                             f"aging), got {self.lora_starvation_steps}")
-        if not 0 <= self.max_full_module_slots <= self.max_loras:
-            raise ValueError(f"max_full_module_slots must be in [0, max_loras={self.max_loras}] "
-                             "(each adapter with saved modules also holds a LoRA slot), got "
-                             f"{self.max_full_module_slots}")
-        if self.lora_backend not in LORA_BACKENDS:
-            raise ValueError(f"lora_backend must be one of {LORA_BACKENDS}, got {self.lora_backend!r}")
-        context = self.hf_config.get("max_position_embeddings", 4096)
         if self.max_model_len is None:
-            object.__setattr__(self, "max_model_len", context)
-        elif self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+            object.__setattr__(self, "max_model_len",
+                               self.hf_config.get("max_position_embeddings", 4096))
 
     @property
     def torch_device(self) -> torch.device:
@@ -98,3 +139,8 @@ class Config:
     @property
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype, self.torch_device, self.hf_config)
+
+    @property
+    def max_host_loras(self) -> int:
+        """Parsed adapters the host-memory LRU keeps (max_cpu_loras, or its default)."""
+        return self.max_cpu_loras or max(self.max_loras, 16)

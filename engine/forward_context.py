@@ -1,7 +1,8 @@
 """Per-step batch metadata every layer reads during one forward pass.
 
 The model runner builds a ForwardContext once per step and enters `forward_context(ctx)`;
-attention reads the KV-cache addressing, LoRA-carrying modules read `lora` (a LoRAStep).
+attention reads the KV-cache addressing, LoRA-carrying modules read `lora` (a LoRAStep), and
+both read which kernels to run from `backends` (engine/backends.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.backends import Backends
+
 if TYPE_CHECKING:
     from kernels.meta import LoRAMeta
 
@@ -20,8 +23,8 @@ if TYPE_CHECKING:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) of each new token
     # Decode rows: one query token each, batched with padded block tables. The model runner
-    # fills the kernel's fields whenever there are decode rows, the torch path's only when some
-    # layer decodes with it (engine/layers/attention.py says which).
+    # fills the kernel's fields whenever there are decode rows, the torch path's only when
+    # decode attention runs on torch (ForwardContext.backends.attention).
     num_decode_tokens: int  # decode tokens come first in the batch: rows [0, num_decode_tokens)
     decode_block_tables: torch.Tensor | None  # [D, max_blocks] int32, padded with 0 (never read)
     decode_context_lens: torch.Tensor | None  # [D] int32: tokens in cache after this step
@@ -63,7 +66,7 @@ class LoRAStep:
 class ForwardContext:
     attn: AttentionMetadata
     lora: LoRAStep | None = None  # None when no row of the batch has an adapter
-    lora_backend: str = "torch"
+    backends: Backends = Backends()  # the model runner's, decided once at start-up
 
 
 _current: ForwardContext | None = None

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from adapters.types import EMBED_TOKENS, LM_HEAD
 from engine.forward_context import FullModuleStep
-
-EMBED, HEAD = "embed_tokens", "lm_head"
 
 
 class FullModuleSlots:
@@ -56,14 +55,14 @@ class FullModuleSlots:
     def step(self, token_slots: list[int], sample_slots: list[int]) -> FullModuleStep | None:
         """The step's replaced rows, from the LoRA slot of every new token and of every
         sampling row (-1: no adapter); None when no row's adapter replaces a module."""
-        embed = self._groups(token_slots, EMBED)
-        head = self._groups(sample_slots, HEAD)
+        embed = self._groups(token_slots, EMBED_TOKENS)
+        head = self._groups(sample_slots, LM_HEAD)
         if not embed and not head:
             return None
         base_rows = None
         if head:
             base_rows = self._rows([row for row, slot in enumerate(sample_slots)
-                                    if HEAD not in self.held.get(slot, ())])
+                                    if LM_HEAD not in self.held.get(slot, ())])
         return FullModuleStep(embed=embed, head=head, head_base_rows=base_rows)
 
     def _groups(self, slots: list[int], target: str) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:

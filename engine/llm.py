@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from engine.config import Config
-from engine.llm_engine import LLMEngine, Prompt
+from engine.llm_engine import EngineRequest, LLMEngine, Prompt
 from engine.sampling_params import SamplingParams
 from engine.sequence import TokenLogprob
 
@@ -26,22 +26,11 @@ class GenerationOutput:
 
 
 class LLM:
-    def __init__(self, model: str, device: str = "auto", dtype: str = "auto",
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048, block_size: int = 16,
-                 num_kv_blocks: int | None = None, max_model_len: int | None = None,
-                 max_loras: int = 4, max_lora_rank: int = 16, max_cpu_loras: int | None = None,
-                 lora_backend: str = "auto", lora_starvation_steps: int | None = 32,
-                 seed: int = 0, enable_prefix_caching: bool = True,
-                 max_full_module_slots: int = 0):
-        self.config = Config(model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
-                             max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
-                             num_kv_blocks=num_kv_blocks, max_model_len=max_model_len,
-                             enable_prefix_caching=enable_prefix_caching,
-                             max_loras=max_loras, max_lora_rank=max_lora_rank,
-                             max_cpu_loras=max_cpu_loras,
-                             lora_backend=lora_backend,
-                             lora_starvation_steps=lora_starvation_steps,
-                             max_full_module_slots=max_full_module_slots, seed=seed)
+    """`LLM(model_dir, max_loras=8, ...)`: the keyword arguments are engine.Config's options
+    (EngineOptions), validated there; or `LLM(config)` with a Config built already."""
+
+    def __init__(self, model: str | Config, **options):
+        self.config = model if isinstance(model, Config) else Config(model, **options)
         self.engine = LLMEngine(self.config)
 
     @property
@@ -52,7 +41,8 @@ class LLM:
                  params: SamplingParams | list[SamplingParams] | None = None,
                  adapters: list[str | None] | None = None,
                  use_tqdm: bool = False) -> list[GenerationOutput]:
-        """Run prompts to completion, batched together; outputs in prompt order."""
+        """Run prompts to completion, batched together; outputs in prompt order. Every
+        request is checked before any is queued, so a bad one changes nothing."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -61,18 +51,11 @@ class LLM:
         if not (len(params_list) == len(adapters) == len(prompts)):
             raise ValueError("prompts, params and adapters must have the same length")
         engine = self.engine
-        # Validate everything before queueing anything, so a bad prompt changes nothing.
-        tokenized = [engine.tokenize(p) for p in prompts]
-        for ids, p, adapter in zip(tokenized, params_list, adapters):
-            engine.validate(ids, p)
-            if adapter is not None:
-                engine.lora.check_known(adapter)
-        results: dict[str, GenerationOutput] = {}
-        order = []
-        for ids, p, adapter in zip(tokenized, params_list, adapters):
-            request_id = engine.add_request(ids, p, adapter)
-            results[request_id] = GenerationOutput(request_id, ids, adapter=adapter)
-            order.append(request_id)
+        order = engine.add_requests([EngineRequest(prompt, p, adapter) for prompt, p, adapter
+                                     in zip(prompts, params_list, adapters)])
+        results = {request_id: GenerationOutput(request_id, engine.sequence(request_id)
+                                                .prompt_token_ids, adapter=adapter)
+                   for request_id, adapter in zip(order, adapters)}
         with tqdm(total=len(order), desc="generating", disable=not use_tqdm) as bar:
             while engine.has_unfinished():
                 for out in engine.step():

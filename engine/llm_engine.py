@@ -6,11 +6,9 @@ offline `LLM` drives it directly, `AsyncEngine` drives it from one background th
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.block_manager import BlockManager
 from engine.config import Config
@@ -20,9 +18,9 @@ from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.sampling_params import InvalidParam, SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from engine.sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprob
 from engine.structured import GrammarCompiler, GuidedState
-from engine.tokenizer import load_tokenizer
+from engine.tokenizer import eos_token_ids, try_load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -30,19 +28,13 @@ Prompt = str | list[int]
 
 
 @dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request (increments; `finished` on the last one)."""
+class EngineRequest:
+    """One request to queue: a prompt (text or token ids) and how to sample it."""
 
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    new_logprobs: list[TokenLogprob]
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
-    stop_reason: str | int | None  # the stop string or stop token that ended it
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    prompt: Prompt
+    params: SamplingParams
+    adapter: str | None = None
+    request_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -57,7 +49,7 @@ class LLMEngine:
     def __init__(self, config: Config):
         self.config = config
         started = time.perf_counter()
-        self.tokenizer = _try_load_tokenizer(config.model)
+        self.tokenizer = try_load_tokenizer(config.model)
         self.runner = ModelRunner(config)
         self.vocab_size = self.runner.args.vocab_size
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
@@ -65,7 +57,7 @@ class LLMEngine:
         self.lora = LoRAManager(config, self.runner.model, self.runner.device, self.runner.dtype)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                    self.block_manager, slots=self.lora)
-        self.eos_token_ids = _eos_token_ids(config.model, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self.sampler = Sampler(config.seed, self.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self._grammars: GrammarCompiler | None = None  # built by the first guided request
@@ -74,30 +66,44 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
+        """Text through the tokenizer; token ids as given (check_request checks them)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass prompts as token-id lists")
+                raise InvalidParam("prompt", "this model has no tokenizer; pass prompts as "
+                                   "token-id lists")
             return self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        return ids
+        return list(prompt)
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        limit = self.config.max_model_len
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The engine's admission rules, each with its one message (InvalidParam names the
+        parameter): a prompt of token ids, the context window, the KV cache, token ids in the
+        vocabulary. `add_requests` runs it on every request before queueing any, so the
+        gateway and the offline API get the same refusals; what it passed, the rest of the
+        engine trusts (and asserts)."""
+        vocab, limit = self.vocab_size, self.config.max_model_len
         if not prompt_ids:
-            raise ValueError("prompt is empty")
-        if len(prompt_ids) + params.max_tokens > limit:
-            raise ValueError(
-                f"this model's maximum context length is {limit} tokens, but the request needs "
-                f"{len(prompt_ids) + params.max_tokens} ({len(prompt_ids)} in the prompt, "
-                f"{params.max_tokens} in max_tokens); shorten the prompt or lower max_tokens")
-        needed = self.block_manager.blocks_for(len(prompt_ids) + params.max_tokens)
+            raise InvalidParam("prompt", "prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
+            raise InvalidParam("prompt", f"prompt token ids must be integers in [0, {vocab})")
+        prompt_len, asked = len(prompt_ids), params.max_tokens
+        if prompt_len + (asked or 1) > limit:
+            plus = "" if asked is None else f" plus {asked} in max_tokens"
+            raise InvalidParam(
+                "prompt" if asked is None else "max_tokens",
+                f"This model's maximum context length is {limit} tokens, but the request has "
+                f"{prompt_len} prompt tokens{plus}; shorten the prompt or lower max_tokens",
+                code="context_length_exceeded")
+        max_tokens = asked or limit - prompt_len
+        needed = self.block_manager.blocks_for(prompt_len + max_tokens)
         if needed > self.block_manager.num_blocks:
-            raise ValueError(f"request needs {needed} KV blocks for its prompt and max_tokens but "
-                             f"the cache holds {self.block_manager.num_blocks}; lower max_tokens "
-                             "or give the engine more KV blocks")
-        params.check_token_ids(self.vocab_size)
+            raise InvalidParam("max_tokens", f"request needs {needed} KV blocks for its prompt "
+                               f"and max_tokens but the cache holds "
+                               f"{self.block_manager.num_blocks}; lower max_tokens or give the "
+                               "engine more KV blocks")
+        if params.min_tokens > max_tokens:
+            raise InvalidParam("min_tokens", f"min_tokens must be in [0, max_tokens="
+                               f"{max_tokens}], got {params.min_tokens}")
+        params.check_token_ids(vocab)
         if params.allowed_token_ids is not None and params.min_tokens > 0:
             stops = set(params.stop_token_ids) | (set() if params.ignore_eos
                                                   else self.eos_token_ids)
@@ -106,17 +112,33 @@ class LLMEngine:
                                    "the output, so min_tokens can never be met; allow other "
                                    "tokens or leave min_tokens out")
 
+    def add_requests(self, requests: list[EngineRequest]) -> list[str]:
+        """Check every request, then queue them all (so a bad one changes nothing); returns
+        their request ids. ValueError (InvalidParam, AdapterError) on bad input."""
+        staged = []
+        for r in requests:
+            prompt_ids = self.tokenize(r.prompt)
+            self.check_request(prompt_ids, r.params)
+            if r.request_id is not None and r.request_id in self.requests:
+                raise ValueError(f"request id {r.request_id!r} is already in use")
+            if r.adapter is not None:
+                self.lora.check_known(r.adapter)
+            # Structured output's matcher: compiling the grammar also checks the spec.
+            guided = self.grammars.new_state(r.params.guided) if r.params.guided else None
+            staged.append((r, prompt_ids, guided))
+        return [self._queue(r, prompt_ids, guided) for r, prompt_ids, guided in staged]
+
     def add_request(self, prompt: Prompt, params: SamplingParams, adapter: str | None = None,
                     request_id: str | None = None) -> str:
-        """Validate and queue one request; raises ValueError (changing nothing) on bad input."""
-        prompt_ids = self.tokenize(prompt)
-        self.validate(prompt_ids, params)
-        if request_id is not None and request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if adapter is not None:
-            self.lora.check_known(adapter)
-        guided = self.grammars.new_state(params.guided) if params.guided is not None else None
-        seq = Sequence(prompt_ids, params, adapter=adapter, request_id=request_id or "",
+        """Check and queue one request; raises ValueError (changing nothing) on bad input."""
+        return self.add_requests([EngineRequest(prompt, params, adapter, request_id)])[0]
+
+    def _queue(self, r: EngineRequest, prompt_ids: list[int], guided: GuidedState | None) -> str:
+        params = r.params
+        if params.max_tokens is None:  # the rest of the context window
+            params = replace(params, max_tokens=self.config.max_model_len - len(prompt_ids))
+        assert len(prompt_ids) + params.max_tokens <= self.config.max_model_len, "check_request"
+        seq = Sequence(prompt_ids, params, adapter=r.adapter, request_id=r.request_id or "",
                        arrival=time.monotonic())
         self.scheduler.add(seq)
         detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
@@ -176,7 +198,7 @@ class LLMEngine:
             lora_meta = self.lora.prepare(batch)  # None when no row has an adapter
             sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
             masks = self._fill_masks(sampling)  # on the mask thread, during the forward pass
-            logits = self.runner.run(batch, lora_meta, self.lora.backend)  # [num_sampling, V]
+            logits = self.runner.run(batch, lora_meta)  # [num_sampling, V]
         except BaseException:
             self.block_manager.rollback()  # blocks registered for this step hold no K/V
             raise
@@ -273,24 +295,4 @@ class LLMEngine:
         return request.seq if request else None
 
 
-def _try_load_tokenizer(model_dir: str):
-    if not any(os.path.isfile(os.path.join(model_dir, name))
-               for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        logger.warning("%s has no tokenizer files: prompts must be token ids", model_dir)
-        return None
-    return load_tokenizer(model_dir)
-
-
-def _eos_token_ids(model_dir: str, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    path = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(path):
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
-
-
-__all__ = ["LLMEngine", "RequestOutput", "SequenceStatus"]
+__all__ = ["EngineRequest", "LLMEngine", "RequestOutput", "SequenceStatus"]

@@ -11,9 +11,7 @@ re-read from its directory (the disk tier) when next needed. Pinned adapters are
 from __future__ import annotations
 
 import logging
-import os
 import time
-from dataclasses import replace
 
 import torch
 
@@ -23,7 +21,7 @@ from adapters.saved_modules import FLAG, full_modules_off
 from engine.config import Config
 from engine.forward_context import LoRAStep
 from engine.lora_pool import SlotPool
-from engine.lora_state import LoRAStats, RegisteredAdapter, Slot
+from engine.lora_state import LoRAStats, RegisteredAdapter, Slot, host_copy
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -31,24 +29,14 @@ from engine.sequence import Sequence
 logger = logging.getLogger(__name__)
 
 
-def resolve_lora_backend(backend: str, device: torch.device) -> str:
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError('lora_backend="triton" on CPU needs TRITON_INTERPRET=1 set before '
-                         'start-up; use lora_backend="torch" on CPU')
-    return backend
-
-
 class LoRAManager:
     def __init__(self, config: Config, model: LlamaForCausalLM, device: torch.device,
                  dtype: torch.dtype):
         self.num_slots = config.max_loras
         self.max_rank = config.max_lora_rank
-        self.max_host = config.max_cpu_loras or max(config.max_loras, 16)
+        self.max_host = config.max_host_loras
         self.starvation_steps = config.lora_starvation_steps
         self.device, self.dtype = device, dtype
-        self.backend = resolve_lora_backend(config.lora_backend, device)
         self.spec = BaseModelSpec.from_hf_config(config.hf_config, config.max_lora_rank,
                                                  config.max_full_module_slots)
         self.model = model
@@ -72,7 +60,7 @@ class LoRAManager:
             adapter = source
         if adapter.saved_modules and not self.pool.full.capacity:
             raise full_modules_off(tuple(adapter.saved_modules))
-        adapter = self._to_host(adapter)
+        adapter = host_copy(adapter, self.device)
         self.pool.reserve(adapter)  # before anything changes: a failed allocation changes nothing
         self._versions += 1
         previous = self.adapters.get(name)
@@ -112,7 +100,7 @@ class LoRAManager:
         """Bring an adapter into a device slot ahead of traffic; returns its residency. When
         every slot is busy it stays in host memory and loads on its first request."""
         entry = self._get(name)
-        self._host_copy(name, entry)
+        self._ensure_host(name, entry)
         if self._find(name, entry.version) is None:
             index = self._victim(bool(entry.saved_modules))
             if index is None:
@@ -155,6 +143,11 @@ class LoRAManager:
         return sum(1 for s in self.slots if s.ref_count > 0)
 
     @property
+    def free_slots(self) -> int:
+        """Slots holding no adapter (a stale slot still drains, so it is not free)."""
+        return sum(s.adapter is None for s in self.slots)
+
+    @property
     def host_bytes(self) -> int:
         return sum(e.num_bytes for e in self.adapters.values() if e.host is not None)
 
@@ -178,19 +171,9 @@ class LoRAManager:
             self.stats.host_evictions += 1
             excess -= 1
 
-    def _to_host(self, adapter: LoraAdapter) -> LoraAdapter:
-        """Host copies live in pinned memory on CUDA, so slot fills are async DMA copies. Saved
-        modules stay pageable: page-locking [vocab, hidden] matrices per cached adapter would
-        exhaust pinned memory, and they are copied only when their adapter enters a slot."""
-        if self.device.type != "cuda":
-            return adapter
-        modules = {key: replace(m, lora_a=m.lora_a.pin_memory(), lora_b=m.lora_b.pin_memory())
-                   for key, m in adapter.modules.items()}
-        return replace(adapter, modules=modules)
-
-    def _host_copy(self, name: str, entry: RegisteredAdapter) -> LoraAdapter:
+    def _ensure_host(self, name: str, entry: RegisteredAdapter) -> LoraAdapter:
         if entry.host is None:  # the disk tier: re-read and re-validate
-            entry.host = self._to_host(load_adapter(entry.path, self.spec))
+            entry.host = host_copy(load_adapter(entry.path, self.spec), self.device)
             self.stats.host_loads += 1
             self._trim_host(keep={name})
         entry.last_used = time.monotonic()
@@ -292,7 +275,7 @@ class LoRAManager:
         return self.pool.num_bytes
 
     def _fill(self, index: int, name: str, entry: RegisteredAdapter) -> None:
-        adapter = self._host_copy(name, entry)
+        adapter = self._ensure_host(name, entry)
         self._clear(index)
         self.pool.fill(index, adapter)
         self.slots[index] = Slot(adapter=name, version=entry.version, last_used=time.monotonic())
@@ -310,4 +293,4 @@ class LoRAManager:
         return self.pool.step(batch)
 
 
-__all__ = ["LoRAManager", "LoRAStats", "resolve_lora_backend"]
+__all__ = ["LoRAManager", "LoRAStats"]

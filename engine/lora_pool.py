@@ -26,6 +26,7 @@ import logging
 import torch
 
 from adapters.format import LoraAdapter
+from adapters.types import EMBED_TOKENS, LM_HEAD
 from engine.forward_context import LoRAStep
 from engine.full_modules import FullModuleSlots
 from engine.layers.embedding import EmbeddingLoRABuffers
@@ -35,7 +36,7 @@ from engine.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
-EMBED, HEAD = (None, "embed_tokens"), (None, "lm_head")  # their keys in LoraAdapter.modules
+EMBED, HEAD = (None, EMBED_TOKENS), (None, LM_HEAD)  # their keys in LoraAdapter.modules
 
 
 class SlotPool:
@@ -62,8 +63,8 @@ class SlotPool:
         projections = sum(linear.lora.num_bytes for _, linear in self._projections()
                           if linear.lora is not None)
         return {"projections": projections,
-                "embed_tokens": self.embedding.lora.num_bytes if self.embedding.lora else 0,
-                "lm_head": self.head.lora.num_bytes if self.head.lora else 0,
+                EMBED_TOKENS: self.embedding.lora.num_bytes if self.embedding.lora else 0,
+                LM_HEAD: self.head.lora.num_bytes if self.head.lora else 0,
                 "full_modules": self.full.num_bytes}
 
     # ---- allocation -------------------------------------------------------------------------
@@ -81,10 +82,10 @@ class SlotPool:
                 lora_a=self._zeros(S, V, R), lora_b=self._zeros(S, H, R),
                 ranks=torch.zeros(1, S, dtype=torch.int32, device=self.device),
                 scales=torch.zeros(1, S, dtype=torch.float32, device=self.device))
-            allocated.append("embed_tokens")
+            allocated.append(EMBED_TOKENS)
         if HEAD in adapter.modules and self.head.lora is None:
             self.head.lora = self._linear_pool(1, self.head.hidden_size, self.head.vocab_size)
-            allocated.append("lm_head")
+            allocated.append(LM_HEAD)
         if allocated:
             sizes = self.num_bytes
             logger.info("LoRA slot pools (%d slots, rank %d): %s", self.num_slots, self.max_rank,

@@ -1,10 +1,12 @@
 """The adapter manager's nouns (engine/lora.py): a device Slot, a RegisteredAdapter with its
-tiers, and the LoRAStats counters the metrics read."""
+tiers, the LoRAStats counters the metrics read, and how a host copy is made."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import torch
 
 from adapters.format import LoraAdapter
 
@@ -37,3 +39,15 @@ class LoRAStats:
     device_evictions: int = 0
     host_loads: int = 0  # disk -> host parses
     host_evictions: int = 0
+
+
+def host_copy(adapter: LoraAdapter, device: torch.device) -> LoraAdapter:
+    """The host tier's copy of an adapter for an engine on `device`: in pinned memory on CUDA,
+    so slot fills are async DMA copies. Saved modules stay pageable: page-locking [vocab,
+    hidden] matrices per cached adapter would exhaust pinned memory, and they are copied only
+    when their adapter enters a slot."""
+    if device.type != "cuda":
+        return adapter
+    modules = {key: replace(m, lora_a=m.lora_a.pin_memory(), lora_b=m.lora_b.pin_memory())
+               for key, m in adapter.modules.items()}
+    return replace(adapter, modules=modules)

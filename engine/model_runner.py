@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from engine.backends import AttentionShape, resolve_backends
 from engine.config import Config
 from engine.forward_context import AttentionMetadata, ForwardContext, LoRAStep, forward_context
 from engine.loader import load_model
@@ -32,12 +33,12 @@ class ModelRunner:
         for attn in self.model.attention_layers():
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        # torch and/or triton (engine/layers/attention.py): which decode addressing to build
-        self.decode_backends = {attn.decode_backend(self.device)
-                                for attn in self.model.attention_layers()}
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_kv_blocks,
-                    self.block_size, self.kv_cache_bytes / 2**20)
-        self.lora_manager = None  # set by the engine when adapters are enabled
+        self.backends = resolve_backends(
+            config.lora_backend, config.attention_backend, self.device, self.dtype,
+            AttentionShape(self.args.num_heads, self.args.num_kv_heads, self.args.head_dim))
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB); LoRA on %s, decode attention "
+                    "on %s", self.num_kv_blocks, self.block_size, self.kv_cache_bytes / 2**20,
+                    self.backends.lora, self.backends.attention)
 
     @property
     def bytes_per_block(self) -> int:
@@ -71,18 +72,17 @@ class ModelRunner:
         """The decode rows' KV addressing, built once per step and shared by all layers:
         (block_tables [B, max_blocks] int32, context_lens [B] int32) for the Triton kernel, and
         (block_ids [B * max_blocks] int64, mask [B, 1, 1, L = max_blocks * block_size] bool) for
-        the torch path, or None, None when no layer decodes with torch."""
+        the torch path, or None, None when decode attention runs on Triton."""
         blocks = _pad(tables, self.device)  # [B, max_blocks] int32
         lens = torch.tensor(context_lens, dtype=torch.int32, device=self.device)  # [B]
-        if "torch" not in self.decode_backends:
+        if self.backends.attention != "torch":
             return blocks, lens, None, None
         positions = torch.arange(blocks.shape[1] * self.block_size, device=self.device)
         mask = (positions[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
         return blocks, lens, blocks.flatten().long(), mask
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, lora: LoRAStep | None = None,
-            lora_backend: str = "torch"):
+    def run(self, batch: ScheduledBatch, lora: LoRAStep | None = None):
         """Forward one batch; return logits [num_sampling_rows, vocab] (float32). `lora`:
         LoRAManager.prepare(batch), None when no row has an adapter."""
         input_ids, positions, slots, sample_rows = [], [], [], []
@@ -125,7 +125,7 @@ class ModelRunner:
             prefill_context_lens=prefill_ctx,
             prefill_block_tables=prefill_tables,
         )
-        ctx = ForwardContext(attn=attn, lora=lora, lora_backend=lora_backend)
+        ctx = ForwardContext(attn=attn, lora=lora, backends=self.backends)
         with forward_context(ctx):
             hidden = self.model(to_device(input_ids), to_device(positions))  # [T, hidden]
             if not sample_rows:

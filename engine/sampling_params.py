@@ -8,11 +8,12 @@ from engine.structured import GuidedDecoding
 
 
 class InvalidParam(ValueError):
-    """A sampling parameter out of range; `param` names it (the gateway's 400 names it too)."""
+    """A request parameter out of range; `param` names it, `code` (if any) is OpenAI's error
+    code for it (the gateway's 400 carries both)."""
 
-    def __init__(self, param: str, message: str):
+    def __init__(self, param: str, message: str, code: str | None = None):
         super().__init__(message)
-        self.param = param
+        self.param, self.code = param, code
 
 
 def _is_token_id(token: object) -> bool:
@@ -24,6 +25,7 @@ class SamplingParams:
     """How one request turns logits into tokens. Validated on construction (InvalidParam);
     token ids are checked against the model's vocabulary by `check_token_ids` at admission.
 
+    max_tokens None means the rest of the context window (resolved per sequence at admission).
     temperature 0 means greedy. top_k 0 (or -1) means off. logprobs=N returns the sampled
     token's logprob plus the N most likely alternatives at each step (log-softmax of the raw
     model logits, before logit_bias, penalties and temperature, as vLLM does).
@@ -36,7 +38,7 @@ class SamplingParams:
     ended the output. skip_special_tokens (vLLM): leave special tokens out of the text.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -66,7 +68,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
         checks = [
-            (self.max_tokens >= 1, "max_tokens",
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
              f"max_tokens must be at least 1, got {self.max_tokens}"),
             (self.temperature >= 0.0, "temperature",
              f"temperature must be non-negative, got {self.temperature}"),
@@ -84,7 +86,7 @@ class SamplingParams:
              f"logprobs must be between 0 and 20, got {self.logprobs}"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "stop_token_ids must be non-negative"),
-            (0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+            (0 <= self.min_tokens <= (self.max_tokens or self.min_tokens), "min_tokens",
              f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"),
             (self.min_tokens == 0 or self.guided is None, "min_tokens",
              "min_tokens cannot be combined with structured output (the grammar decides where "

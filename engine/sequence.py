@@ -89,3 +89,19 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request (increments; `finished` on the last one)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None  # the stop string or stop token that ended it
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission

@@ -234,33 +234,4 @@ def _ebnf_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def tool_call_schema(tools: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
-    """JSON schema of one call {"name": n, "arguments": <n's parameters>} of the allowed tools."""
-    by_name = {t["function"]["name"]: t["function"] for t in tools}
-    calls = []
-    for name in names:
-        params = by_name[name].get("parameters") or {"type": "object", "properties": {}}
-        calls.append({"type": "object", "properties": {"name": {"const": name},
-                                                       "arguments": params},
-                      "required": ["name", "arguments"], "additionalProperties": False})
-    return calls[0] if len(calls) == 1 else {"anyOf": calls}
-
-
-def parse_tool_call(text: str, names: list[str]) -> tuple[str, str] | None:
-    """(name, arguments as a JSON string) if `text` is one call {"name", "arguments"} of an
-    allowed tool, optionally inside <tool_call></tool_call> (the demo and Qwen templates' tags)."""
-    body = text.strip()
-    if body.startswith("<tool_call>") and body.endswith("</tool_call>"):
-        body = body[len("<tool_call>"):-len("</tool_call>")].strip()
-    try:
-        call = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not (isinstance(call, dict) and call.get("name") in names
-            and isinstance(call.get("arguments"), dict)):
-        return None
-    return call["name"], json.dumps(call["arguments"], ensure_ascii=False)
-
-
-__all__ = ["GrammarCompiler", "GuidedDecoding", "GuidedState", "TokenMask", "parse_tool_call",
-           "tool_call_schema"]
+__all__ = ["GrammarCompiler", "GuidedDecoding", "GuidedState", "TokenMask"]

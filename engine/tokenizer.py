@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
@@ -32,3 +37,39 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any
                                          add_generation_prompt=add_generation_prompt)
     assert isinstance(text, str), type(text)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def try_load_tokenizer(model_dir: str):
+    if not any(os.path.isfile(os.path.join(model_dir, name))
+               for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        logger.warning("%s has no tokenizer files: prompts must be token ids", model_dir)
+        return None
+    return load_tokenizer(model_dir)
+
+
+def eos_token_ids(model_dir: str, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if not ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+class TokenText:
+    """Token id -> its text as logprobs show it (special tokens included), cached."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = (self.tokenizer.decode([token_id]) if self.tokenizer is not None
+                    else f"token_id:{token_id}")
+            self._cache[token_id] = text
+        return text

@@ -2,7 +2,7 @@
 
 Counters and histograms are recorded as requests finish; gauges (queue depth, running
 sequences, KV blocks, device slots) and the engine's adapter counters (loads, evictions, hits
-per tier) are read from an `EngineSnapshot` taken on the engine thread at scrape time, so they
+per tier) are read from an `EngineSnapshot` (engine/snapshot.py) taken on the engine thread at scrape time, so they
 are live and never torn mid-step. Events outside the engine (Hub downloads to the disk tier)
 are counted in `TierStats` by the adapter manager.
 """
@@ -16,41 +16,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from engine.snapshot import EngineSnapshot
+
 BASE_LABEL = "base"  # the adapter label of requests for the base model
 TIERS = ("device", "host", "disk")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """The engine's counters at one instant between steps (taken on the engine thread)."""
-
-    num_running: int
-    num_waiting: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    slots_total: int
-    slots_in_use: int  # slots a running sequence holds
-    residency: dict[str, str]  # registered adapter -> "device" | "host" | "disk"
-    preemptions: int
-    step_errors: int = 0  # engine steps that failed (their requests were failed, not the server)
-    # adapter events per tier, as the engine counts them
-    loads: dict[str, int] = field(default_factory=dict)
-    evictions: dict[str, int] = field(default_factory=dict)
-    hits: dict[str, int] = field(default_factory=dict)
-    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission
-    prefix_cache_hits: int = 0  # of those, tokens found cached
-    # Device bytes of the adapter pools: projections, embed_tokens, lm_head, full_modules
-    lora_device_bytes: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def kv_blocks_used(self) -> int:
-        return self.kv_blocks_total - self.kv_blocks_free
-
-    @property
-    def resident(self) -> list[str]:
-        return [name for name, tier in self.residency.items() if tier == "device"]
 
 
 @dataclass

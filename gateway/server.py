@@ -21,10 +21,9 @@ from dataclasses import replace
 import prometheus_client
 import uvicorn
 
-from gateway.app import create_app
+from demo.examples import demo_examples
 from gateway.config import DEMO_DIR, ServerConfig, add_serve_arguments
-from gateway.demo_examples import demo_examples
-from gateway.runtime import Runtime
+from gateway.http.app import create_app
 
 logger = logging.getLogger("gateway")
 GRACEFUL_SHUTDOWN_S = 10
@@ -45,7 +44,7 @@ def serve_main(argv: list[str] | None = None) -> int:
             names = [spec.split("=", 1)[0] for spec in config.adapter]
             sys.stdout.write(demo_examples(config.host, config.port, config.model_name, names))
             sys.stdout.flush()
-        Runtime(config).engine_config()  # checks the model directory before we bind a port
+        config.engine_config()  # checks the model directory before we bind a port
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
@@ -71,8 +70,8 @@ def configure_logging(level: int = logging.INFO) -> None:
 
 def prepare_demo(config: ServerConfig) -> ServerConfig:
     """--demo: the demo model and adapters (built on first use), as --model and --adapter."""
-    from adapters.demo import build_demo_adapters
-    from engine.demo import build_demo_model
+    from demo.adapters import build_demo_adapters
+    from demo.model import build_demo_model
 
     root = os.path.expanduser(DEMO_DIR)
     logger.info("preparing the demo model and adapters in %s (built once, then reused)", root)

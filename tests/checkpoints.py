@@ -3,7 +3,7 @@
 `make_tiny_checkpoint(out_dir, arch, **overrides)` writes, in about a second, a float32
 checkpoint of one of ARCHS (hidden 64, 2 layers, 4 heads / 2 kv heads, intermediate 128,
 max_position_embeddings 512, vocab = the tokenizer's 512) with tokenizer files
-(engine.demo.build_tokenizer: BOS prepended, ChatML template), a generation_config.json
+(demo.model.build_tokenizer: BOS prepended, ChatML template), a generation_config.json
 (eos = [<|im_end|>, <|end_of_text|>]) and weights large enough (std 0.15, norms drawn from
 [0.5, 1.5], biases non-zero) that greedy decoding wanders over many tokens instead of repeating
 one, so that token-for-token parity with transformers means something.
@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 import os
 
-from engine.demo import BOS, END_OF_TEXT, IM_END, SPECIAL_TOKENS, build_tokenizer, hub_style_config
+from demo.model import BOS, END_OF_TEXT, IM_END, SPECIAL_TOKENS, build_tokenizer, hub_style_config
 
 ARCHS = {
     "llama": "LlamaForCausalLM",

@@ -34,9 +34,9 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory) -> Path:
     """A directory laid out as `loragw demo --out` lays it out, holding only the demo base model
-    (demo_dir / "model", from engine/demo.py), built once per session. No adapters: use
+    (demo_dir / "model", from demo/model.py), built once per session. No adapters: use
     `demo_adapters` for those."""
-    from engine.demo import build_demo_model
+    from demo.model import build_demo_model
 
     out = tmp_path_factory.mktemp("demo")
     build_demo_model(str(out))
@@ -51,8 +51,8 @@ def demo_model(demo_dir) -> str:
 
 @pytest.fixture(scope="session")
 def demo_adapters(demo_model, tmp_path_factory) -> dict[str, str]:
-    """{name: PEFT folder} of the four demo adapters (adapters/demo.py) for `demo_model`, trained
+    """{name: PEFT folder} of the four demo adapters (demo/adapters.py) for `demo_model`, trained
     once per session in a directory of their own (about a minute of CPU, plus `import peft`)."""
-    from adapters.demo import build_demo_adapters
+    from demo.adapters import build_demo_adapters
 
     return build_demo_adapters(demo_model, str(tmp_path_factory.mktemp("demo-adapters")))

@@ -1,4 +1,4 @@
-"""The demo model (engine/demo.py), the demo adapters (adapters/demo.py), `loragw demo`
+"""The demo model (demo/model.py), the demo adapters (demo/adapters.py), `loragw demo`
 (gateway/cli.py) and the tests' tiny checkpoints (tests/checkpoints.py)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from adapters.demo import DEMO_ADAPTERS, MARKER, UNSEEN_PROMPTS, build_once
-from engine.demo import build_demo_model
+from demo.adapters import DEMO_ADAPTERS, MARKER, UNSEEN_PROMPTS, build_once
+from demo.model import build_demo_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -2,8 +2,8 @@
 
 New keys/values are scattered into the cache by slot; queries then read their whole context
 back through the sequence's block table. Prefill rows run one SDPA call per sequence, causal
-within the chunk and full over the cached prefix. Decode rows (one query each) run on one of
-two backends:
+within the chunk and full over the cached prefix. Decode rows (one query each) run on the
+backend the engine chose at start-up (ForwardContext.backends.attention, engine/backends.py):
 
     triton  kernels/paged_attention.py: one flash-decoding kernel reads each K/V block in place
             through the padded block tables (AttentionMetadata.decode_block_tables and
@@ -11,18 +11,11 @@ two backends:
     torch   gather each decode row's whole blocks (decode_block_ids) into a padded
             [B, L, n_kv, D] copy, then one batched SDPA call under decode_mask. The default on
             CPU (the Triton interpreter is far too slow to serve with).
-
-LORAGW_ATTENTION_BACKEND=torch|triton forces one (unset or "auto": by device). It is read when
-a PagedAttention is constructed, so an engine built after the variable changes sees the new
-value. Forcing triton on CPU needs TRITON_INTERPRET=1 set before kernels.paged_attention is
-first imported (tests do this; see tests/kernels/conftest.py).
 """
 
 from __future__ import annotations
 
 import importlib
-import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -30,65 +23,20 @@ from torch import nn
 
 from engine.forward_context import get_forward_context
 
-logger = logging.getLogger(__name__)
-
-BACKEND_ENV = "LORAGW_ATTENTION_BACKEND"
-BACKENDS = ("auto", "torch", "triton")
-
-
-def backend_from_env() -> str:
-    """The decode backend LORAGW_ATTENTION_BACKEND asks for: auto (unset), torch or triton."""
-    name = os.environ.get(BACKEND_ENV, "").strip().lower() or "auto"
-    if name not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV}={name!r} is not a decode attention backend; use one of "
-                         f"{', '.join(BACKENDS)} (or leave it unset for auto)")
-    return name
-
-
-def resolve_backend(name: str, device: torch.device) -> str:
-    """auto -> triton on CUDA, torch elsewhere; torch and triton stay as they are."""
-    if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    return name
-
 
 class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
-        self.backend = backend_from_env()  # auto | torch | triton, see decode_backend
-        self._resolved: str | None = None  # decode_backend's answer, on first use
         # Bound by the model runner: [num_blocks, block_size, n_kv_heads, D] each.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def decode_backend(self, device: torch.device) -> str:
-        """torch or triton: what decode rows run on for this layer's cache (bound first).
-
-        auto on CUDA picks triton only after the kernel, run once per shape and dtype on a
-        small random cache, matched the float64 reference (kernels.paged_attention.self_check);
-        otherwise it warns and keeps torch, so a kernel that fails to compile or is wrong on
-        some GPU never serves. A forced backend is used as it is."""
-        name = resolve_backend(self.backend, device)
-        if name == "triton" and self.backend == "auto":
-            paged = importlib.import_module("kernels.paged_attention")
-            problem = paged.self_check(device, self.k_cache.dtype, self.num_heads,
-                                       self.num_kv_heads, self.head_dim)
-            if problem is not None:
-                logger.warning("Triton paged decode attention is off, torch serves decode: %s "
-                               "(force it with %s=triton)", problem, BACKEND_ENV)
-                return "torch"
-        return name
-
-    def _use_triton(self, device: torch.device) -> bool:
-        if self._resolved is None:
-            self._resolved = self.decode_backend(device)
-        return self._resolved == "triton"
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, n_heads, D]  k, v: [T, n_kv_heads, D] -> out: [T, n_heads * D]
-        meta = get_forward_context().attn
+        ctx = get_forward_context()
+        meta = ctx.attn
         num_blocks, block_size = self.k_cache.shape[:2]
         k_flat = self.k_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
         v_flat = self.v_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
@@ -97,7 +45,7 @@ class PagedAttention(nn.Module):
 
         out = torch.empty_like(q)
         decoded = meta.num_decode_tokens
-        if decoded and self._use_triton(q.device):
+        if decoded and ctx.backends.attention == "triton":
             paged = importlib.import_module("kernels.paged_attention")  # triton only when used
             paged.paged_attention_decode(q[:decoded], self.k_cache, self.v_cache,
                                          meta.decode_block_tables, meta.decode_context_lens,

@@ -24,6 +24,7 @@ from torch import nn
 from engine.forward_context import get_forward_context
 from engine.full_modules import embed_full_rows, head_logits
 from engine.layers.linear import LoRABuffers
+from kernels import embedding_lora
 
 
 @dataclass(slots=True)
@@ -57,11 +58,9 @@ class VocabEmbedding(nn.Module):
         if ctx.lora.full is not None:
             embed_full_rows(y, ids, ctx.lora.full)
         if self.lora is not None and ctx.lora.embed:
-            from kernels import embedding_lora
-
             lora = self.lora
             embedding_lora(y, ids, lora.lora_a, lora.lora_b, lora.ranks, lora.scales,
-                           ctx.lora.tokens, backend=ctx.lora_backend)
+                           ctx.lora.tokens, backend=ctx.backends.lora)
         return y
 
 
@@ -92,5 +91,5 @@ class LMHead(nn.Module):
             assert meta.num_tokens == hidden.shape[0], (
                 f"lm_head LoRA metadata has {meta.num_tokens} rows, the step samples "
                 f"{hidden.shape[0]}")
-            self.lora.apply(logits, hidden, (0, self.vocab_size), meta, ctx.lora_backend)
+            self.lora.apply(logits, hidden, (0, self.vocab_size), meta, ctx.backends.lora)
         return logits.float()

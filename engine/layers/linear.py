@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_context import get_forward_context
+from kernels import apply_lora
 
 
 @dataclass(slots=True)
@@ -28,8 +29,6 @@ class LoRABuffers:
     def apply(self, y: torch.Tensor, x: torch.Tensor, slice_offsets: tuple[int, ...], meta,
               backend: str) -> None:
         """y += each row's own slot's delta (meta: a kernels.LoRAMeta over the rows of x)."""
-        from kernels import apply_lora
-
         apply_lora(y, x, self.lora_a, self.lora_b, self.ranks, self.scales, slice_offsets, meta,
                    backend=backend)
 
@@ -64,5 +63,6 @@ class Linear(nn.Module):
         if self.lora is not None:
             ctx = get_forward_context()
             if ctx.lora is not None and ctx.lora.tokens.has_lora:
-                self.lora.apply(y, x, self.slice_offsets, ctx.lora.tokens, ctx.lora_backend)
+                self.lora.apply(y, x, self.slice_offsets, ctx.lora.tokens,
+                                ctx.backends.lora)
         return y

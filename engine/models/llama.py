@@ -64,7 +64,7 @@ class ModelArgs:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, hf_config: dict):
+    def __init__(self, args: ModelArgs):
         super().__init__()
         d = args.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, d
@@ -94,7 +94,6 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.intermediate_size = args.intermediate_size
         self.gate_up_proj = Linear(args.hidden_size, {"gate_proj": args.intermediate_size,
                                                       "up_proj": args.intermediate_size})
         self.down_proj = Linear(args.intermediate_size, {"down_proj": args.hidden_size})
@@ -105,10 +104,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, hf_config: dict):
+    def __init__(self, args: ModelArgs):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args, hf_config)
+        self.self_attn = Attention(args)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
@@ -121,7 +120,7 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, hf_config: dict):
         super().__init__()
         self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, hf_config) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.head_dim, hf_config)  # shared by every layer
 

@@ -14,8 +14,8 @@ import torch
 
 from adapters.errors import AdapterError, AdapterNotFound
 from adapters.format import BaseModelSpec, load_adapter, load_adapter_bytes
-from adapters.lora_config import parse_adapter_config, pattern_key
-from adapters.lora_tensors import TARGET_MODULES
+from adapters.lora_config import parse_adapter_config
+from adapters.types import TARGET_MODULES, pattern_key
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=128)  # fmt: skip

@@ -9,13 +9,8 @@ from hub_server import TINY_LLAMA, HubServer, peft_files
 from adapters.errors import AdapterError, AdapterNotFound
 from adapters.format import BaseModelSpec, load_adapter
 from adapters.hub import HubUnavailable, fetch_hub_adapter
-from adapters.sources import (
-    AdapterSource,
-    InvalidSource,
-    hub_allowed,
-    parse_source,
-    resolve_source,
-)
+from adapters.source_checks import InvalidSource
+from adapters.sources import AdapterSource, hub_allowed, parse_source, resolve_source
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 SPEC = BaseModelSpec.from_hf_config(TINY_LLAMA, max_lora_rank=16)

@@ -2,20 +2,24 @@
 exactly as PEFT reloads them, with the key layout PEFT really writes; they are refused unless
 the server has full-module slots, and malformed ones are refused naming what is wrong."""
 
-import json
-
 import pytest
-import safetensors.torch
 import torch
+from peft_saving import (
+    EMBED,
+    HEAD,
+    TINY,
+    load_edited,
+    lora_weights,
+    module_key,
+    save_with_peft,
+    saved_files,
+    saved_weights,
+)
 
 from adapters.errors import AdapterError
-from adapters.format import BaseModelSpec, load_adapter, load_adapter_bytes
+from adapters.format import BaseModelSpec, load_adapter
 from adapters.lora_config import parse_adapter_config
 
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=128)  # fmt: skip
-EMBED = "base_model.model.model.embed_tokens"
-HEAD = "base_model.model.lm_head"
 FLAG = "--max-full-module-slots"
 # name -> (tie_word_embeddings, peft LoraConfig kwargs)
 VARIANTS = {
@@ -35,27 +39,6 @@ VARIANTS = {
 }  # fmt: skip
 
 
-def _key(module_name: str) -> tuple[int | None, str]:
-    target = module_name.rsplit(".", 1)[-1]
-    return (None, target) if target in ("embed_tokens", "lm_head") else (
-        int(module_name.split(".")[2]), target)
-
-
-def _lora_weights(model):
-    for name, module in model.base_model.model.named_modules():
-        if hasattr(module, "lora_embedding_A") and "default" in module.lora_embedding_A:
-            yield name, module.lora_embedding_A["default"], module.lora_embedding_B["default"]
-        elif hasattr(module, "lora_A") and "default" in module.lora_A:
-            yield name, module.lora_A["default"].weight, module.lora_B["default"].weight
-
-
-def _saved_weights(model):
-    """target -> the adapter's own copy, as PEFT's ModulesToSaveWrapper holds it."""
-    for name, module in model.base_model.model.named_modules():
-        if hasattr(module, "modules_to_save") and "default" in module.modules_to_save:
-            yield name.rsplit(".", 1)[-1], module.modules_to_save["default"].weight
-
-
 def spec_for(tied: bool, slots: int = 2, **overrides) -> BaseModelSpec:
     config = {**TINY, "tie_word_embeddings": tied, **overrides}
     return BaseModelSpec.from_hf_config(config, max_lora_rank=16, max_full_module_slots=slots)
@@ -64,34 +47,20 @@ def spec_for(tied: bool, slots: int = 2, **overrides) -> BaseModelSpec:
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """Each VARIANT saved by PEFT, and what PeftModel.from_pretrained reloads from it."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out, g = {}, torch.Generator().manual_seed(0)
-    for name, (tied, lora_kwargs) in VARIANTS.items():
-        config = LlamaConfig(**TINY, tie_word_embeddings=tied)
-        model = get_peft_model(LlamaForCausalLM(config), LoraConfig(**lora_kwargs))
-        with torch.no_grad():
-            for _, a, b in _lora_weights(model):
-                a.copy_(torch.randn(a.shape, generator=g))
-                b.copy_(torch.randn(b.shape, generator=g))
-            for _, w in _saved_weights(model):  # a trained copy, off the base weights
-                w.add_(torch.randn(w.shape, generator=g))
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        reloaded = PeftModel.from_pretrained(LlamaForCausalLM(config), path)
-        lora = {_key(n): (a.detach().clone(), b.detach().clone())
-                for n, a, b in _lora_weights(reloaded)}
-        saved = {target: w.detach().clone() for target, w in _saved_weights(reloaded)}
-        ties = [w for _, w in _saved_weights(reloaded)]
-        out[name] = (path, lora, saved, spec_for(tied), len({w.data_ptr() for w in ties}))
+    out = {}
+    for name, saved_by_peft in save_with_peft(VARIANTS, tmp_path_factory).items():
+        reloaded = saved_by_peft.reloaded
+        lora = {module_key(n): (a.detach().clone(), b.detach().clone())
+                for n, a, b, _ in lora_weights(reloaded)}
+        saved = {target: w.detach().clone() for target, w in saved_weights(reloaded)}
+        ties = [w for _, w in saved_weights(reloaded)]
+        tied = VARIANTS[name][0]
+        out[name] = (saved_by_peft.path, lora, saved, spec_for(tied), len({w.data_ptr() for w in ties}))
     return out
 
 
 def files(made, name: str) -> tuple[bytes, dict[str, torch.Tensor]]:
-    path = made[name][0]
-    weights = safetensors.torch.load((path / "adapter_model.safetensors").read_bytes())
-    return (path / "adapter_config.json").read_bytes(), dict(weights)
+    return saved_files(made[name][0])
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -135,12 +104,7 @@ def test_off_without_full_module_slots(made):
 
 
 def _load_edited(made, name: str, edit=None, config_changes: dict | None = None, spec=None):
-    config, tensors = files(made, name)
-    if edit is not None:
-        edit(tensors)
-    if config_changes:
-        config = json.dumps({**json.loads(config), **config_changes}).encode()
-    return load_adapter_bytes(config, safetensors.torch.save(tensors), spec or made[name][3])
+    return load_edited(made[name][0], spec or made[name][3], edit, config_changes)
 
 
 @pytest.mark.parametrize(

@@ -2,20 +2,23 @@
 base-weight copies PEFT saves beside them are checked and dropped, and malformed ones are
 refused naming what is wrong."""
 
-import json
-
 import pytest
-import safetensors.torch
 import torch
+from peft_saving import (
+    EMBED,
+    HEAD,
+    TINY,
+    load_edited,
+    lora_weights,
+    module_key,
+    save_with_peft,
+    saved_files,
+)
 
 from adapters.errors import AdapterError
-from adapters.format import BaseModelSpec, load_adapter, load_adapter_bytes
+from adapters.format import BaseModelSpec, load_adapter
 from adapters.lora_config import parse_adapter_config
 
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=128)  # fmt: skip
-EMBED = "base_model.model.model.embed_tokens"
-HEAD = "base_model.model.lm_head"
 # name -> (tie_word_embeddings, peft LoraConfig kwargs)
 VARIANTS = {
     "vocab": (False, dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "lm_head", "q_proj"],
@@ -26,49 +29,20 @@ VARIANTS = {
 }  # fmt: skip
 
 
-def _key(module_name: str) -> tuple[int | None, str]:
-    target = module_name.rsplit(".", 1)[-1]
-    return (None, target) if target in ("embed_tokens", "lm_head") else (
-        int(module_name.split(".")[2]), target)
-
-
-def _lora_weights(model):
-    """module name -> (A, B, scaling) of adapter 'default', embeddings included."""
-    for name, module in model.base_model.model.named_modules():
-        if hasattr(module, "lora_embedding_A") and "default" in module.lora_embedding_A:
-            yield name, module.lora_embedding_A["default"], module.lora_embedding_B["default"], module
-        elif hasattr(module, "lora_A") and "default" in module.lora_A:
-            yield name, module.lora_A["default"].weight, module.lora_B["default"].weight, module
-
-
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """Each VARIANT saved by PEFT, and what PeftModel.from_pretrained reloads from it."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out, g = {}, torch.Generator().manual_seed(0)
-    for name, (tied, lora_kwargs) in VARIANTS.items():
-        config = LlamaConfig(**TINY, tie_word_embeddings=tied)
-        model = get_peft_model(LlamaForCausalLM(config), LoraConfig(**lora_kwargs))
-        with torch.no_grad():
-            for _, a, b, _ in _lora_weights(model):  # PEFT starts one side at zero
-                a.copy_(torch.randn(a.shape, generator=g))
-                b.copy_(torch.randn(b.shape, generator=g))
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        reloaded = PeftModel.from_pretrained(LlamaForCausalLM(config), path)
-        expected = {_key(n): (a.detach().clone(), b.detach().clone(), m.scaling["default"])
-                    for n, a, b, m in _lora_weights(reloaded)}
-        spec = BaseModelSpec.from_hf_config(config.to_dict(), max_lora_rank=16)
-        out[name] = (path, expected, spec)
+    out = {}
+    for name, saved_by_peft in save_with_peft(VARIANTS, tmp_path_factory).items():
+        expected = {module_key(n): (a.detach().clone(), b.detach().clone(), m.scaling["default"])
+                    for n, a, b, m in lora_weights(saved_by_peft.reloaded)}
+        spec = BaseModelSpec.from_hf_config(saved_by_peft.base_config, max_lora_rank=16)
+        out[name] = (saved_by_peft.path, expected, spec)
     return out
 
 
 def files(made, name: str) -> tuple[bytes, dict[str, torch.Tensor]]:
-    path = made[name][0]
-    weights = safetensors.torch.load((path / "adapter_model.safetensors").read_bytes())
-    return (path / "adapter_config.json").read_bytes(), dict(weights)
+    return saved_files(made[name][0])
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -98,11 +72,7 @@ def test_what_peft_saves_for_vocabulary_targets(made):
 
 
 def _load_edited(made, name: str, edit, config_changes: dict | None = None, spec=None):
-    config, tensors = files(made, name)
-    edit(tensors)
-    if config_changes:
-        config = json.dumps({**json.loads(config), **config_changes}).encode()
-    return load_adapter_bytes(config, safetensors.torch.save(tensors), spec or made[name][2])
+    return load_edited(made[name][0], spec or made[name][2], edit, config_changes)
 
 
 @pytest.mark.parametrize(

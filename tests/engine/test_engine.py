@@ -7,6 +7,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.async_engine import AsyncEngine
+from engine.sampling_params import InvalidParam
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,27 @@ def test_bad_input_is_refused_with_clear_messages(llm):
     assert not llm.engine.has_unfinished() and all_blocks_free(llm)
     out = llm.generate([[1, 2]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(out[0].token_ids) == 3
+
+
+def test_the_context_window_is_checked_once_naming_the_parameter(llm):
+    """One message for the server and the offline API: InvalidParam names max_tokens (or the
+    prompt, when max_tokens is left to the rest of the window) with OpenAI's error code."""
+    limit = llm.config.max_model_len
+    with pytest.raises(InvalidParam) as err:
+        llm.engine.check_request([1] * (limit - 4), SamplingParams(max_tokens=8))
+    assert (err.value.param, err.value.code) == ("max_tokens", "context_length_exceeded")
+    assert f"{limit} tokens" in str(err.value) and f"{limit - 4} prompt tokens plus 8" in str(err.value)
+    with pytest.raises(InvalidParam) as err:
+        llm.engine.check_request([1] * limit, SamplingParams(max_tokens=None))
+    assert err.value.param == "prompt"
+
+
+def test_max_tokens_none_is_the_rest_of_the_context_window(llm):
+    limit = llm.config.max_model_len
+    rid = llm.engine.add_request([1] * 10, SamplingParams(max_tokens=None))
+    assert llm.engine.sequence(rid).params.max_tokens == limit - 10
+    llm.engine.abort(rid)
+    assert all_blocks_free(llm)
 
 
 def test_stop_token_ids_and_max_tokens(llm):

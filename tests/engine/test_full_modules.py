@@ -11,21 +11,16 @@ another adapter's saved lm_head), one greedy generate per request, float32 on CP
 """
 
 import gc
-import os
 import weakref
 
+import pytest
 import torch
+from peft_reference import HIDDEN, MAX_TOKENS, VOCAB, World, needs_triton
 
-if not torch.cuda.is_available():  # before anything imports triton (kernels import it lazily)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-from peft_reference import MAX_TOKENS, build_base, load_peft, peft_greedy, save_peft_adapters  # noqa: E402
-
-from adapters.errors import AdapterError  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.config import Config  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
+from adapters.errors import AdapterError
+from engine import LLM, SamplingParams
+from engine.config import Config
+from engine.llm_engine import LLMEngine
 
 QV = ["q_proj", "v_proj"]
 SAVED = {
@@ -50,67 +45,21 @@ TIED = {
     "head-r8": ORDINARY["head-r8"],
     "qv-r8": ORDINARY["qv-r8"],
 }
-V, H = 256, 64  # the base's vocabulary and hidden size (peft_reference.build_base)
+V, H = VOCAB, HIDDEN  # the base's vocabulary and hidden size
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-LENGTHS = (5, 1, 17, 9, 23, 3, 12, 7, 14, 2, 19, 6, 11, 8, 4, 10, 13, 16, 3)
 FLAG = "--max-full-module-slots"
-
-
-class World:
-    """A base checkpoint, PEFT-saved adapters (one PEFT model each), mixed requests and PEFT's
-    answers."""
-
-    def __init__(self, root: str, specs: dict[str, dict], tied: bool = False):
-        self.base = build_base(os.path.join(root, "base"), tie_word_embeddings=tied)
-        self.dirs = {}
-        for seed, (name, spec) in enumerate(specs.items(), start=1):
-            self.dirs |= save_peft_adapters(self.base, os.path.join(root, name), {name: spec}, seed)
-        self.saved = [name for name, spec in specs.items() if spec.get("modules_to_save")]
-        names = list(self.dirs)
-        self.requests = [*names, None, *reversed(names), None, None]  # each adapter twice
-        g = torch.Generator().manual_seed(11)
-        self.prompts = [torch.randint(0, V, (n,), generator=g).tolist()
-                        for n in LENGTHS[:len(self.requests)]]
-        self.expected: list[list[int] | None] = [None] * len(self.requests)
-        for name, path in self.dirs.items():
-            oracle = load_peft(self.base, {name: path})
-            rows = [i for i, a in enumerate(self.requests) if a == name]
-            with torch.inference_mode():
-                tokens = peft_greedy(oracle, [self.prompts[i] for i in rows], [name] * len(rows))
-                base = peft_greedy(oracle, [self.prompts[i] for i in rows], [None] * len(rows))
-            for i, want, plain in zip(rows, tokens, base, strict=True):
-                assert want != plain, f"adapter {name} changes nothing"
-                self.expected[i] = want
-        rows = [i for i, a in enumerate(self.requests) if a is None]
-        with torch.inference_mode():
-            base = peft_greedy(oracle, [self.prompts[i] for i in rows], [None] * len(rows))
-        for i, want in zip(rows, base, strict=True):
-            self.expected[i] = want
-
-    def llm(self, **kwargs) -> LLM:
-        options = dict(device="cpu", dtype="float32", max_loras=len(self.dirs),
-                       max_full_module_slots=len(self.saved), max_lora_rank=16,
-                       lora_backend="torch")
-        llm = LLM(self.base, **{**options, **kwargs})
-        for name, path in self.dirs.items():
-            llm.add_adapter(name, path)
-        return llm
-
-    def check(self, outputs, label: str) -> None:
-        for i, (out, want) in enumerate(zip(outputs, self.expected, strict=True)):
-            assert out.token_ids == want, (
-                f"{label}: request {i} (adapter {self.requests[i]}, prompt of "
-                f"{len(self.prompts[i])} tokens) gave {out.token_ids}, PEFT {want}")
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> World:
-    return World(str(tmp_path_factory.mktemp("full-modules")), SAVED | ORDINARY)
+    return World(str(tmp_path_factory.mktemp("full-modules")), SAVED | ORDINARY, apart=True,
+                 prompt_seed=11)
 
 
 @pytest.fixture(scope="module")
 def tied_world(tmp_path_factory) -> World:
-    return World(str(tmp_path_factory.mktemp("full-modules-tied")), TIED, tied=True)
+    return World(str(tmp_path_factory.mktemp("full-modules-tied")), TIED, tied=True,
+                 apart=True, prompt_seed=11)
 
 
 def watch_steps(llm: LLM, monkeypatch) -> list:
@@ -141,8 +90,7 @@ ENGINES = {
 
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_mixed_batch_matches_peft(world, engine, monkeypatch):
-    if engine.startswith("triton") and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton backend runs on CPU only under TRITON_INTERPRET=1")
+    needs_triton(ENGINES[engine])
     llm = world.llm(**ENGINES[engine])
     steps = watch_steps(llm, monkeypatch)
     world.check(llm.generate(world.prompts, GREEDY, adapters=world.requests), engine)

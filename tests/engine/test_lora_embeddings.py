@@ -7,19 +7,11 @@ ensure_weight_tying, the embedding LoRA transposed). The oracle is PEFT (tests/e
 peft_reference.py), one greedy generate per request, float32 on CPU.
 """
 
-import os
+import pytest
+from peft_reference import ALL_SEVEN, MAX_TOKENS, World, needs_triton
 
-import torch
+from engine import LLM, SamplingParams
 
-if not torch.cuda.is_available():  # before anything imports triton (kernels import it lazily)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-from peft_reference import MAX_TOKENS, build_base, load_peft, peft_greedy, save_peft_adapters  # noqa: E402
-
-from engine import LLM, SamplingParams  # noqa: E402
-
-ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {
     "embed-r4": dict(r=4, lora_alpha=8, target_modules=["embed_tokens"]),
     "head-r8": dict(r=8, lora_alpha=16, target_modules=["lm_head"]),
@@ -39,45 +31,6 @@ TIED_ADAPTERS = {
 WEIGHT_TYING = {"tied-embed-v": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "v_proj"],
                                      ensure_weight_tying=True)}
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-LENGTHS = (5, 1, 17, 9, 23, 3, 12, 7, 14, 2, 19, 6, 11, 8, 4, 10)
-
-
-class World:
-    """A base checkpoint, PEFT-saved adapters, mixed requests and PEFT's answers."""
-
-    def __init__(self, root: str, specs: dict[str, dict], tied: bool = False,
-                 separate: dict[str, dict] | None = None):
-        self.base = build_base(os.path.join(root, "base"), tie_word_embeddings=tied)
-        # Separately saved adapters load into the oracle first: PEFT ties an ensure_weight_tying
-        # adapter's lm_head only while lm_head holds no other adapter's LoRA yet (loaded after
-        # one, it gets no lm_head LoRA at all); alone, as from_pretrained serves it, it does.
-        self.dirs = save_peft_adapters(self.base, os.path.join(root, "separate"), separate or {}, 2)
-        self.dirs |= save_peft_adapters(self.base, os.path.join(root, "adapters"), specs, 1)
-        names = list(self.dirs)
-        # every adapter twice and the base model three times
-        self.requests = [*names, None, *reversed(names), None, None]
-        g = torch.Generator().manual_seed(7)
-        self.prompts = [torch.randint(0, 256, (n,), generator=g).tolist()
-                        for n in LENGTHS[:len(self.requests)]]
-        oracle = load_peft(self.base, self.dirs)
-        with torch.inference_mode():
-            self.expected = peft_greedy(oracle, self.prompts, self.requests)
-            base = peft_greedy(oracle, self.prompts, [None] * len(self.prompts))
-        for want, plain, adapter in zip(self.expected, base, self.requests, strict=True):
-            assert (want != plain) == (adapter is not None), f"adapter {adapter} changes nothing"
-
-    def llm(self, **kwargs) -> LLM:
-        options = dict(device="cpu", dtype="float32", max_loras=len(self.dirs), max_lora_rank=16)
-        llm = LLM(self.base, **{**options, **kwargs})
-        for name, path in self.dirs.items():
-            llm.add_adapter(name, path)
-        return llm
-
-    def check(self, outputs, label: str) -> None:
-        for i, (out, want) in enumerate(zip(outputs, self.expected, strict=True)):
-            assert out.token_ids == want, (
-                f"{label}: request {i} (adapter {self.requests[i]}, prompt of "
-                f"{len(self.prompts[i])} tokens) gave {out.token_ids}, PEFT {want}")
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +41,7 @@ def world(tmp_path_factory) -> World:
 @pytest.fixture(scope="module")
 def tied_world(tmp_path_factory) -> World:
     return World(str(tmp_path_factory.mktemp("lora-embeddings-tied")), TIED_ADAPTERS, tied=True,
-                 separate=WEIGHT_TYING)
-
-
-def needs_triton(engine: dict) -> None:
-    if engine["lora_backend"] == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton backend runs on CPU only under TRITON_INTERPRET=1; "
-                    "tests/kernels/test_kernels_gpu.py covers it on GPUs")
+                 first=WEIGHT_TYING)
 
 
 ENGINES = {

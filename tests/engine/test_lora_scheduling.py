@@ -13,6 +13,7 @@ import torch
 import kernels
 from engine import LLM, SamplingParams
 from engine.config import Config
+from engine.layers import linear
 from engine.llm_engine import LLMEngine
 
 TARGETS = ("q_proj", "v_proj", "down_proj")
@@ -281,8 +282,8 @@ def test_requests_without_adapters_never_reach_the_lora_kernels(checkpoint, monk
     llm = make_llm(checkpoint, max_loras=2)
     ps = prompts(4, seed=2)
     calls = []
-    apply_lora = kernels.apply_lora
-    monkeypatch.setattr(kernels, "apply_lora", lambda *a, **k: (calls.append(1), apply_lora(*a, **k)))
+    apply_lora = kernels.apply_lora  # as the projections call it (engine/layers/linear.py)
+    monkeypatch.setattr(linear, "apply_lora", lambda *a, **k: (calls.append(1), apply_lora(*a, **k)))
     steps = []  # (step has adapter tokens, kernel calls in it)
     prepare = llm.engine.lora.prepare
 

@@ -3,6 +3,7 @@ architecture and under every scheduling stress: batching, chunked prefill, queue
 
 import pytest
 import torch
+from peft_reference import hf_greedy
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
@@ -34,27 +35,13 @@ def make_prompts(vocab_size: int) -> list[list[int]]:
     return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 3, 29)]
 
 
-def hf_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    # No end-of-sequence tokens at all (the engine runs with ignore_eos): min_new_tokens would
-    # instead forbid them, which is a different distribution.
-    model.generation_config.eos_token_id = None
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        ids = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                             do_sample=False, pad_token_id=0)
-        outputs.append(ids[0, len(prompt):].tolist())
-    return outputs
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_matches_transformers(tiny_checkpoint, variant):
     arch, overrides = VARIANTS[variant]
     path = tiny_checkpoint(arch, **overrides)
     vocab = AutoModelForCausalLM.from_pretrained(path).config.vocab_size
     prompts = make_prompts(vocab)
-    expected = hf_greedy(path, prompts)
+    expected = hf_greedy(path, prompts, MAX_TOKENS)
     assert len({tuple(e) for e in expected}) > 1, "degenerate checkpoint: every output is equal"
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     for name, schedule in SCHEDULES.items():

@@ -4,15 +4,15 @@ never shared across adapters or adapter versions, and outputs are exactly those 
 
 import pytest
 import torch
+from peft_reference import hf_greedy
 
 from engine import LLM, SamplingParams
 from engine.block_manager import BlockManager
 from engine.prefix_cache import block_hash
 from engine.sequence import Sequence
-from tests.engine.test_lora_parity import World
-from tests.engine.test_parity import MAX_TOKENS, hf_greedy
 
 BS = 4  # block size of every test here: prompts span many blocks while staying tiny
+MAX_TOKENS = 20  # greedy tokens per request
 
 
 def seq_of(tokens) -> Sequence:
@@ -172,7 +172,7 @@ def test_shared_prefix_outputs_equal_transformers_with_caching_on_and_off(tiny_c
     from transformers import AutoConfig
 
     prompts = shared_prefix_prompts(AutoConfig.from_pretrained(path).vocab_size)
-    expected = hf_greedy(path, prompts)
+    expected = hf_greedy(path, prompts, MAX_TOKENS)
     for caching in (True, False):
         llm = LLM(path, device="cpu", dtype="float32", block_size=BS,
                   enable_prefix_caching=caching, **SCHEDULES[schedule])
@@ -195,7 +195,7 @@ def test_shared_prefix_outputs_equal_transformers_with_caching_on_and_off(tiny_c
 def test_a_repeated_prompt_recomputes_only_its_last_block(tiny_checkpoint):
     path = tiny_checkpoint("llama")
     prompt = shared_prefix_prompts(512)[0][:10 * BS]  # whole blocks only
-    expected = hf_greedy(path, [prompt])[0]
+    expected = hf_greedy(path, [prompt], MAX_TOKENS)[0]
     llm = LLM(path, device="cpu", dtype="float32", block_size=BS)
     first, second = (llm.generate([prompt], GREEDY)[0] for _ in range(2))
     assert first.token_ids == second.token_ids == expected
@@ -208,7 +208,7 @@ def test_a_burst_shares_the_prefix_within_one_step(tiny_checkpoint):
     allocated, so the others, admitted in the same step, share them at once."""
     path = tiny_checkpoint("llama")
     prompts = shared_prefix_prompts(512)
-    expected = hf_greedy(path, prompts)
+    expected = hf_greedy(path, prompts, MAX_TOKENS)
     llm = LLM(path, device="cpu", dtype="float32", block_size=BS)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == expected
@@ -230,26 +230,21 @@ def test_a_failed_step_forgets_the_blocks_it_registered(tiny_checkpoint, monkeyp
     engine.abort(request_id)  # what AsyncEngine does with the requests of a failed step
     monkeypatch.setattr(engine.runner, "run", real_run)
     out = llm.generate([prompt], GREEDY)[0]
-    assert out.num_cached_tokens == 0 and out.token_ids == hf_greedy(path, [prompt])[0]
+    assert out.num_cached_tokens == 0 and out.token_ids == hf_greedy(path, [prompt], MAX_TOKENS)[0]
     assert engine.block_manager.num_used_blocks == 0
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory) -> World:
-    return World(str(tmp_path_factory.mktemp("prefix-cache-lora")))
 
 
 def long_prompt(seed: int = 5, length: int = 30) -> list[int]:
     return torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_adapters_never_share_blocks_and_equal_their_solo_runs(world):
+def test_adapters_never_share_blocks_and_equal_their_solo_runs(lora_world):
     prompt = long_prompt()
     adapters = ["kv-layer-patterns", "attn-r1", None]  # LoRA on k_proj and v_proj, and none
-    solo_llm = world.llm(lora_backend="torch", block_size=BS, enable_prefix_caching=False)
+    solo_llm = lora_world.llm(lora_backend="torch", block_size=BS, enable_prefix_caching=False)
     solo = [solo_llm.generate([prompt], GREEDY, adapters=[a])[0].token_ids for a in adapters]
     assert len({tuple(s) for s in solo}) == 3, "the adapters should change the output"
-    llm = world.llm(lora_backend="torch", block_size=BS)
+    llm = lora_world.llm(lora_backend="torch", block_size=BS)
     for adapter, want in zip(adapters, solo):
         out = llm.generate([prompt], GREEDY, adapters=[adapter])[0]
         assert out.num_cached_tokens == 0, f"{adapter} shared another adapter's blocks"
@@ -260,15 +255,15 @@ def test_adapters_never_share_blocks_and_equal_their_solo_runs(world):
     assert llm.engine.block_manager.num_used_blocks == 0
 
 
-def test_a_replaced_adapter_never_matches_its_old_blocks(world):
+def test_a_replaced_adapter_never_matches_its_old_blocks(lora_world, qv_replacement):
     prompt = long_prompt(seed=6)
-    llm = world.llm(lora_backend="torch", block_size=BS)
+    llm = lora_world.llm(lora_backend="torch", block_size=BS)
     old = llm.generate([prompt, prompt], GREEDY, adapters=["qv-r16", None])
-    llm.add_adapter("qv-r16", world.replacement)  # same name, new weights: a new version
+    llm.add_adapter("qv-r16", qv_replacement.path)  # same name, new weights: a new version
     new = llm.generate([prompt, prompt], GREEDY, adapters=["qv-r16", None])
-    fresh = LLM(world.base, device="cpu", dtype="float32", lora_backend="torch",
+    fresh = LLM(lora_world.base, device="cpu", dtype="float32", lora_backend="torch",
                 enable_prefix_caching=False)
-    fresh.add_adapter("qv-r16", world.replacement)
+    fresh.add_adapter("qv-r16", qv_replacement.path)
     want = fresh.generate([prompt], GREEDY, adapters=["qv-r16"])[0].token_ids
     assert new[0].num_cached_tokens == 0 and new[0].token_ids == want != old[0].token_ids
     assert new[1].num_cached_tokens > 0 and new[1].token_ids == old[1].token_ids  # base reused

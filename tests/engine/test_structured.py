@@ -11,7 +11,8 @@ import pytest
 
 from engine import LLM
 from engine.sampling_params import SamplingParams
-from engine.structured import GuidedDecoding, parse_tool_call, tool_call_schema
+from engine.structured import GuidedDecoding
+from gateway.http.tool_calls import parse_tool_call, tool_call_schema
 
 S = {"type": "string", "maxLength": 8}
 SCHEMAS = [

@@ -16,8 +16,8 @@ from safetensors.torch import save_file
 
 from adapters.format import BaseModelSpec, load_adapter
 from engine import LLM
-from gateway.app import create_app
 from gateway.config import ServerConfig
+from gateway.http.app import create_app
 from gateway.server import BackgroundServer
 
 NUM_ADAPTERS = 8
@@ -52,7 +52,7 @@ def write_random_adapter(out_dir: str, hf_config: dict, seed: int, rank: int = 8
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
-    from engine.demo import build_demo_model
+    from demo.model import build_demo_model
 
     return build_demo_model(str(tmp_path_factory.mktemp("gateway-demo")))
 

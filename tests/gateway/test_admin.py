@@ -13,24 +13,18 @@ import httpx
 import pytest
 
 from engine.sampling_params import SamplingParams
-from gateway.adapter_manager import AdapterManager
-from gateway.app import create_app
 from gateway.config import ServerConfig
+from gateway.http.app import create_app
 from gateway.metrics import Metrics
+from gateway.residency.manager import AdapterManager
 from gateway.server import BackgroundServer
 from tests.adapters.hub_server import HubServer
+from tests.gateway.uploads import read_files
 
 KEY = "admin-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "Tell me a story"
 GREEDY = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
-
-
-def read_files(folder) -> tuple[bytes, bytes]:
-    with open(os.path.join(folder, "adapter_config.json"), "rb") as f:
-        config = f.read()
-    with open(os.path.join(folder, "adapter_model.safetensors"), "rb") as f:
-        return config, f.read()
 
 
 def tree_hash(root: str) -> dict[str, str]:
@@ -221,8 +215,8 @@ async def test_restart_knows_stored_adapters(admin, admin_server, make_adapter, 
                   replace="true").status_code == 201
     runtime = admin_server.runtime
     config = ServerConfig(model=runtime.config.model, adapter_dir=admin_server.adapter_dir,
-                          replica_id="restarted")
-    again = AdapterManager("demo-base", runtime.engine, runtime.llm, Metrics(), config)
+                          replica_id="restarted", served_model_name="demo-base")
+    again = AdapterManager(config, runtime.engine, Metrics())
     await again.start()
     try:
         assert "survivor" in again.records

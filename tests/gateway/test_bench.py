@@ -1,4 +1,4 @@
-"""`loragw bench` (gateway/bench.py, gateway/bench_report.py): the summary math on synthetic
+"""`loragw bench` (gateway/bench/): the summary math on synthetic
 timings, then the command against the directory's live server, as a user runs it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import socket
 import pytest
 
 from gateway.bench import BenchConfig, assign_models
-from gateway.bench_report import Latency, RequestResult, format_table, percentile, summarize
+from gateway.bench.report import Latency, RequestResult, format_table, percentile, summarize
 from gateway.cli import build_parser, main
 
 

@@ -1,4 +1,4 @@
-"""Adapter-affinity routing across replicas (gateway/router.py).
+"""Adapter-affinity routing across replicas (gateway/fleet/router.py).
 
 Unit tests for `score` and `choose`, then a real fleet on loopback: one redis-server and three
 `python -m gateway.server` processes (--redis-url, --replica-id, --advertise-url, 3 slots each)
@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from adapters.registry import ReplicaState, decode_state
-from gateway.router import (
+from gateway.fleet.router import (
     FORWARD_MARGIN,
     FORWARDED_HEADER,
     QUEUE_PENALTY,

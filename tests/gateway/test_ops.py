@@ -15,8 +15,9 @@ import pytest
 from litestar.testing import AsyncTestClient, TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.app import create_app
-from gateway.config import ServerConfig, add_serve_arguments
+from gateway.config import ServerConfig
+from gateway.flags import add_options
+from gateway.http.app import create_app
 from gateway.runtime import Runtime
 from gateway.server import serve_main
 
@@ -152,7 +153,7 @@ def test_an_unexpected_failure_is_a_logged_500_naming_the_request_id(http, serve
     def broken():
         raise RuntimeError("simulated bug")
 
-    monkeypatch.setattr(server.runtime.resolver, "list_models", broken)
+    monkeypatch.setattr(server.runtime.adapters, "list_models", broken)
     r = http.get("/v1/models", headers={"X-Request-Id": "req-500"})
     error = assert_openai_error(r, 500, "internal_error")
     assert "req-500" in error["message"] and error["type"] == "server_error"
@@ -233,21 +234,26 @@ def test_not_ready_answers_503_but_health_is_200(server_config):
         assert c.get("/metrics").status_code == 200
 
 
-def test_config_reads_flags_then_environment(tmp_path):
-    parser = add_serve_arguments(argparse.ArgumentParser())
+def serve_config(argv: list[str], environ: dict[str, str]) -> ServerConfig:
+    """`loragw serve ARGV` with exactly `environ` as its LORAGW_* environment."""
+    parser = add_options(argparse.ArgumentParser(), ServerConfig, environ)
+    return ServerConfig.from_args(parser.parse_args(argv))
+
+
+def test_config_reads_flags_then_environment(tmp_path, capsys):
     env = {"LORAGW_MAX_LORAS": "7", "LORAGW_API_KEY": "k", "LORAGW_HUB_ALLOW": "org/*, x/y",
            "LORAGW_ADAPTER": "a=/p/a,b=/p/b", "LORAGW_PORT": "9000"}
-    config = ServerConfig.from_args(parser.parse_args(
-        ["--model", str(tmp_path), "--port", "8123", "--adapter", "c=/p/c"]), environ=env)
+    config = serve_config(["--model", str(tmp_path), "--port", "8123", "--adapter", "c=/p/c"],
+                          env)
     assert (config.port, config.max_loras, config.api_key) == (8123, 7, "k")
     assert config.hub_allow == ("org/*", "x/y") and config.adapter == ("c=/p/c",)
     assert config.model_name == tmp_path.name and config.max_upload_mb == 512
-    demo = ServerConfig.from_args(parser.parse_args([]), environ={"LORAGW_DEMO": "1",
-                                                                  "LORAGW_API_KEY": ""})
+    demo = serve_config([], {"LORAGW_DEMO": "1", "LORAGW_API_KEY": ""})
     assert demo.api_key is None  # an empty variable is no key, not an empty key
     assert demo.demo and demo.model_name == "demo"
-    with pytest.raises(ValueError, match="LORAGW_MAX_LORAS"):
-        ServerConfig.from_args(parser.parse_args(["--demo"]), environ={"LORAGW_MAX_LORAS": "x"})
+    with pytest.raises(SystemExit):  # a usage error naming the variable
+        serve_config(["--demo"], {"LORAGW_MAX_LORAS": "x"})
+    assert "LORAGW_MAX_LORAS" in capsys.readouterr().err
     with pytest.raises(ValueError, match="NAME=SOURCE"):
         ServerConfig(model=str(tmp_path), adapter=("no-equals-sign",))
     assert serve_main(["--model", str(tmp_path / "missing")]) == 2
@@ -256,16 +262,13 @@ def test_config_reads_flags_then_environment(tmp_path):
 def test_full_module_slots_flag_reaches_the_engine(tmp_path):
     """Saved modules (modules_to_save) are opt-in: off by default, on with the flag or env."""
     (tmp_path / "config.json").write_text("{}")
-    parser = add_serve_arguments(argparse.ArgumentParser())
-    off = ServerConfig.from_args(parser.parse_args(["--model", str(tmp_path)]), environ={})
-    assert Runtime(off).engine_config().max_full_module_slots == 0
-    on = ServerConfig.from_args(parser.parse_args(
-        ["--model", str(tmp_path), "--max-full-module-slots", "2"]), environ={})
-    assert Runtime(on).engine_config().max_full_module_slots == 2
-    env = ServerConfig.from_args(parser.parse_args(["--model", str(tmp_path)]),
-                                 environ={"LORAGW_MAX_FULL_MODULE_SLOTS": "1"})
+    off = serve_config(["--model", str(tmp_path)], {})
+    assert off.engine_config().max_full_module_slots == 0
+    on = serve_config(["--model", str(tmp_path), "--max-full-module-slots", "2"], {})
+    assert on.engine_config().max_full_module_slots == 2
+    env = serve_config(["--model", str(tmp_path)], {"LORAGW_MAX_FULL_MODULE_SLOTS": "1"})
     assert env.max_full_module_slots == 1
-    with pytest.raises(ValueError, match=r"--max-full-module-slots \(5\) must not exceed --max-loras"):
+    with pytest.raises(ValueError, match=r"--max-full-module-slots must be in \[0, --max-loras=4\]"):
         ServerConfig(model=str(tmp_path), max_loras=4, max_full_module_slots=5)
 
 
@@ -386,5 +389,5 @@ def test_fuzzed_bodies_from_the_openapi_schema_never_get_a_5xx(http, server, wai
             assert '"error"' not in r.text, f"{path} {body} streamed an error: {r.text[-500:]}"
     assert statuses.get(200, 0) >= FUZZ_CASES // 10, f"too few valid bodies: {statuses}"
     assert sum(n for s, n in statuses.items() if 400 <= s < 500) >= FUZZ_CASES // 10
-    assert set(server.runtime.resolver.records) == {f"lora-{i}" for i in range(8)}
+    assert set(server.runtime.adapters.records) == {f"lora-{i}" for i in range(8)}
     wait_idle(server.runtime)

@@ -1,13 +1,14 @@
 """Request bodies -> SamplingParams, without a server: OpenAI's defaults, seeds per choice,
-and the 400s that name the parameter at fault."""
+and the 400s that name the parameter at fault (those that need the model, the context window
+among them, are the engine's: tests/engine/test_engine.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from gateway.errors import APIError
-from gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from gateway.request_params import (
+from gateway.http.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from gateway.http.request_params import (
     chat_logprobs,
     check_completion_options,
     choice_params,
@@ -21,25 +22,25 @@ HI = [ChatMessage(role="user", content="hi")]
 def test_sampling_params_follow_openai_defaults_and_seed_offsets():
     chat = ChatCompletionRequest(model=BASE, messages=HI, seed=7, stop="END", max_tokens=9,
                                  max_completion_tokens=4)
-    p = sampling_params(chat, prompt_len=10, limit=512, logprobs=None, offset=2)
+    p = choice_params(sampling_params(chat, logprobs=None), num_prompts=1, n=3)[0][2]
     assert (p.max_tokens, p.seed, p.stop, p.temperature, p.top_p) == (4, 9, ["END"], 1.0, 1.0)
     bare = ChatCompletionRequest(model=BASE, messages=HI)
-    assert sampling_params(bare, 10, 512, None, 0).max_tokens == 502  # the rest of the context
+    # the rest of the context: the engine resolves None per prompt (test_engine.py)
+    assert sampling_params(bare, None).max_tokens is None
 
 
 def test_each_prompt_gets_n_choices_with_their_own_seeds():
     data = CompletionRequest(model=BASE, prompt=["a", "b"], n=2, seed=100, max_tokens=4)
-    params, prompt_of = choice_params(data, [[1, 2], [3]], limit=64, logprobs=None)
+    params, prompt_of = choice_params(sampling_params(data, None), num_prompts=2, n=data.n)
     assert prompt_of == [0, 0, 1, 1]
     assert [p.seed for p in params] == [100, 101, 100, 101]
 
 
-def test_a_prompt_past_the_context_window_is_a_400_naming_it():
-    data = CompletionRequest(model=BASE, prompt="x", max_tokens=8)
+def test_a_parameter_out_of_range_is_a_400_naming_it():
+    data = CompletionRequest(model=BASE, prompt="x", max_tokens=8, min_tokens=9)
     with pytest.raises(APIError) as err:
-        choice_params(data, [[1] * 60], limit=64, logprobs=None)
-    assert (err.value.status, err.value.param, err.value.code) == (
-        400, "max_tokens", "context_length_exceeded")
+        sampling_params(data, None)
+    assert (err.value.status, err.value.param) == (400, "min_tokens")
 
 
 @pytest.mark.parametrize("logprobs, top, expected", [(False, None, None), (True, None, 0),

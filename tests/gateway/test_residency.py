@@ -15,13 +15,13 @@ from engine.async_engine import AsyncEngine
 from engine.config import Config
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from gateway.adapter_manager import AdapterManager
-from gateway.app import create_app
 from gateway.config import ServerConfig
+from gateway.http.app import create_app
 from gateway.metrics import Metrics
+from gateway.residency.manager import AdapterManager
 from gateway.server import BackgroundServer
 from tests.adapters.redis_server import redis_server  # noqa: F401 (fixture)
-from tests.gateway.test_admin import read_files
+from tests.gateway.uploads import read_files
 
 NUM = 10
 PROMPT = "Once upon a time"
@@ -99,8 +99,9 @@ async def test_two_replicas_on_one_redis(model_dir, make_adapter, tmp_path, redi
     for i in range(2):
         llm = LLMEngine(Config(model=model_dir, device="cpu", max_model_len=128, max_loras=2))
         config = ServerConfig(model=model_dir, adapter_dir=str(tmp_path / f"store{i}"),
-                              redis_url=redis_server.url, replica_id=f"r{i}")
-        m = AdapterManager("demo-base", AsyncEngine(llm), llm, Metrics(), config)
+                              redis_url=redis_server.url, replica_id=f"r{i}",
+                              served_model_name="demo-base")
+        m = AdapterManager(config, AsyncEngine(llm), Metrics())
         await m.start()
         managers.append(m)
     a, b = managers
@@ -117,7 +118,7 @@ async def test_two_replicas_on_one_redis(model_dir, make_adapter, tmp_path, redi
         while "shared" in b.records:
             assert time.monotonic() < deadline, "the delete never reached the other replica"
             await asyncio.sleep(0.05)
-        assert "shared" not in b.llm.lora.adapters
+        assert "shared" not in b.engine.engine.lora.adapters
         await b.publish()
         replicas = {s.replica_id: s for s in await a.registry.replicas()}
         assert "shared" not in replicas["r1"].resident

@@ -161,19 +161,19 @@ def test_split_rule_and_fixed_grid():
     assert pa.decode_config(3, 2, 16, interpret=True) == pa.DecodeConfig(block_n=128, num_splits=1)
 
 
-def test_backend_env_var(monkeypatch):
-    attention = importlib.import_module("engine.layers.attention")
-    monkeypatch.delenv(attention.BACKEND_ENV, raising=False)
+def test_backend_option(monkeypatch, tiny_checkpoint):
+    backends = importlib.import_module("engine.backends")
     monkeypatch.setattr(pa, "self_check", lambda *args: None)  # the kernel passed its check
-    layer = attention.PagedAttention(4, 2, 16, 0.25)
-    assert layer.decode_backend(torch.device("cpu")) == "torch"
-    assert layer.decode_backend(torch.device("cuda")) == "triton"
-    monkeypatch.setenv(attention.BACKEND_ENV, "triton")
-    assert attention.PagedAttention(4, 2, 16, 0.25).decode_backend(torch.device("cpu")) == "triton"
-    assert layer.decode_backend(torch.device("cpu")) == "torch", "read once, at construction"
-    monkeypatch.setenv(attention.BACKEND_ENV, "flash")
+    shape = backends.AttentionShape(4, 2, 16)
+    resolve = lambda name, device: backends.resolve_attention_backend(
+        name, torch.device(device), torch.float32, shape)
+    assert resolve("auto", "cpu") == "torch"
+    assert resolve("auto", "cuda") == "triton"
+    assert resolve("triton", "cpu") == "triton"
+    from engine import Config
+
     with pytest.raises(ValueError, match="torch, triton"):
-        attention.PagedAttention(4, 2, 16, 0.25)
+        Config(tiny_checkpoint("llama"), attention_backend="flash")
 
 
 @on_device
@@ -191,9 +191,8 @@ def test_engine_greedy_tokens_match_torch_backend(tiny_checkpoint, monkeypatch):
                         lambda *a, **kw: calls.append(a[0].shape[0]) or kernel(*a, **kw))
     outputs = {}
     for backend in ("torch", "triton"):
-        monkeypatch.setenv("LORAGW_ATTENTION_BACKEND", backend)
-        llm = LLM(path, device=DEVICE, dtype="float32", block_size=4)
-        assert llm.engine.runner.decode_backends == {backend}
+        llm = LLM(path, device=DEVICE, dtype="float32", block_size=4, attention_backend=backend)
+        assert llm.engine.runner.backends.attention == backend
         outputs[backend] = [out.token_ids for out in llm.generate(prompts, params)]
     assert calls and max(calls) == len(prompts), "the engine never decoded through the kernel"
     assert outputs["triton"] == outputs["torch"]
@@ -271,13 +270,11 @@ def test_self_check_passes_a_correct_kernel_and_names_a_wrong_one(monkeypatch):
 
 
 def test_auto_keeps_torch_when_the_self_check_fails(monkeypatch, caplog):
-    from engine.layers.attention import PagedAttention
+    from engine.backends import AttentionShape, resolve_attention_backend
 
-    monkeypatch.delenv("LORAGW_ATTENTION_BACKEND", raising=False)
     monkeypatch.setattr(pa, "self_check", lambda *args: "RuntimeError: no luck")
-    attn = PagedAttention(num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25)
+    shape, cuda = AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16), torch.device("cuda")
     with caplog.at_level("WARNING"):
-        assert attn.decode_backend(torch.device("cuda")) == "torch"
+        assert resolve_attention_backend("auto", cuda, torch.float32, shape) == "torch"
     assert "no luck" in caplog.text
-    monkeypatch.setenv("LORAGW_ATTENTION_BACKEND", "triton")  # forced: no check
-    assert PagedAttention(4, 2, 16, 0.25).decode_backend(torch.device("cuda")) == "triton"
+    assert resolve_attention_backend("triton", cuda, torch.float32, shape) == "triton"  # forced: no check

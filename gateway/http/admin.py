@@ -1,5 +1,5 @@
-"""The admin API (DESIGN.md): upload, register, list/get with residency, load, evict, pin,
-unpin, delete. Thin handlers over `runtime.resolver` (an AdapterManager).
+"""The admin API: upload, register, list/get with residency, load, evict, pin,
+unpin, delete. Thin handlers over `runtime.adapters` (gateway/residency/manager.py).
 
 Adapter ids may hold one '/' (ORG/REPO), so the per-adapter routes take the rest of the path
 and split a trailing action off it: `POST /admin/adapters/org/repo/load`.
@@ -14,14 +14,15 @@ from litestar import Controller, Request, delete, get, post
 from litestar.datastructures import UploadFile
 
 from adapters.ids import validate_adapter_id
-from gateway.adapter_manager import AdapterInfo, AdapterManager
-from gateway.auth import require_admin_key
 from gateway.errors import APIError
+from gateway.flags import parse_bool
+from gateway.http.auth import require_admin_key
+from gateway.residency.info import AdapterInfo
+from gateway.residency.manager import AdapterManager
 from gateway.runtime import Runtime
 
 MB = 1024 * 1024
 ACTIONS = ("load", "evict", "pin", "unpin")
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
 class AdapterList(msgspec.Struct):
@@ -42,7 +43,7 @@ class Deleted(msgspec.Struct):
 
 def _manager(runtime: Runtime) -> AdapterManager:
     runtime.check_ready()
-    return runtime.resolver
+    return runtime.adapters
 
 
 def _id(raw: str) -> str:
@@ -126,11 +127,12 @@ def _text(form, name: str, required: bool = True) -> str | None:
 
 
 def _flag(value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered not in _TRUE + _FALSE:
-        raise APIError.bad_request(f"replace must be true or false, got {value!r}",
-                                   param="replace")
-    return lowered in _TRUE
+    if not value.strip():
+        return False
+    try:
+        return parse_bool(value)
+    except ValueError as exc:
+        raise APIError.bad_request(f"replace: {exc}", param="replace") from None
 
 
 async def _file(form, name: str) -> bytes:

@@ -5,7 +5,8 @@ first use). Host and device: inside the engine (LRU host copies and device slots
 engine/lora.py). Every adapter is validated against the base model off the engine thread
 before anything is stored; the engine thread only copies tensors.
 
-The moves take no locks: AdapterManager holds the adapter id's lock around each one.
+The moves take no locks: AdapterManager (gateway/residency/manager.py) holds the adapter
+id's lock around each one.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from adapters.sources import parse_source, resolve_source
 from adapters.store import AdapterStore
 from adapters.store_meta import StoredAdapter, StoredMeta
 from engine.async_engine import AsyncEngine
-from engine.llm_engine import LLMEngine
 from gateway.errors import APIError
 from gateway.metrics import Metrics
 
@@ -47,9 +47,10 @@ class AdapterRecord:
 
 
 class AdapterTiers:
-    def __init__(self, adapter_dir: str, engine: AsyncEngine, llm: LLMEngine, metrics: Metrics,
-                 *, hub_endpoint: str | None, hub_cache_dir: str | None):
-        self.adapter_dir, self.engine, self.llm, self.metrics = adapter_dir, engine, llm, metrics
+    def __init__(self, adapter_dir: str, engine: AsyncEngine, metrics: Metrics, *,
+                 hub_endpoint: str | None, hub_cache_dir: str | None):
+        self.adapter_dir, self.engine, self.metrics = adapter_dir, engine, metrics
+        self.llm = engine.engine  # its methods run on the engine thread, through engine.call
         self.hub_endpoint, self.hub_cache_dir = hub_endpoint, hub_cache_dir
         self.store: AdapterStore | None = None  # opened by open()
         self.records: dict[str, AdapterRecord] = {}
@@ -150,28 +151,8 @@ class AdapterTiers:
             if not missing_ok:
                 raise
 
-    # ---- reading the engine ------------------------------------------------------------------
-    async def placements(self) -> dict[str, tuple[str, bool]]:
-        """Each adapter the engine knows: its residency ("device" | "host") and pin."""
-        return await self.engine.call(_placements, self.llm)
-
-    async def occupancy(self) -> tuple[list[str], int, int]:
-        """Resident adapters, free device slots, waiting sequences."""
-        return await self.engine.call(_occupancy, self.llm)
-
     def _observe(self, tier: str, started: float) -> None:
         self.metrics.adapter_load_seconds.labels(tier).observe(time.perf_counter() - started)
         if tier != "device":  # the engine counts its own device loads
             self.metrics.tiers.loads[tier] += 1
 
-
-def _placements(llm: LLMEngine) -> dict[str, tuple[str, bool]]:
-    """Runs on the engine thread."""
-    lora = llm.lora
-    return {name: (lora.residency(name), entry.pinned) for name, entry in lora.adapters.items()}
-
-
-def _occupancy(llm: LLMEngine) -> tuple[list[str], int, int]:
-    """Runs on the engine thread."""
-    lora = llm.lora
-    return lora.resident(), sum(s.adapter is None for s in lora.slots), llm.num_waiting

@@ -1,10 +1,10 @@
-"""The adapter residency manager: the adapter service the handlers use (resolve, list_models,
-load, unload, residency, check_loaded), the admin verbs (upload, register, load, evict, pin,
+"""The adapter residency manager: what a request's admission asks (`adapter_for` a model
+name, `ensure_ready` on this replica), the admin verbs (upload, register, load, evict, pin,
 unpin, delete, get, list), and this replica's side of the registry.
 
 The tiers (disk store, host copies, device slots) and the moves between them are in
-gateway/adapter_tiers.py; this module decides when to move, serializes the moves and announces
-them. One asyncio lock per adapter id serializes that id's changes and its first load, so
+gateway/residency/tiers.py; this module decides when to move, serializes the moves and
+announces them. One asyncio lock per adapter id serializes that id's changes and its first load, so
 concurrent requests for a cold adapter trigger one load while requests for other adapters keep
 flowing. Local sources are accepted from HTTP callers too (vLLM does the same); the admin key
 guards those routes.
@@ -16,11 +16,8 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
 import time
 from collections import defaultdict
-
-import msgspec
 
 from adapters.errors import AdapterNotFound
 from adapters.ids import validate_adapter_id
@@ -28,7 +25,6 @@ from adapters.registry import (
     EVENT_DELETED,
     EVENT_REPLACED,
     AdapterEvent,
-    CatalogEntry,
     ReplicaState,
     make_registry,
 )
@@ -36,11 +32,12 @@ from adapters.sources import HUB_SCHEME, InvalidSource, hub_allowed, parse_sourc
 from adapters.store import AdapterExists
 from adapters.store_meta import StoredAdapter, StoredMeta
 from engine.async_engine import AsyncEngine
-from engine.llm_engine import LLMEngine
-from gateway.adapter_tiers import AdapterRecord, AdapterTiers
+from engine.snapshot import EngineSnapshot
 from gateway.config import ServerConfig
 from gateway.errors import APIError
-from gateway.metrics import EngineSnapshot, Metrics
+from gateway.metrics import Metrics
+from gateway.residency.info import AdapterInfo, adapter_info, catalog_entry
+from gateway.residency.tiers import AdapterRecord, AdapterTiers
 
 logger = logging.getLogger(__name__)
 DEFAULT_ADAPTER_DIR = os.path.join("~", ".cache", "lora-gateway", "adapters")
@@ -48,34 +45,20 @@ PUBLISH_INTERVAL_S = 1.0
 UPLOAD_SOURCE = "upload"
 
 
-class AdapterInfo(msgspec.Struct):
-    """One adapter as the admin API shows it."""
-
-    id: str
-    version: int  # the store's version: +1 on every replace
-    sha256: str
-    rank: int
-    targets: list[str]
-    bytes: int
-    source: str
-    residency: str  # "device" | "host" | "disk"
-    pinned: bool
-    created: int
-
-
 class AdapterManager:
-    def __init__(self, base_name: str, engine: AsyncEngine, llm: LLMEngine, metrics: Metrics,
-                 config: ServerConfig, *, hub_endpoint: str | None = None,
-                 hub_cache_dir: str | None = None):
-        self.base_name, self.engine, self.llm, self.metrics = base_name, engine, llm, metrics
+    """`AdapterManager(config, engine)`: the adapters of the engine `engine` (an AsyncEngine)
+    serves, stored under config.adapter_dir, announced to config.redis_url's registry."""
+
+    def __init__(self, config: ServerConfig, engine: AsyncEngine, metrics: Metrics | None = None,
+                 *, hub_endpoint: str | None = None, hub_cache_dir: str | None = None):
+        self.base_name, self.engine = config.model_name, engine
         self.adapter_dir = os.path.expanduser(config.adapter_dir or DEFAULT_ADAPTER_DIR)
         self.tiers = AdapterTiers(
-            self.adapter_dir, engine, llm, metrics,
+            self.adapter_dir, engine, metrics or Metrics(),
             hub_endpoint=hub_endpoint or os.environ.get("HF_ENDPOINT") or None,
             hub_cache_dir=hub_cache_dir or os.environ.get("HF_HUB_CACHE") or None)
         self.hub_allow = list(config.hub_allow)
-        self.replica_id = config.replica_id or socket.gethostname()
-        self.url = config.advertise_url or f"http://{config.host}:{config.port}"
+        self.replica_id, self.url = config.replica, config.reachable_url
         self.registry = make_registry(config.redis_url, self.replica_id)
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._publisher: asyncio.Task | None = None
@@ -94,7 +77,7 @@ class AdapterManager:
         for stored in stored_adapters:
             self.records[stored.adapter_id] = AdapterRecord(stored)
             if await self.registry.get_adapter(stored.adapter_id) is None:
-                await self.registry.put_adapter(_entry(stored))
+                await self.registry.put_adapter(catalog_entry(stored))
         logger.info("%d stored adapter(s) in %s", len(self.records), self.adapter_dir)
         self._publisher = asyncio.create_task(self._publish_loop())
 
@@ -107,24 +90,30 @@ class AdapterManager:
         self.tiers.close()
 
     # ---- the request path ----------------------------------------------------------------
-    async def resolve(self, model: str) -> str | None:
-        """The adapter to run `model` with (made ready in the engine); None for the base."""
+    def adapter_for(self, model: str) -> str | None:
+        """The adapter id a request's `model` names (None: the base model), from names alone:
+        a registered adapter, or a Hub repo --hub-allow lets us fetch; else 404."""
         if model == self.base_name:
             return None
-        record = self.records.get(model)
-        if record is not None and record.in_engine:
-            return model  # the hot path: no lock, no await
-        if record is not None:
-            await self._ensure_in_engine(model)
+        if model in self.records:
             return model
         repo_id = self._hub_on_demand(model)
         if repo_id is None:
             raise APIError.model_not_found(model)
-        async with self._locks[repo_id]:
-            if repo_id not in self.records:
-                await self._add(repo_id, HUB_SCHEME + repo_id, conflict=None, replace=False)
-        await self._ensure_in_engine(repo_id)
         return repo_id
+
+    async def ensure_ready(self, adapter_id: str) -> None:
+        """Make `adapter_id` (from adapter_for) servable here: fetched from the Hub if it is
+        new, parsed into host memory if it is only on disk. One load per cold adapter."""
+        record = self.records.get(adapter_id)
+        if record is not None and record.in_engine:
+            return  # the hot path: no lock, no await
+        if record is None:
+            async with self._locks[adapter_id]:
+                if adapter_id not in self.records:
+                    await self._add(adapter_id, HUB_SCHEME + adapter_id, conflict=None,
+                                    replace=False)
+        await self._ensure_in_engine(adapter_id)
 
     def _hub_on_demand(self, model: str) -> str | None:
         """ORG/REPO or hf://ORG/REPO allowed by --hub-allow, else None (no revisions here)."""
@@ -183,7 +172,7 @@ class AdapterManager:
         await self._announce(await self.tiers.fetch(adapter_id, source, replace))
 
     async def _announce(self, stored: StoredAdapter) -> None:
-        await self.registry.put_adapter(_entry(stored))  # announces "replaced" if it was
+        await self.registry.put_adapter(catalog_entry(stored))  # announces "replaced" if it was
         await self.publish()
         logger.info("adapter %s v%d registered from %s", stored.adapter_id, stored.version,
                     stored.source)
@@ -244,19 +233,19 @@ class AdapterManager:
     # ---- reading -------------------------------------------------------------------------
     async def get(self, adapter_id: str) -> AdapterInfo:
         record = self.tiers.record(adapter_id)
-        return _info(record, await self.tiers.placements())
+        return adapter_info(record, await self.engine.snapshot())
 
     async def list(self) -> list[AdapterInfo]:
-        placements = await self.tiers.placements()
-        return [_info(r, placements) for _, r in sorted(self.records.items())]
+        snapshot = await self.engine.snapshot()
+        return [adapter_info(r, snapshot) for _, r in sorted(self.records.items())]
 
     # ---- registry ------------------------------------------------------------------------
     async def publish(self) -> None:
         """This replica's residency, loads in flight, free slots and queue depth."""
-        resident, free, waiting = await self.tiers.occupancy()
+        snap = await self.engine.snapshot()
         await self.registry.publish_state(ReplicaState(
-            self.replica_id, self.url, tuple(resident), tuple(sorted(self.tiers.loading)), free,
-            waiting, time.time()))
+            self.replica_id, self.url, tuple(snap.resident), tuple(sorted(self.tiers.loading)),
+            snap.free_slots, snap.num_waiting, time.time()))
 
     async def _publish_loop(self) -> None:
         while True:
@@ -288,15 +277,3 @@ class AdapterManager:
         logger.info("adapter %s %s by replica %s: local copy dropped", adapter_id, event.kind,
                     event.origin or "?")
         await self.publish()
-
-
-def _entry(stored: StoredAdapter) -> CatalogEntry:
-    return CatalogEntry(stored.adapter_id, stored.source, stored.revision, stored.sha256,
-                        stored.rank, tuple(stored.targets), stored.num_bytes, stored.version)
-
-
-def _info(record: AdapterRecord, placements: dict[str, tuple[str, bool]]) -> AdapterInfo:
-    s = record.stored
-    residency, pinned = placements.get(s.adapter_id, ("disk", record.pinned))
-    return AdapterInfo(s.adapter_id, s.version, s.sha256, s.rank, list(s.targets), s.num_bytes,
-                       s.source, residency, pinned, int(s.created_at))

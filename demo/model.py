@@ -14,7 +14,7 @@
     chat_template.jinja     ChatML after a BOS; `tools` are rendered as JSON in the system block
 
 The same seed gives the same bytes. The weights are random, so the base model babbles; the demo
-adapters (adapters/demo.py) are what make it say something.
+adapters (demo/adapters.py) are what make it say something.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import logging
 import os
 import random
 
-from adapters.demo import build_once
+from demo.adapters import build_once
 
 logger = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
-"""Engine requests behind one HTTP request, and how their increments become OpenAI responses.
+"""The engine requests behind one HTTP request: a `GenerationJob` of `Choice`s.
 
-A `GenerationJob` owns the engine streams of one request (one per choice: prompts x n), each
-read by its own pump task that hands every increment to the consumer's sink. `close()` is synchronous, idempotent and safe inside a
-cancelled scope: it aborts every unfinished sequence (freeing its KV blocks and adapter slot)
-and gives the request's capacity back. Every job is closed by whoever finishes with it: the
-collector for a whole response, the SSE generator's `finally` and the streaming response's
-after-response hook for a stream (a client that disconnects cancels the stream; whichever
-runs first closes the job).
+A job owns the engine streams of one request (one per choice: prompts x n), each read by its
+own pump task that hands every increment to the consumer's sink. `close()` is synchronous,
+idempotent and safe inside a cancelled scope: it aborts every unfinished sequence (freeing its
+KV blocks and adapter slot) and gives the request's capacity back. Every job is closed by
+whoever finishes with it: the collector for a whole response, the SSE generator's `finally`
+and the streaming response's after-response hook for a stream (gateway/http/streaming.py; a
+client that disconnects cancels the stream; whichever runs first closes the job).
 """
 
 from __future__ import annotations
@@ -18,18 +18,8 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 
 from engine.async_engine import AsyncEngine
-from engine.llm_engine import RequestOutput
-from gateway.errors import APIError
-from gateway.formats import Format
+from engine.sequence import RequestOutput
 from gateway.metrics import BASE_LABEL, Metrics
-from gateway.protocol import (
-    SSE_DONE,
-    ErrorBody,
-    ErrorResponse,
-    PromptTokensDetails,
-    Usage,
-    sse,
-)
 
 logger = logging.getLogger(__name__)
 _background: set[asyncio.Task] = set()
@@ -47,6 +37,15 @@ async def _quietly(coro: Coroutine) -> None:
         await coro
     except Exception:
         logger.debug("clean-up step failed", exc_info=True)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCounts:
+    """A job's usage: prompt tokens (each prompt once), generated tokens, cached prompt tokens."""
+
+    prompt: int
+    completion: int
+    cached: int
 
 
 @dataclass(slots=True, eq=False)
@@ -88,7 +87,8 @@ class GenerationJob:
     closed: bool = False
 
     @property
-    def usage(self) -> Usage:
+    def counts(self) -> TokenCounts:
+        """Token counts so far: each prompt once, its cached tokens, all choices' outputs."""
         prompts = {c.prompt_index: c.num_prompt_tokens for c in self.choices}
         prompt = sum(prompts.values())
         completion = sum(c.num_output_tokens for c in self.choices)
@@ -98,9 +98,7 @@ class GenerationJob:
         for c in self.choices:
             cached[c.prompt_index] = min(cached.get(c.prompt_index, c.num_cached_tokens),
                                          c.num_cached_tokens)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion,
-                     total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(sum(cached.values())))
+        return TokenCounts(prompt, completion, sum(cached.values()))
 
     @property
     def num_unfinished(self) -> int:
@@ -201,71 +199,3 @@ class GenerationJob:
     async def aclose(self) -> None:
         """close() as a coroutine, for Litestar's after-response hook."""
         self.close()
-
-
-# ---- whole responses and SSE streams ---------------------------------------------------------
-async def collect(job: GenerationJob, fmt: Format, disconnected: asyncio.Future | None = None):
-    """Run the job to the end and build one whole response; 499 if `disconnected` (a task
-    that ends when the client goes away) ends first."""
-    loop = asyncio.get_running_loop()
-    parts: dict[int, list[RequestOutput]] = {c.index: [] for c in job.choices}
-    done = loop.create_future()
-    pending = job.num_unfinished
-
-    def sink(choice: Choice, out: RequestOutput | BaseException) -> None:
-        nonlocal pending
-        if done.done():
-            return
-        if isinstance(out, BaseException):
-            done.set_exception(out)
-            return
-        parts[choice.index].append(out)
-        pending -= out.finished
-        if pending == 0:
-            done.set_result(None)
-
-    try:
-        job.start(sink)
-        if pending == 0 and not done.done():
-            done.set_result(None)
-        waiting = {done} if disconnected is None else {done, disconnected}
-        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        if not done.done():
-            raise APIError(499, "the client closed the connection before the response was "
-                                "ready", code="client_closed_request")
-        done.result()  # raises what the engine raised
-    finally:
-        job.close()
-        if disconnected is not None:
-            disconnected.cancel()
-    return fmt.whole(job, parts)
-
-
-async def stream_sse(job: GenerationJob, fmt: Format,
-                     include_usage: bool) -> AsyncIterator[bytes]:
-    """`data: {chunk}` events, a finish chunk per choice, optional usage, then [DONE]."""
-    queue: asyncio.Queue = asyncio.Queue()
-    try:
-        for chunk in fmt.head(job):
-            yield sse(chunk)
-        pending = job.num_unfinished
-        job.start(lambda choice, out: queue.put_nowait((choice, out)))
-        while pending:
-            choice, out = await queue.get()
-            if isinstance(out, BaseException):
-                raise out
-            delta = fmt.delta(choice, out)
-            if delta is not None:
-                yield sse(delta)
-            if out.finished:
-                pending -= 1
-                yield sse(fmt.finish(choice))
-        if include_usage:
-            yield sse(fmt.usage_chunk(job.usage))
-    except Exception as exc:  # headers are gone: report in-band, as OpenAI and vLLM do
-        logger.exception("stream failed")
-        yield sse(ErrorResponse(ErrorBody(message=f"generation failed: {exc}",
-                                          type="server_error", code="internal_error")))
-    finally:
-        job.close()
-    yield SSE_DONE

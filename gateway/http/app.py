@@ -21,13 +21,13 @@ from litestar.middleware import ASGIMiddleware
 from litestar.openapi import OpenAPIConfig
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.admin_api import AdminController
 from gateway.config import ServerConfig
-from gateway.errors import EXCEPTION_HANDLERS
+from gateway.fleet.router import served_by_hook
+from gateway.http.admin import AdminController
+from gateway.http.error_handlers import EXCEPTION_HANDLERS
+from gateway.http.openai import AdapterLoadController, OpenAIController
+from gateway.http.ops import OpsController
 from gateway.metrics import Metrics
-from gateway.openai_api import AdapterLoadController, OpenAIController
-from gateway.ops_api import OpsController
-from gateway.router import Router, served_by_hook
 from gateway.runtime import Runtime
 
 access_log = logging.getLogger("gateway.access")
@@ -105,16 +105,14 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     """The app; `on_fatal` is called if start-up fails (the server should then exit)."""
     owned = runtime is None
     runtime = runtime or Runtime(config, on_fatal=on_fatal)
-    router = Router.from_server_config(config, runtime)
     return Litestar(
         route_handlers=[OpenAIController, AdapterLoadController, OpsController, AdminController],
-        lifespan=([runtime.lifespan] if owned else []) + [router.lifespan],
-        state=State({"config": config, "runtime": runtime, "router": router}),
-        dependencies={"runtime": Provide(lambda: runtime, use_cache=True, sync_to_thread=False),
-                      "router": Provide(lambda: router, use_cache=True, sync_to_thread=False)},
+        lifespan=[runtime.lifespan] if owned else [],
+        state=State({"config": config, "runtime": runtime}),
+        dependencies={"runtime": Provide(lambda: runtime, use_cache=True, sync_to_thread=False)},
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=[RequestContextMiddleware(runtime.metrics)],
-        before_send=[_unrouted_request_id, served_by_hook(router.replica_id)],
+        before_send=[_unrouted_request_id, served_by_hook(config.replica)],
         request_max_body_size=config.max_upload_mb * MB,
         openapi_config=OpenAPIConfig(title="lora-gateway", version="0.1.0",
                                      description="OpenAI-compatible multi-LoRA serving"),

@@ -1,13 +1,18 @@
-"""OpenAI request bodies -> the engine's SamplingParams: defaults, the context-length check,
-stop strings, logit_bias, tools, and the one structured-output constraint (GuidedDecoding).
-Every refusal is a 400 that names the parameter."""
+"""OpenAI request bodies -> the engine's SamplingParams: defaults, stop strings, logit_bias,
+tools, and the one structured-output constraint (GuidedDecoding), each built once per
+request; then one SamplingParams per choice (`choice_params`). Every refusal is a 400 that
+names the parameter. What needs the model (the context window, token ids against the
+vocabulary) the engine checks, once, when the request is queued (LLMEngine.check_request)."""
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
-from engine.structured import GuidedDecoding, tool_call_schema
+from dataclasses import replace
+
+from engine.sampling_params import InvalidParam, SamplingParams
+from engine.structured import GuidedDecoding
 from gateway.errors import APIError
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from gateway.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from gateway.http.tool_calls import tool_call_schema
 
 
 def check_completion_options(data: CompletionRequest) -> None:
@@ -57,9 +62,9 @@ def tool_names(data: ChatCompletionRequest) -> list[str] | None:
                                param="tool_choice")
 
 
-def guided_decoding(data: SamplingRequest) -> GuidedDecoding | None:
+def guided_decoding(data: SamplingRequest, names: list[str] | None) -> GuidedDecoding | None:
     """The one structured-output constraint a request asks for (response_format, vLLM's
-    guided_*, or a forced tool call), or None."""
+    guided_*, or a forced tool call of one of `names`, the request's `tool_names`), or None."""
     asked: list[tuple[str, GuidedDecoding]] = []
     fmt = data.response_format
     try:
@@ -79,7 +84,6 @@ def guided_decoding(data: SamplingRequest) -> GuidedDecoding | None:
             asked.append(("guided_regex", GuidedDecoding("regex", data.guided_regex)))
         if data.guided_choice is not None:
             asked.append(("guided_choice", GuidedDecoding("choice", data.guided_choice)))
-        names = tool_names(data) if isinstance(data, ChatCompletionRequest) else None
         if names is not None and data.tool_choice not in (None, "auto"):
             asked.append(("tool_choice",
                           GuidedDecoding("json_schema", tool_call_schema(data.tools, names))))
@@ -92,37 +96,17 @@ def guided_decoding(data: SamplingRequest) -> GuidedDecoding | None:
     return asked[0][1] if asked else None
 
 
-def choice_params(data: SamplingRequest, prompts: list[list[int]], limit: int,
-                  logprobs: int | None) -> tuple[list[SamplingParams], list[int]]:
-    """The n choices of every prompt: each one's SamplingParams, and the prompt it answers."""
-    params, prompt_of = [], []
-    for p, ids in enumerate(prompts):
-        for j in range(data.n):
-            params.append(sampling_params(data, len(ids), limit, logprobs, j))
-            prompt_of.append(p)
-    return params, prompt_of
-
-
-def sampling_params(data: SamplingRequest, prompt_len: int, limit: int, logprobs: int | None,
-                    offset: int) -> SamplingParams:
-    """The engine parameters of one choice; `offset` (its index within n) shifts the seed so
-    the n choices differ yet stay reproducible."""
-    requested = getattr(data, "max_completion_tokens", None) or data.max_tokens
-    if prompt_len + (requested or 1) > limit:
-        asked = "" if requested is None else f" plus {requested} in max_tokens"
-        raise APIError.bad_request(
-            f"This model's maximum context length is {limit} tokens, but the request has "
-            f"{prompt_len} prompt tokens{asked}; shorten the prompt or lower max_tokens",
-            param="max_tokens" if requested else "prompt", code="context_length_exceeded")
+def sampling_params(data: SamplingRequest, logprobs: int | None,
+                    guided: GuidedDecoding | None = None) -> SamplingParams:
+    """The engine parameters of a request's first choice (choice_params makes the others).
+    max_tokens left out is None: the rest of the context window, as the engine resolves it."""
     stop = [data.stop] if isinstance(data.stop, str) else list(data.stop or [])
-    guided = guided_decoding(data)
     try:
         return SamplingParams(
-            max_tokens=requested or limit - prompt_len,
+            max_tokens=getattr(data, "max_completion_tokens", None) or data.max_tokens,
             temperature=1.0 if data.temperature is None else data.temperature,
             top_p=1.0 if data.top_p is None else data.top_p,
-            top_k=data.top_k or 0, min_p=data.min_p or 0.0,
-            seed=None if data.seed is None else data.seed + offset,
+            top_k=data.top_k or 0, min_p=data.min_p or 0.0, seed=data.seed,
             repetition_penalty=data.repetition_penalty or 1.0,
             frequency_penalty=data.frequency_penalty or 0.0,
             presence_penalty=data.presence_penalty or 0.0, stop=stop,
@@ -131,8 +115,17 @@ def sampling_params(data: SamplingRequest, prompt_len: int, limit: int, logprobs
             allowed_token_ids=data.allowed_token_ids,
             include_stop_str_in_output=data.include_stop_str_in_output,
             skip_special_tokens=data.skip_special_tokens, logprobs=logprobs, guided=guided)
-    except ValueError as exc:  # InvalidParam names the parameter
-        raise APIError.bad_request(str(exc), param=getattr(exc, "param", None)) from None
+    except InvalidParam as exc:
+        raise APIError.from_engine(exc) from None
+
+
+def choice_params(first: SamplingParams, num_prompts: int,
+                  n: int) -> tuple[list[SamplingParams], list[int]]:
+    """The n choices of every prompt: each one's SamplingParams, and the prompt it answers.
+    Choice j of a prompt runs with seed + j, so the n choices differ yet stay reproducible."""
+    per_choice = [first if first.seed is None or j == 0 else replace(first, seed=first.seed + j)
+                  for j in range(n)]
+    return per_choice * num_prompts, [p for p in range(num_prompts) for _ in range(n)]
 
 
 def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:

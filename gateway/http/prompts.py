@@ -8,19 +8,20 @@ import asyncio
 from collections.abc import Callable
 from typing import TypeVar
 
+from engine.llm_engine import LLMEngine
 from engine.tokenizer import encode_chat
 from gateway.errors import APIError
-from gateway.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from gateway.runtime import Runtime
+from gateway.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 # Prompts whose text is longer than this are tokenized on a worker thread, not the event loop.
 TOKENIZE_INLINE_MAX_CHARS = 16_384
 T = TypeVar("T")
 
 
-def completion_prompts(data: CompletionRequest, runtime: Runtime) -> list[list[int]]:
-    """str | list[str] | list[int] | list[list[int]] -> one token-id list per prompt."""
-    prompt, llm = data.prompt, runtime.llm
+def completion_prompts(data: CompletionRequest, llm: LLMEngine) -> list[list[int]]:
+    """str | list[str] | list[int] | list[list[int]] -> one token-id list per prompt (the
+    engine checks token ids against its vocabulary when they are queued)."""
+    prompt = data.prompt
     if isinstance(prompt, str):
         items: list = [prompt]
     elif prompt and all(isinstance(p, int) for p in prompt):
@@ -39,20 +40,20 @@ def completion_prompts(data: CompletionRequest, runtime: Runtime) -> list[list[i
 
 
 def prompt_texts(data: CompletionRequest, prompts: list[list[int]],
-                 runtime: Runtime) -> list[str]:
+                 llm: LLMEngine) -> list[str]:
     """What echo shows of each prompt: the text sent, or the token ids sent, decoded."""
     if isinstance(data.prompt, str):
         return [data.prompt]
     if all(isinstance(p, str) for p in data.prompt):
         return list(data.prompt)
-    tokenizer = runtime.llm.tokenizer
+    tokenizer = llm.tokenizer
     if tokenizer is None:
         return [""] * len(prompts)  # no text at all without a tokenizer, outputs included
     return [tokenizer.decode(ids, skip_special_tokens=data.skip_special_tokens)
             for ids in prompts]
 
 
-def chat_prompt(data: ChatCompletionRequest, runtime: Runtime) -> list[int]:
+def chat_prompt(data: ChatCompletionRequest, llm: LLMEngine) -> list[int]:
     messages = []
     for m in data.messages:
         content = m.content
@@ -65,24 +66,24 @@ def chat_prompt(data: ChatCompletionRequest, runtime: Runtime) -> list[int]:
         if m.tool_calls:
             message["tool_calls"] = m.tool_calls
         messages.append(message)
-    if runtime.llm.tokenizer is None:
+    if llm.tokenizer is None:
         raise APIError.bad_request("this model has no tokenizer; use /v1/completions with "
                                    "token-id prompts", param="messages")
     try:
         tools = data.tools if data.tool_choice != "none" else None
-        return encode_chat(runtime.llm.tokenizer, messages, tools=tools or None)
+        return encode_chat(llm.tokenizer, messages, tools=tools or None)
     except Exception as exc:  # ValueError (no template) or a template that raised
         raise APIError.bad_request(f"the chat template could not render these messages: "
                                    f"{exc}", param="messages") from None
 
 
-async def off_loop_if_large(tokenize: Callable[[SamplingRequest, Runtime], T],
-                            data: SamplingRequest, runtime: Runtime) -> T:
-    """tokenize(data, runtime), on a worker thread when the text is long enough to stall the
+async def off_loop_if_large(tokenize: Callable[[SamplingRequest, LLMEngine], T],
+                            data: SamplingRequest, llm: LLMEngine) -> T:
+    """tokenize(data, llm), on a worker thread when the text is long enough to stall the
     event loop (fast tokenizers encode and decode concurrently without trouble)."""
     if _text_size(data) <= TOKENIZE_INLINE_MAX_CHARS:
-        return tokenize(data, runtime)
-    return await asyncio.to_thread(tokenize, data, runtime)
+        return tokenize(data, llm)
+    return await asyncio.to_thread(tokenize, data, llm)
 
 
 def _text_size(data: SamplingRequest) -> int:

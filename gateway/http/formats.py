@@ -1,14 +1,14 @@
 """How an endpoint shapes engine increments: SSE chunks for a stream, or one whole response,
-in OpenAI's shapes (completions and chat, with logprobs and tool calls)."""
+in OpenAI's shapes (completions and chat, with logprobs and tool calls). A Format reads a
+job's choices and never changes them: the finish reason it shows is its own `finish_reason`."""
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
-from engine.llm_engine import RequestOutput
-from engine.sequence import TokenLogprob
-from gateway.protocol import (
+from engine.sequence import RequestOutput, TokenLogprob
+from engine.tokenizer import TokenText
+from gateway.http.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -20,59 +20,53 @@ from gateway.protocol import (
     CompletionResponse,
     Delta,
     FunctionCall,
+    PromptTokensDetails,
     TokenLogprobOut,
     ToolCall,
     ToolCallChunk,
     TopLogprob,
     Usage,
 )
-from gateway.tool_calls import ToolCallParser, Update
-
-if TYPE_CHECKING:
-    from gateway.streaming import Choice, GenerationJob
+from gateway.http.tool_calls import ToolCallParser, Update
+from gateway.jobs import Choice, TokenCounts
 
 
-class TokenText:
-    """Token id -> its text as logprobs show it (special tokens included), cached."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self._cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            text = (self.tokenizer.decode([token_id]) if self.tokenizer is not None
-                    else f"token_id:{token_id}")
-            self._cache[token_id] = text
-        return text
+def usage(counts: TokenCounts) -> Usage:
+    return Usage(prompt_tokens=counts.prompt, completion_tokens=counts.completion,
+                 total_tokens=counts.prompt + counts.completion,
+                 prompt_tokens_details=PromptTokensDetails(counts.cached))
 
 
 class Format:
     """How an endpoint shapes increments: chunks for a stream, or one whole response."""
 
-    def __init__(self, job: GenerationJob, model: str, token_text: TokenText, logprobs: bool):
-        self.id, self.model, self.token_text = job.id, model, token_text
+    def __init__(self, response_id: str, model: str, token_text: TokenText, logprobs: bool):
+        self.id, self.model, self.token_text = response_id, model, token_text
         self.logprobs = logprobs
         self.created = int(time.time())
 
-    def head(self, job: GenerationJob) -> list:
+    def head(self, choices: list[Choice]) -> list:
         return []
 
     def delta(self, choice: Choice, out: RequestOutput):
         raise NotImplementedError
 
+    def finish_reason(self, choice: Choice) -> str | None:
+        """The finish_reason the client sees for a finished choice."""
+        return choice.finish_reason
+
     def finish(self, choice: Choice):
         raise NotImplementedError
 
-    def usage_chunk(self, usage: Usage):
+    def usage_chunk(self, counts: TokenCounts):
         """The stream_options.include_usage chunk: no choices, just usage."""
-        return self._chunk([], usage)
+        return self._chunk([], usage(counts))
 
     def _chunk(self, choices: list, usage: Usage | None = None):
         raise NotImplementedError
 
-    def whole(self, job: GenerationJob, parts: dict[int, list[RequestOutput]]):
+    def whole(self, choices: list[Choice], parts: dict[int, list[RequestOutput]],
+              counts: TokenCounts):
         raise NotImplementedError
 
 
@@ -101,11 +95,11 @@ class CompletionFormat(Format):
         return CompletionResponse(id=self.id, created=self.created, model=self.model,
                                   choices=choices, usage=usage)
 
-    def head(self, job: GenerationJob) -> list:
+    def head(self, choices: list[Choice]) -> list:
         if self.echo is None:
             return []
         return [self._chunk([CompletionChoice(c.index, self.echo[c.prompt_index], None, None)])
-                for c in job.choices]
+                for c in choices]
 
     def delta(self, choice: Choice, out: RequestOutput):
         logprobs = self._logprobs(choice.index, out.new_logprobs) if self.logprobs else None
@@ -114,18 +108,19 @@ class CompletionFormat(Format):
         return self._chunk([CompletionChoice(choice.index, out.new_text, logprobs, None)])
 
     def finish(self, choice: Choice):
-        return self._chunk([CompletionChoice(choice.index, "", None, choice.finish_reason)])
+        return self._chunk([CompletionChoice(choice.index, "", None, self.finish_reason(choice))])
 
-    def whole(self, job: GenerationJob, parts: dict[int, list[RequestOutput]]):
-        choices = []
-        for c in job.choices:
+    def whole(self, choices: list[Choice], parts: dict[int, list[RequestOutput]],
+              counts: TokenCounts):
+        out = []
+        for c in choices:
             outs = parts[c.index]
             logprobs = (self._logprobs(c.index, [e for o in outs for e in o.new_logprobs])
                         if self.logprobs else None)
             prefix = self.echo[c.prompt_index] if self.echo is not None else ""
-            choices.append(CompletionChoice(c.index, prefix + "".join(o.new_text for o in outs),
-                                            logprobs, c.finish_reason))
-        return self._chunk(choices, job.usage)
+            out.append(CompletionChoice(c.index, prefix + "".join(o.new_text for o in outs),
+                                        logprobs, self.finish_reason(c)))
+        return self._chunk(out, usage(counts))
 
 
 class ChatFormat(Format):
@@ -139,15 +134,19 @@ class ChatFormat(Format):
         self.parsers: dict[int, ToolCallParser] = {}  # choice index -> its parser (tool mode)
 
     def _tools(self, choice: Choice, text: str, finished: bool) -> Update:
-        """Content and call pieces of a choice's next text; a finished choice whose text held
-        valid calls and stopped by itself ends with finish_reason "tool_calls"."""
+        """Content and call pieces of a choice's next text (and, once finished, the rest)."""
         parser = self.parsers.setdefault(choice.index, ToolCallParser(self.tool_names))
         update = parser.feed(text)
         if finished:
             update += parser.finish()
-            if parser.called and choice.finish_reason == "stop":
-                choice.finish_reason = "tool_calls"
         return update
+
+    def finish_reason(self, choice: Choice) -> str | None:
+        """A choice whose text held valid calls and stopped by itself ends with "tool_calls"."""
+        parser = self.parsers.get(choice.index)
+        if parser is not None and parser.called and choice.finish_reason == "stop":
+            return "tool_calls"
+        return choice.finish_reason
 
     def _logprobs(self, entries: list[TokenLogprob]) -> ChatLogprobs:
         text = self.token_text
@@ -165,9 +164,9 @@ class ChatFormat(Format):
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
                                    choices=choices, usage=usage)
 
-    def head(self, job: GenerationJob) -> list:
+    def head(self, choices: list[Choice]) -> list:
         return [self._chunk([ChatChunkChoice(c.index, Delta(role="assistant", content=""))])
-                for c in job.choices]
+                for c in choices]
 
     def delta(self, choice: Choice, out: RequestOutput):
         logprobs = self._logprobs(out.new_logprobs) if self.logprobs else None
@@ -185,11 +184,13 @@ class ChatFormat(Format):
             logprobs)])
 
     def finish(self, choice: Choice):
-        return self._chunk([ChatChunkChoice(choice.index, Delta(), None, choice.finish_reason)])
+        return self._chunk([ChatChunkChoice(choice.index, Delta(), None,
+                                            self.finish_reason(choice))])
 
-    def whole(self, job: GenerationJob, parts: dict[int, list[RequestOutput]]):
-        choices = []
-        for c in job.choices:
+    def whole(self, choices: list[Choice], parts: dict[int, list[RequestOutput]],
+              counts: TokenCounts):
+        out = []
+        for c in choices:
             outs = parts[c.index]
             logprobs = (self._logprobs([e for o in outs for e in o.new_logprobs])
                         if self.logprobs else None)
@@ -200,9 +201,9 @@ class ChatFormat(Format):
                 calls = whole_calls(update)
                 message = AssistantMessage(content=update.content or (None if calls else ""),
                                            tool_calls=calls or None)
-            choices.append(ChatChoice(c.index, message, logprobs, c.finish_reason))
+            out.append(ChatChoice(c.index, message, logprobs, self.finish_reason(c)))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model,
-                                      choices=choices, usage=job.usage)
+                                      choices=out, usage=usage(counts))
 
 
 def whole_calls(update: Update) -> list[ToolCall]:

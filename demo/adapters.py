@@ -8,7 +8,7 @@ They differ the way real adapters do: rank 8 or 16, attention-only or every proj
 with rsLoRA scaling.
 
 peft and transformers are imported inside the functions that need them: `import peft` takes
-seconds, and engine.demo imports `build_once` from here.
+seconds, and demo.model imports `build_once` from here.
 """
 
 from __future__ import annotations

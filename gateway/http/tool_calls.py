@@ -22,17 +22,43 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import regex  # partial matching: is this text the start of a call header?
-
-from engine.structured import parse_tool_call
 
 HEADER = regex.compile(r'\s*(?:<tool_call>\s*)?\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,'
                        r'\s*"arguments"\s*:\s*')
 CLOSE_BRACE = regex.compile(r"\s*\}")  # closes the call after its arguments
 CLOSE_TAG = "</tool_call>"
 Mode = Literal["start", "arguments", "trailer", "content", "held"]
+
+
+def tool_call_schema(tools: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
+    """JSON schema of one call {"name": n, "arguments": <n's parameters>} of the allowed tools."""
+    by_name = {t["function"]["name"]: t["function"] for t in tools}
+    calls = []
+    for name in names:
+        params = by_name[name].get("parameters") or {"type": "object", "properties": {}}
+        calls.append({"type": "object", "properties": {"name": {"const": name},
+                                                       "arguments": params},
+                      "required": ["name", "arguments"], "additionalProperties": False})
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def parse_tool_call(text: str, names: list[str]) -> tuple[str, str] | None:
+    """(name, arguments as a JSON string) if `text` is one call {"name", "arguments"} of an
+    allowed tool, optionally inside <tool_call></tool_call> (the demo and Qwen templates' tags)."""
+    body = text.strip()
+    if body.startswith("<tool_call>") and body.endswith("</tool_call>"):
+        body = body[len("<tool_call>"):-len("</tool_call>")].strip()
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not (isinstance(call, dict) and call.get("name") in names
+            and isinstance(call.get("arguments"), dict)):
+        return None
+    return call["name"], json.dumps(call["arguments"], ensure_ascii=False)
 
 
 @dataclass(slots=True)

@@ -7,25 +7,22 @@ upstream bytes back as they arrive. One hop at most: a request carrying the mark
 served where it lands. A target that cannot be reached, or answers 5xx/429 before any byte, is
 forgotten for this request and we serve locally. The in-process registry never forwards.
 
-The residency manager (gateway/adapter_manager.py) publishes each replica's state; with the
-plain resolver, `Router` publishes it itself from engine snapshots.
+The router reads replica states only; the residency manager (gateway/residency/manager.py)
+publishes this replica's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import socket
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import httpx
 from litestar import Request, Response
 from litestar.response import Stream
 
-from adapters.registry import Registry, ReplicaState, make_registry
+from adapters.registry import Registry, ReplicaState
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +44,6 @@ STATES_CACHE_S = 0.2
 
 CONNECT_TIMEOUT_S = 1.0  # a replica that does not accept within this is treated as down
 READ_TIMEOUT_S = 600.0  # between two upstream bytes (a long non-streamed generation)
-PUBLISH_INTERVAL_S = 0.5
 # Not copied onto a forwarded request or back from its response: hop-by-hop, or recomputed.
 _HOP_HEADERS = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "te",
                           "content-length", "upgrade", "proxy-connection", "date", "server"})
@@ -80,86 +76,39 @@ def choose(states: list[ReplicaState], self_id: str, adapter: str | None) -> Rep
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class RouterConfig:
-    replica_id: str
-    advertise_url: str
-    redis_url: str | None
-    base_name: str  # the `model` name of the base model
-
-
 class Router:
-    """Owns the forwarding HTTP client. Reads replica states from the residency manager's
-    registry (`runtime.resolver.registry`) when there is one; otherwise (the plain resolver)
-    it opens its own registry and publishes this replica's state itself."""
+    """Forwards a request to the replica `choose` picks, through one pooled HTTP client (open
+    between `start` and `close`). `fleet` is False without Redis: nothing to forward to."""
 
-    def __init__(self, config: RouterConfig, runtime=None, registry: Registry | None = None,
-                 publish_interval_s: float = PUBLISH_INTERVAL_S):
-        self.config, self.runtime, self.registry = config, runtime, registry
-        self.replica_id = config.replica_id
-        self.fleet = bool(config.redis_url)  # the in-process registry never forwards
-        self.publish_interval_s = publish_interval_s
+    def __init__(self, registry: Registry, replica_id: str, fleet: bool):
+        self.registry, self.replica_id, self.fleet = registry, replica_id, fleet
         self.client: httpx.AsyncClient | None = None
-        self._owned: Registry | None = None  # the registry we opened (and so close)
         self._states: list[ReplicaState] = []
         self._states_at = -1e9
 
-    @classmethod
-    def from_server_config(cls, config, runtime=None) -> Router:
-        """From a gateway ServerConfig: --redis-url, --replica-id, --advertise-url."""
-        replica_id = config.replica_id or socket.gethostname()
-        url = config.advertise_url or f"http://{config.host}:{config.port}"
-        return cls(RouterConfig(replica_id, url.rstrip("/"), config.redis_url,
-                                config.model_name), runtime)
-
     @asynccontextmanager
-    async def lifespan(self, _app=None) -> AsyncIterator[Router]:
+    async def running(self) -> AsyncIterator[Router]:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(
             READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S, pool=CONNECT_TIMEOUT_S))
-        attach = None
-        if self.registry is None and self.runtime is not None and self.fleet:
-            attach = asyncio.create_task(self._attach(), name="router-attach")
         try:
             yield self
         finally:
-            if attach is not None:
-                attach.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await attach
             await self.client.aclose()
-            if self._owned is not None:
-                await self._owned.close()
+            self.client = None
 
-    async def _attach(self) -> None:
-        """Once the runtime is ready: adopt its registry, or open one and publish to it."""
-        while not self.runtime.ready:
-            await asyncio.sleep(0.05)
-        shared = getattr(self.runtime.resolver, "registry", None)
-        if shared is not None:
-            self.registry = shared
-            return
-        self._owned = make_registry(self.config.redis_url, self.replica_id)
-        await self._owned.start()
-        self.registry = self._owned
-        await self._publish_loop()
-
-    # ---- routing -------------------------------------------------------------------------
-    def adapter_of(self, model: str) -> str | None:
-        return None if model == self.config.base_name else model
-
-    async def route(self, request: Request, model: str) -> Response | None:
-        """The forwarded response for this completion request, or None to serve it here."""
+    async def route(self, request: Request, adapter: str | None) -> Response | None:
+        """The forwarded response for this completion request (for `adapter`, None: the base
+        model), or None to serve it here."""
         headers = dict(request.headers)
         rid = request.scope.get("state", {}).get("request_id")
         if rid and "x-request-id" not in headers:
             headers["x-request-id"] = rid  # the target logs the same id
         return await self.maybe_forward(await request.body(), headers, request.scope["path"],
-                                        self.adapter_of(model))
+                                        adapter)
 
     async def maybe_forward(self, request_body: bytes, headers: Mapping[str, str], path: str,
                             adapter: str | None) -> Response | None:
-        if (not self.fleet or self.registry is None or self.client is None
-                or _has_header(headers, FORWARDED_HEADER)):
+        if not self.fleet or self.client is None or _has_header(headers, FORWARDED_HEADER):
             return None
         target = choose(await self.states(), self.replica_id, adapter)
         if target is None:
@@ -191,32 +140,6 @@ class Router:
         if now - self._states_at > STATES_CACHE_S:
             self._states, self._states_at = await self.registry.replicas(), now
         return self._states
-
-    # ---- publishing (until the residency manager does it) ---------------------------------
-    async def local_state(self) -> ReplicaState | None:
-        runtime = self.runtime
-        if runtime is None or not runtime.ready:
-            return None
-        snapshot = await runtime.snapshot()
-        if snapshot is None:
-            return None
-        resident = tuple(sorted(n for n, where in snapshot.residency.items() if where == "device"))
-        return ReplicaState(self.replica_id, self.config.advertise_url, resident, loading=(),
-                            free_slots=max(0, snapshot.slots_total - len(resident)),
-                            queue_depth=snapshot.num_waiting, updated_at=0.0)
-
-    async def _publish_loop(self) -> None:
-        assert self.registry is not None
-        last: ReplicaState | None = None
-        while True:
-            try:
-                state = await self.local_state()
-                if state is not None and state != last:
-                    await self.registry.publish_state(state)
-                    last = state
-            except Exception:  # a bug must not stop publishing: the replica would vanish
-                logger.exception("router: publishing this replica's state failed")
-            await asyncio.sleep(self.publish_interval_s)
 
 
 async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from litestar import Controller, Response, get
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway.protocol import Health
+from gateway.http.protocol import Health
 from gateway.runtime import Runtime
 
 

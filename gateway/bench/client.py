@@ -20,13 +20,14 @@ import random
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import httpx
 from tqdm import tqdm
 
-from gateway.bench_report import BenchResult, RequestResult, format_table, summarize
-from gateway.bench_server import ServerStartError, serve_subprocess
+from gateway.bench.config import ENDPOINTS, BenchConfig
+from gateway.bench.report import BenchResult, RequestResult, format_table, summarize
+from gateway.bench.server import ServerStartError, serve_subprocess
 
 logger = logging.getLogger(__name__)
 
@@ -34,68 +35,12 @@ PROMPTS = ("Tell me about the ocean.", "Write a short poem about the moon.",
            "How do I bake bread?", "What is a robot?", "Describe your favourite meal.",
            "Why is the sky blue?", "Give me three tips for learning to sail.",
            "Summarise the plot of a heist film in two sentences.")
-DISTRIBUTIONS = ("uniform", "zipf")
-ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 REQUEST_TIMEOUT_S = 600.0  # a request may wait in the server's queue behind many others
 
 
 class BenchError(Exception):
     """A setup failure the user fixes (no server there, an unknown model id): its message is
     the whole report."""
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    url: str | None = None  # a running server; None: start one from model/demo/adapter
-    model: str | None = None
-    demo: bool = False
-    adapter: tuple[str, ...] = ()  # NAME=SOURCE, registered by the server we start
-    num_requests: int = 64
-    concurrency: int = 8  # requests in flight at most
-    request_rate: float = math.inf  # mean arrivals per second
-    # The model ids to spread requests over; () = the base model only, ("all",) = every
-    # adapter GET /v1/models lists.
-    adapters: tuple[str, ...] = ()
-    adapter_distribution: str = "uniform"
-    max_tokens: int = 32
-    prompt: str | None = None  # None: cycle through PROMPTS
-    endpoint: str = "completions"
-    stream: bool = True
-    ignore_eos: bool = False
-    api_key: str | None = None
-    seed: int = 0
-    json_path: str | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("num_requests", "concurrency", "max_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
-                                 f"got {getattr(self, name)}")
-        if not self.request_rate > 0:
-            raise ValueError(f"--request-rate must be > 0 (inf: no pacing), "
-                             f"got {self.request_rate}")
-        if self.adapter_distribution not in DISTRIBUTIONS:
-            raise ValueError(f"--adapter-distribution must be one of {', '.join(DISTRIBUTIONS)}")
-        if self.endpoint not in ENDPOINTS:
-            raise ValueError(f"--endpoint must be one of {', '.join(ENDPOINTS)}")
-        if self.url is not None and not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"--url {self.url!r} needs its scheme, e.g. http://127.0.0.1:8000")
-        starts_server = self.model is not None or self.demo or bool(self.adapter)
-        if self.url is not None and starts_server:
-            raise ValueError("--model, --demo and --adapter start a server of our own; "
-                             "leave them out with --url")
-        if self.url is None and self.model is None and not self.demo:
-            raise ValueError("give --url of a running server, or --model PATH or --demo to "
-                             "start one for the benchmark")
-        if self.model is not None and self.demo:
-            raise ValueError("--model and --demo exclude each other; pass one")
-
-    def serve_args(self) -> list[str]:
-        """The `loragw serve` flags of the server started when there is no --url."""
-        args = ["--demo"] if self.demo else ["--model", str(self.model)]
-        for spec in self.adapter:
-            args += ["--adapter", spec]
-        return args
 
 
 def assign_models(ids: list[str], n: int, distribution: str, rng: random.Random) -> list[str]:

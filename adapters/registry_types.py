@@ -1,0 +1,131 @@
+"""The registry's nouns, its interface and their wire format, shared by both implementations.
+
+``CatalogEntry`` (filled by the residency manager when an adapter is registered),
+``ReplicaState`` (filled by the residency manager, stamped on every publish) and
+``AdapterEvent`` (made by a registry when a catalog write deletes or replaces weights).
+``Registry`` is the interface gateway code holds; adapters.registry picks the implementation.
+Redis stores the same dataclasses as msgspec JSON (the decoders at the bottom).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import Protocol, TypeVar, runtime_checkable
+
+import msgspec
+
+logger = logging.getLogger(__name__)
+
+EVENT_DELETED = "deleted"
+EVENT_REPLACED = "replaced"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogEntry:
+    """One registered adapter, fleet-wide. ``version`` grows each time the id gets new weights."""
+
+    adapter_id: str
+    source: str  # local dir, hf://ORG/REPO[@REV], or "upload"
+    revision: str | None
+    sha256: str  # of adapter_model.safetensors
+    rank: int
+    targets: tuple[str, ...]  # target modules, e.g. ("q_proj", "v_proj")
+    num_bytes: int
+    version: int
+
+    def same_weights(self, other: CatalogEntry) -> bool:
+        return self.sha256 == other.sha256 and self.version == other.version
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    """What one replica advertises to the router. Filled by the residency manager."""
+
+    replica_id: str
+    url: str  # --advertise-url: where other replicas forward requests
+    resident: tuple[str, ...]  # adapter ids in device slots
+    loading: tuple[str, ...]  # adapter ids being loaded into a slot
+    free_slots: int
+    queue_depth: int  # waiting requests
+    updated_at: float  # time.time() of the last publish (heartbeats refresh it)
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterEvent:
+    """Broadcast when an adapter id is deleted or gets new weights."""
+
+    kind: str  # EVENT_DELETED | EVENT_REPLACED
+    adapter_id: str
+    version: int  # the new version (replaced) or the version that was removed (deleted)
+    origin: str  # replica_id that caused it; "" when found by a resync after an outage
+
+
+EventCallback = Callable[[AdapterEvent], Awaitable[None] | None]
+
+
+@runtime_checkable
+class Registry(Protocol):
+    replica_id: str
+
+    async def start(self) -> None: ...
+    async def close(self) -> None: ...
+    async def put_adapter(self, entry: CatalogEntry) -> None: ...
+    async def get_adapter(self, adapter_id: str) -> CatalogEntry | None: ...
+    async def list_adapters(self) -> list[CatalogEntry]: ...
+    async def delete_adapter(self, adapter_id: str) -> bool: ...
+    async def publish_state(self, state: ReplicaState) -> None: ...
+    async def replicas(self) -> list[ReplicaState]: ...
+    def subscribe(self, callback: EventCallback) -> None: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+
+def stamp(state: ReplicaState) -> ReplicaState:
+    """The state with ``updated_at`` set to now: what a publish or heartbeat stores."""
+    return replace(state, updated_at=time.time())
+
+
+async def deliver(callbacks: list[EventCallback], event: AdapterEvent) -> None:
+    """Run every subscriber on ``event`` in order; one failing subscriber does not stop the rest."""
+    for callback in list(callbacks):
+        try:
+            result = callback(event)
+            if inspect.isawaitable(result):
+                await result
+        except Exception:
+            logger.exception("registry subscriber %r failed on %s", callback, event)
+
+
+def catalog_changes(before: dict[str, CatalogEntry], after: dict[str, CatalogEntry]):
+    """Deletes and replacements between two catalog snapshots, as events of unknown origin."""
+    for adapter_id, old in before.items():
+        new = after.get(adapter_id)
+        if new is None:
+            yield AdapterEvent(EVENT_DELETED, adapter_id, old.version, origin="")
+        elif not new.same_weights(old):
+            yield AdapterEvent(EVENT_REPLACED, adapter_id, new.version, origin="")
+
+
+# Wire format: the same dataclasses, as msgspec JSON.
+_encoder = msgspec.json.Encoder()
+encode = _encoder.encode
+decode_entry = msgspec.json.Decoder(CatalogEntry).decode
+decode_state = msgspec.json.Decoder(ReplicaState).decode
+decode_event = msgspec.json.Decoder(AdapterEvent).decode
+
+
+def decode_all(decode: Callable[[bytes], T], payloads: Iterable[bytes]) -> list[T]:
+    """Decode each payload, skipping (with a warning) any written by an incompatible version."""
+    out = []
+    for raw in payloads:
+        try:
+            out.append(decode(raw))
+        except msgspec.DecodeError as exc:
+            logger.warning("registry: ignoring a malformed record %r: %s", raw[:200], exc)
+    return out

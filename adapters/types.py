@@ -1,0 +1,187 @@
+"""The shared nouns of the adapter format: what the base model offers (``BaseModelSpec``), what
+an adapter_config.json says (``LoraConfig``), the modules a LoRA may target, and the PEFT key
+patterns that more than one checker reads.
+
+Filled by: ``BaseModelSpec`` by the engine (from the base's config.json); ``LoraConfig`` by
+adapters.lora_config.parse_adapter_config. Read by the checkers (adapters.lora_tensors,
+adapters.saved_modules) and the loader (adapters.format). Module names are the base model's:
+'model.layers.3.self_attn.k_proj', 'model.embed_tokens', 'lm_head'.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from adapters.errors import AdapterError
+from adapters.errors import short_repr as _show
+
+# -- targets ----------------------------------------------------------------------------------
+
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EMBED_TOKENS, LM_HEAD = "embed_tokens", "lm_head"  # the vocabulary ends
+MODEL_TARGETS = (EMBED_TOKENS, LM_HEAD)  # one per model, outside the decoder layers
+SUPPORTED_TARGETS = TARGET_MODULES + MODEL_TARGETS
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+BLOCK_OF = {t: "self_attn" for t in TARGET_MODULES[:4]} | {t: "mlp" for t in TARGET_MODULES[4:]}
+ALL_LINEAR = "all-linear"  # target_modules shorthand: every projection (not the vocabulary ends)
+
+# -- PEFT keys that both adapters.lora_tensors and adapters.saved_modules read -----------------
+
+# A LoRA on a vocabulary end: PEFT's lora.Embedding (no ".weight") and a Linear LoRA on lm_head.
+# PEFT saves keys without the adapter name; some exporters keep ".default".
+EMBED_LORA_KEY = re.compile(
+    r"base_model\.model\.(?P<module>(?:model\.)?embed_tokens)\.lora_embedding_(?P<ab>[AB])"
+    r"(?:\.default)?"
+)
+HEAD_LORA_KEY = re.compile(
+    r"base_model\.model\.(?P<module>lm_head)\.lora_(?P<ab>[AB])(?:\.default)?\.weight"
+)
+# A full copy of a vocabulary end (PEFT's modules_to_save, or a resized vocabulary's layers).
+SAVED_KEY = re.compile(r"base_model\.model\.(?P<module>(?:model\.)?embed_tokens|lm_head)\.weight")
+
+
+def no_vocab_error(key: str, target: str) -> AdapterError:
+    """A tensor for a vocabulary end on a base whose spec has no vocabulary shapes."""
+    return AdapterError(
+        f"tensor {_show(key)} is for {target}, but the base model's config.json gives no"
+        " vocab_size to check it against"
+    )
+
+
+# -- the base model ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BaseModelSpec:
+    """What the served base model offers adapters; built by the engine."""
+
+    num_layers: int
+    # target -> (out_features, in_features); embed_tokens is (hidden, vocab), lm_head
+    # (vocab, hidden): both absent when config.json gives no vocab_size
+    module_shapes: dict[str, tuple[int, int]]
+    max_lora_rank: int
+    tie_word_embeddings: bool = False  # lm_head reuses embed_tokens' weight
+    # adapters with saved modules (modules_to_save) the server holds at once; 0 refuses them
+    max_full_module_slots: int = 0
+
+    @classmethod
+    def from_hf_config(cls, hf_config: dict, max_lora_rank: int,
+                       max_full_module_slots: int = 0) -> BaseModelSpec:
+        """From a Llama / Mistral / Qwen2 / Qwen3 config.json (as a dict)."""
+        cfg = hf_config
+        if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
+            cfg = cfg["text_config"]
+        for key in ("hidden_size", "num_attention_heads", "intermediate_size",
+                    "num_hidden_layers"):  # fmt: skip
+            if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
+                raise ValueError(f"base model config.json: {key} missing or not a positive int")
+        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or heads
+        head_dim = cfg.get("head_dim") or hidden // heads
+        if not cfg.get("head_dim") and hidden % heads:
+            raise ValueError(f"base model config.json: hidden_size {hidden} % heads {heads} != 0")
+        inter = cfg["intermediate_size"]
+        q, kv = heads * head_dim, kv_heads * head_dim
+        shapes = {
+            "q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden),
+            "o_proj": (hidden, q),
+            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
+        }  # fmt: skip
+        vocab = cfg.get("vocab_size")
+        if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
+            shapes |= {EMBED_TOKENS: (hidden, vocab), LM_HEAD: (vocab, hidden)}
+        if max_lora_rank < 1:
+            raise ValueError(f"--max-lora-rank must be >= 1, got {max_lora_rank}")
+        tied = bool(cfg.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False)))
+        return cls(cfg["num_hidden_layers"], shapes, max_lora_rank, tied, max_full_module_slots)
+
+
+# -- the adapter's config ---------------------------------------------------------------------
+
+
+def pattern_key(pattern_keys: Iterable[str], module_name: str) -> str:
+    """PEFT's get_pattern_key: the first key, in dict (= file) order, that matches a dotted
+    suffix of the full module name, ``re.match(rf"(.*\\.)?({key})$", module_name)``; else
+    module_name itself (so ``pattern.get(pattern_key(...), default)`` gives the default).
+
+    module_name is the name inside the base model, e.g. 'model.layers.3.self_attn.k_proj'.
+    Keys are regexes ('.' matches any character) anchored at a '.' boundary and at the end:
+    'q_proj' and 'layers\\.1\\..*' match, '_proj' does not. The first match wins, not the
+    most specific; PEFT writes adapter_config.json with sorted keys, so for overlapping keys
+    the file's order is what PeftModel.from_pretrained (and this engine) applies.
+    """
+    for key in pattern_keys:
+        if re.match(rf"(.*\.)?({key})$", module_name):
+            return key
+    return module_name
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """The parts of a PEFT LoraConfig that decide what the adapter computes.
+
+    PEFT semantics mirrored here (peft 0.21): target_modules as a list matches a module whose
+    name equals an entry or ends with "." + entry, then layers_to_transform filters by layer
+    index; as a str it is ``re.fullmatch`` on the full module name; "all-linear" means every
+    projection (not lm_head, not embed_tokens). rank_pattern / alpha_pattern: see
+    ``pattern_key``.
+
+    Fields this engine refuses (DoRA, biases, fan_in_fan_out) keep their only accepted value
+    so callers can read them. modules_to_save holds the model-level modules the adapter saves
+    a full copy of (adapters.saved_modules). Not hashable (holds dicts).
+    ensure_weight_tying matters only on a base with tied embeddings (see
+    adapters.lora_tensors.check_lora_tensors).
+    """
+
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...] | str  # names (suffix match) or a regex (full match)
+    rank_pattern: dict[str, int]  # regex key -> rank, first match wins (see pattern_key)
+    alpha_pattern: dict[str, float]
+    layers_to_transform: tuple[int, ...] | None
+    base_model_name_or_path: str | None
+    bias: str
+    fan_in_fan_out: bool
+    modules_to_save: tuple[str, ...]  # sorted subset of MODEL_TARGETS; () if none
+    use_dora: bool
+    exclude_modules: tuple[str, ...] | str | None = None
+    ensure_weight_tying: bool = False
+
+    def rank_for(self, module_name: str) -> int:
+        """Rank PEFT gives module_name, e.g. 'model.layers.3.self_attn.k_proj'."""
+        return self.rank_pattern.get(pattern_key(self.rank_pattern, module_name), self.r)
+
+    def alpha_for(self, module_name: str) -> float:
+        return self.alpha_pattern.get(pattern_key(self.alpha_pattern, module_name), self.lora_alpha)
+
+    def scaling(self, module_name: str) -> float:
+        """alpha/r, or alpha/sqrt(r) with use_rslora, after rank_pattern/alpha_pattern."""
+        r, alpha = self.rank_for(module_name), self.alpha_for(module_name)
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+    def targets_module(self, module_name: str, layer: int | None) -> bool:
+        """Whether PEFT would have put a LoRA on module_name (check_target_module_exists);
+        layer is None for modules outside the decoder layers (embed_tokens, lm_head)."""
+        ex = self.exclude_modules
+        if isinstance(ex, str) and re.fullmatch(ex, module_name):
+            return False
+        if isinstance(ex, tuple) and any(_suffix_match(e, module_name) for e in ex):
+            return False
+        if self.target_modules == ALL_LINEAR:
+            return module_name.rsplit(".", 1)[-1] in TARGET_MODULES
+        if isinstance(self.target_modules, str):  # never with layers_to_transform
+            return re.fullmatch(self.target_modules, module_name) is not None
+        if module_name in self.target_modules:  # named in full: PEFT skips the layer filter
+            return True
+        if not any(_suffix_match(t, module_name) for t in self.target_modules):
+            return False
+        return self.layers_to_transform is None or (
+            layer is not None and layer in self.layers_to_transform)
+
+
+def _suffix_match(name: str, module_name: str) -> bool:
+    return module_name == name or module_name.endswith("." + name)

@@ -1,0 +1,3 @@
+"""The demo: a small Llama-architecture base model with its own tokenizer (demo.model), four
+PEFT-trained adapters that each answer with a catch-phrase (demo.adapters), and the requests
+`loragw serve --demo` prints (demo.examples). Built by `loragw demo`, served by `make demo`."""

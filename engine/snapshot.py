@@ -1,0 +1,61 @@
+"""What the engine looks like at one instant between steps: the one reading of its state that
+metrics, the adapter listings and the fleet's heartbeat share. `take_snapshot(engine)` runs on
+the engine's thread (AsyncEngine.call), so nothing in it is torn mid-step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    slots_total: int
+    slots_in_use: int  # slots a running sequence holds
+    free_slots: int  # slots holding no adapter (a load there evicts nothing)
+    residency: dict[str, str]  # registered adapter -> "device" | "host" | "disk"
+    pinned: frozenset[str]  # adapters that are never evicted
+    preemptions: int
+    step_errors: int = 0  # engine steps that failed (their requests were failed, not the server)
+    # adapter events per tier, as the engine counts them
+    loads: dict[str, int] = field(default_factory=dict)
+    evictions: dict[str, int] = field(default_factory=dict)
+    hits: dict[str, int] = field(default_factory=dict)
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # of those, tokens found cached
+    # Device bytes of the adapter pools: projections, embed_tokens, lm_head, full_modules
+    lora_device_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_free
+
+    @property
+    def resident(self) -> list[str]:
+        """Adapters in a device slot, by name."""
+        return sorted(name for name, tier in self.residency.items() if tier == "device")
+
+
+def take_snapshot(engine: LLMEngine, step_errors: int = 0) -> EngineSnapshot:
+    """Runs on the engine thread, between steps."""
+    lora, stats, blocks = engine.lora, engine.lora.stats, engine.block_manager
+    return EngineSnapshot(
+        num_running=engine.num_running, num_waiting=engine.num_waiting,
+        kv_blocks_total=blocks.num_blocks, kv_blocks_free=blocks.num_free_blocks,
+        slots_total=len(lora.slots), slots_in_use=lora.slots_in_use, free_slots=lora.free_slots,
+        residency={name: lora.residency(name) for name in lora.adapters},
+        pinned=frozenset(name for name, entry in lora.adapters.items() if entry.pinned),
+        preemptions=engine.scheduler.num_preemptions, step_errors=step_errors,
+        loads={"device": stats.device_loads, "host": stats.host_loads},
+        evictions={"device": stats.device_evictions, "host": stats.host_evictions},
+        hits={"device": stats.device_hits},
+        prefix_cache_queries=blocks.cache.stats.queries,
+        prefix_cache_hits=blocks.cache.stats.hits,
+        lora_device_bytes=dict(lora.device_bytes))

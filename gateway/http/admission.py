@@ -1,0 +1,130 @@
+"""The one way a generation request gets in: every decision made once, in this order.
+
+    1. ready?                      Runtime.check_ready                      503
+    2. which adapter?              AdapterManager.adapter_for(model)        404 (names only)
+    3. another replica?            Router.route                             (forwarded there)
+    4. the adapter, here           AdapterManager.ensure_ready              disk / Hub -> host
+    5. the request's own options   request_params: tools, logprobs, the guided constraint,
+                                   SamplingParams (one per request)         400 naming the param
+    6. prompts                     prompts: text, token ids, chat template  400
+    7. capacity                    Runtime.admit(job)                       400 / 429
+    8. the engine's rules          AsyncEngine.submit_many -> LLMEngine.check_request on every
+                                   choice before any is queued (context window, KV cache, token
+                                   ids in the vocabulary)                   400 naming the param
+
+The endpoints differ only in steps 5-6 and in how the job's increments are shaped (a Format);
+`serve` runs the rest for both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+from litestar import Request, Response
+from litestar.background_tasks import BackgroundTask
+from litestar.response import Stream
+
+from engine.llm_engine import EngineRequest
+from engine.sampling_params import SamplingParams
+from gateway.errors import APIError
+from gateway.http.formats import ChatFormat, CompletionFormat, Format
+from gateway.http.prompts import chat_prompt, completion_prompts, off_loop_if_large, prompt_texts
+from gateway.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from gateway.http.request_params import (
+    chat_logprobs,
+    check_completion_options,
+    choice_params,
+    guided_decoding,
+    sampling_params,
+    tool_names,
+)
+from gateway.http.streaming import collect, stream_sse
+from gateway.jobs import Choice, GenerationJob
+from gateway.runtime import Runtime
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Steps 5-6 of one endpoint: the body -> (prompts, first choice's params, the Format of the
+# job's response; its response id is the job's).
+Prepare = Callable[[], Awaitable[tuple[list[list[int]], SamplingParams,
+                                        Callable[[GenerationJob], Format]]]]
+
+
+async def serve_completion(request: Request, data: CompletionRequest, runtime: Runtime):
+    async def prepare():
+        check_completion_options(data)
+        first = sampling_params(data, data.logprobs, guided_decoding(data, None))
+        prompts = await off_loop_if_large(completion_prompts, data, runtime.llm)
+        # what echo shows, once the engine has accepted the prompts' token ids
+        echo = (lambda: prompt_texts(data, prompts, runtime.llm)) if data.echo else None
+        return prompts, first, lambda job: CompletionFormat(
+            job.id, data.model, runtime.token_text, data.logprobs is not None,
+            echo=echo() if echo else None)
+
+    return await serve(request, data, runtime, "cmpl", prepare)
+
+
+async def serve_chat(request: Request, data: ChatCompletionRequest, runtime: Runtime):
+    async def prepare():
+        names = tool_names(data)  # None: no tools in play
+        first = sampling_params(data, chat_logprobs(data), guided_decoding(data, names))
+        prompt = await off_loop_if_large(chat_prompt, data, runtime.llm)
+        return [prompt], first, lambda job: ChatFormat(
+            job.id, data.model, runtime.token_text, data.logprobs, tool_names=names)
+
+    return await serve(request, data, runtime, "chatcmpl", prepare)
+
+
+async def serve(request: Request, data: SamplingRequest, runtime: Runtime, kind: str,
+                prepare: Prepare) -> Response:
+    runtime.check_ready()
+    state = request.scope["state"]
+    state["model"] = data.model
+    adapter = runtime.adapters.adapter_for(data.model)
+    forwarded = await runtime.router.route(request, adapter)
+    if forwarded is not None:
+        return forwarded
+    if adapter is not None:
+        await runtime.adapters.ensure_ready(adapter)
+    state["adapter"] = adapter or "base"  # the metrics label; set only once resolved
+    prompts, first, make_format = await prepare()
+    job = await start(request, runtime, prompts, first, data.n, adapter, kind)
+    fmt = make_format(job)
+    if data.stream:
+        include_usage = bool(data.stream_options and data.stream_options.include_usage)
+        return Stream(stream_sse(job, fmt, include_usage), media_type="text/event-stream",
+                      headers=SSE_HEADERS, background=BackgroundTask(job.aclose))
+    # a whole response: stop generating if the client goes away before it is ready
+    return Response(await collect(job, fmt, asyncio.ensure_future(_disconnect(request))))
+
+
+async def start(request: Request, runtime: Runtime, prompts: list[list[int]],
+                first: SamplingParams, n: int, adapter: str | None, kind: str) -> GenerationJob:
+    """Steps 7-8: one engine request per choice (prompts x n), admitted and queued at once."""
+    params, prompt_of = choice_params(first, len(prompts), n)
+    job_id = f"{kind}-{uuid.uuid4().hex}"
+    choices = [Choice(i, f"{job_id}-{i}", p, len(prompts[p])) for i, p in enumerate(prompt_of)]
+    arrival = request.scope["state"].get("arrival", time.monotonic())
+    job = GenerationJob(job_id, runtime.engine, choices, adapter, runtime.metrics, arrival,
+                        runtime.release)
+    runtime.admit(job)
+    try:
+        streams = await runtime.engine.submit_many([
+            EngineRequest(prompts[c.prompt_index], p, adapter, c.request_id)
+            for c, p in zip(choices, params, strict=True)])
+    except BaseException as exc:
+        job.close()
+        if isinstance(exc, ValueError):  # the engine refused one: nothing was queued
+            raise APIError.from_engine(exc) from None
+        raise
+    for choice, stream in zip(choices, streams, strict=True):
+        choice.stream = stream
+    runtime.metrics.prompt_tokens.labels(adapter or "base").inc(sum(len(p) for p in prompts))
+    return job
+
+
+async def _disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,82 @@
+"""Every failure in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Handlers raise `APIError` (or let AdapterError / Litestar's HTTP exceptions through); the
+exception handlers below turn each into the right status and body. Unexpected exceptions are
+logged with the request id and answered with a 500 that names it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+
+from adapters.errors import AdapterError, AdapterNotFound, InvalidAdapterId
+from gateway.errors import APIError
+from gateway.http.protocol import ErrorBody, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+# OpenAI's error `type` per status.
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
+          404: "invalid_request_error", 405: "invalid_request_error", 409: "invalid_request_error",
+          413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable_error"}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> Response[ErrorResponse]:
+    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    body = ErrorResponse(ErrorBody(message=message, type=kind, param=param, code=code))
+    return Response(body, status_code=status, headers=headers)
+
+
+def _api_error(_: Request, exc: APIError) -> Response[ErrorResponse]:
+    return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+
+def _adapter_error(_: Request, exc: AdapterError) -> Response[ErrorResponse]:
+    code = ("adapter_not_found" if isinstance(exc, AdapterNotFound) else
+            "invalid_adapter_id" if isinstance(exc, InvalidAdapterId) else "invalid_adapter")
+    return error_response(exc.status, str(exc), code=code)
+
+
+def _http_error(_: Request, exc: HTTPException) -> Response[ErrorResponse]:
+    status = exc.status_code
+    message, param = str(exc.detail), None
+    if isinstance(exc, ValidationException) and isinstance(exc.extra, list) and exc.extra:
+        # Litestar's extra: [{"message": "Expected `float` <= 1.0", "key": "top_p", ...}]
+        first = exc.extra[0] if isinstance(exc.extra[0], dict) else {}
+        param = first.get("key") or None
+        details = "; ".join(_describe(e) for e in exc.extra)
+        message = f"invalid request body: {details}"
+    elif status == 413:
+        message = f"{message}: the request body is larger than this server accepts"
+    code = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed",
+            413: "request_too_large"}.get(status)
+    return error_response(status, message, param, code, exc.headers)
+
+
+def _describe(entry: object) -> str:
+    if not isinstance(entry, dict):
+        return str(entry)
+    key, text = entry.get("key"), entry.get("message", "invalid value")
+    return f"{text} (at `{key}`)" if key else str(text)
+
+
+def _unexpected(request: Request, exc: Exception) -> Response[ErrorResponse]:
+    request_id = request.scope.get("state", {}).get("request_id", "?")
+    logger.exception("unhandled error in %s %s (request id %s)", request.method,
+                     request.url.path, request_id, exc_info=exc)
+    return error_response(500, f"internal server error ({type(exc).__name__}); the server "
+                               f"logged it under request id {request_id}", code="internal_error")
+
+
+EXCEPTION_HANDLERS = {
+    APIError: _api_error,
+    AdapterError: _adapter_error,
+    HTTPException: _http_error,
+    Exception: _unexpected,
+}
+

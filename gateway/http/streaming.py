@@ -1,0 +1,83 @@
+"""A job's increments, shaped by a Format: one whole response (`collect`) or an SSE stream
+(`stream_sse`). Both close the job when they end, however they end."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from engine.sequence import RequestOutput
+from gateway.errors import APIError
+from gateway.http.formats import Format
+from gateway.http.protocol import SSE_DONE, ErrorBody, ErrorResponse, sse
+from gateway.jobs import Choice, GenerationJob
+
+logger = logging.getLogger(__name__)
+
+
+async def collect(job: GenerationJob, fmt: Format, disconnected: asyncio.Future | None = None):
+    """Run the job to the end and build one whole response; 499 if `disconnected` (a task
+    that ends when the client goes away) ends first."""
+    loop = asyncio.get_running_loop()
+    parts: dict[int, list[RequestOutput]] = {c.index: [] for c in job.choices}
+    done = loop.create_future()
+    pending = job.num_unfinished
+
+    def sink(choice: Choice, out: RequestOutput | BaseException) -> None:
+        nonlocal pending
+        if done.done():
+            return
+        if isinstance(out, BaseException):
+            done.set_exception(out)
+            return
+        parts[choice.index].append(out)
+        pending -= out.finished
+        if pending == 0:
+            done.set_result(None)
+
+    try:
+        job.start(sink)
+        if pending == 0 and not done.done():
+            done.set_result(None)
+        waiting = {done} if disconnected is None else {done, disconnected}
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if not done.done():
+            raise APIError(499, "the client closed the connection before the response was "
+                                "ready", code="client_closed_request")
+        done.result()  # raises what the engine raised
+    finally:
+        job.close()
+        if disconnected is not None:
+            disconnected.cancel()
+    return fmt.whole(job.choices, parts, job.counts)
+
+
+async def stream_sse(job: GenerationJob, fmt: Format,
+                     include_usage: bool) -> AsyncIterator[bytes]:
+    """`data: {chunk}` events, a finish chunk per choice, optional usage, then [DONE]."""
+    queue: asyncio.Queue = asyncio.Queue()
+    try:
+        for chunk in fmt.head(job.choices):
+            yield sse(chunk)
+        pending = job.num_unfinished
+        job.start(lambda choice, out: queue.put_nowait((choice, out)))
+        while pending:
+            choice, out = await queue.get()
+            if isinstance(out, BaseException):
+                raise out
+            delta = fmt.delta(choice, out)
+            if delta is not None:
+                yield sse(delta)
+            if out.finished:
+                pending -= 1
+                yield sse(fmt.finish(choice))
+        if include_usage:
+            yield sse(fmt.usage_chunk(job.counts))
+    except Exception as exc:  # headers are gone: report in-band, as OpenAI and vLLM do
+        logger.exception("stream failed")
+        yield sse(ErrorResponse(ErrorBody(message=f"generation failed: {exc}",
+                                          type="server_error", code="internal_error")))
+    finally:
+        job.close()
+    yield SSE_DONE

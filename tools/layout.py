@@ -1,0 +1,186 @@
+"""The code's layout, checked: import direction between packages, no import cycle inside a
+package, modules of at most MAX_LINES lines, tests that import no other test module, and a
+README map that names every module that exists (and none that does not).
+
+    python tools/layout.py          # prints every problem; exit status 1 if there is one
+
+tests/test_layout.py runs the same checks. Imports are read with `ast`, all of them: at module
+level, inside functions and under `if TYPE_CHECKING:` (a cycle hidden in a function is still
+a cycle a reader has to follow).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("engine", "kernels", "adapters", "gateway", "demo")
+MAX_LINES = 300
+# Which top-level packages each package may import: imports point one way.
+ALLOWED = {"kernels": set(), "adapters": set(), "engine": {"kernels", "adapters"},
+           "demo": {"engine", "adapters"}, "gateway": {"engine", "adapters", "kernels", "demo"}}
+# Cycles a package keeps on purpose, each with its reason: (module, module) pairs.
+ALLOWED_CYCLES: dict[frozenset[str], str] = {}
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str  # dotted: gateway.http.app
+    path: Path
+
+    @property
+    def package(self) -> str:
+        """The package it belongs to: gateway.http for gateway.http.app."""
+        parts = self.name.split(".")
+        return ".".join(parts[:-1]) if self.path.name != "__init__.py" else self.name
+
+
+def modules(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, Module]:
+    found = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = Module(".".join(parts), path)
+    return found
+
+
+def imports(module: Module, known: dict[str, Module]) -> set[str]:
+    """Project modules `module` imports, anywhere in its body."""
+    tree = ast.parse(module.path.read_text(), str(module.path))
+    out: set[str] = set()
+    base = module.name if module.path.name == "__init__.py" else module.package
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            prefix = node.module or ""
+            if node.level:
+                anchor = base.split(".")[: len(base.split(".")) - node.level + 1]
+                prefix = ".".join(anchor + ([node.module] if node.module else []))
+            names = [prefix] + [f"{prefix}.{alias.name}" for alias in node.names]
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != module.name:
+                out.add(name)
+    return out
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def import_problems(root: Path = ROOT) -> Iterator[str]:
+    known = modules(root)
+    graph = {name: imports(m, known) for name, m in known.items()}
+    for name, targets in sorted(graph.items()):
+        top = name.split(".")[0]
+        for target in sorted(targets):
+            other = target.split(".")[0]
+            if other != top and other not in ALLOWED[top]:
+                yield f"{name} imports {target}: {top} may import only {sorted(ALLOWED[top])}"
+    # A cycle between modules of one package (a package's __init__ re-exporting is not one).
+    by_package: dict[str, dict[str, set[str]]] = {}
+    for name, m in known.items():
+        if m.path.name == "__init__.py":
+            continue
+        same = {t for t in graph[name]
+                if known[t].package == m.package and known[t].path.name != "__init__.py"}
+        by_package.setdefault(m.package, {})[name] = same
+    for package, sub in sorted(by_package.items()):
+        for component in cycles(sub):
+            if not any(pair <= set(component) for pair in ALLOWED_CYCLES):
+                yield f"import cycle in {package}: {' <-> '.join(component)}"
+
+
+def size_problems(root: Path = ROOT) -> Iterator[str]:
+    for m in modules(root).values():
+        lines = len(m.path.read_text().splitlines())
+        if lines > MAX_LINES:
+            yield f"{m.path.relative_to(root)} has {lines} lines (> {MAX_LINES}): split it by noun"
+
+
+def test_import_problems(root: Path = ROOT) -> Iterator[str]:
+    """A test module imports helpers (tests/**/non-test_*.py), never another test module."""
+    for path in sorted((root / "tests").rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                targets = [node.module or ""] + [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            for target in targets:
+                if target.rpartition(".")[2].startswith("test_"):
+                    yield f"{path.relative_to(root)} imports the test module {target}"
+
+
+_MAP_ENTRY = re.compile(r"`((?:engine|kernels|adapters|gateway|demo)/[\w/.]*)`")
+
+
+def readme_problems(root: Path = ROOT) -> Iterator[str]:
+    """Every path the README's map names exists, and every module is named (itself, or a
+    folder that holds it)."""
+    text = (root / "README.md").read_text()
+    _, _, mapped = text.partition("## Map")
+    named = set(_MAP_ENTRY.findall(mapped))
+    for entry in sorted(named):
+        if not (root / entry).exists():
+            yield f"README's map names {entry}, which does not exist"
+    for m in modules(root).values():
+        rel = m.path.relative_to(root).as_posix()
+        if m.path.name == "__init__.py" and m.path.stat().st_size < 2000:
+            continue  # a package's re-exports; its modules are named one by one
+        folders = {"/".join(rel.split("/")[:i]) + "/" for i in range(1, rel.count("/") + 1)}
+        if rel not in named and not (folders & named):
+            yield f"README's map does not name {rel}"
+
+
+def problems(root: Path = ROOT) -> list[str]:
+    return [*import_problems(root), *size_problems(root), *test_import_problems(root),
+            *readme_problems(root)]
+
+
+if __name__ == "__main__":
+    found = problems()
+    print("\n".join(found) or "layout: no problems")
+    sys.exit(1 if found else 0)
