@@ -6,11 +6,18 @@ Everything is checked before anything is returned: the config (adapters.lora_con
 safetensors header (adapters.safetensors_check) and every key, shape, rank and dtype in it
 (adapters.saved_modules, adapters.lora_tensors), and only then are the tensors deserialized. Pickled weights are
 refused and never opened.
+
+The base model named in adapter_config.json is checked too: an adapter trained on another class
+(auto_mapping.base_model_class != the served config.json's architectures[0]) is refused; one
+whose base_model_name_or_path only names the base differently is served with a warning
+(LoraAdapter.warnings, logged once per load), since a Hub id and a local path legitimately
+name the same weights.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -24,12 +31,14 @@ from adapters.lora_tensors import check_lora_tensors
 from adapters.safetensors_check import CONFIG_FILE, check_safetensors
 from adapters.saved_modules import check_saved_modules, tied_to_embedding
 from adapters.sources import MAX_CONFIG_BYTES, read_adapter_files
-from adapters.types import EMBED_TOKENS, LM_HEAD, BaseModelSpec, LoraConfig
+from adapters.types import EMBED_TOKENS, LM_HEAD, BaseModelSpec, LoraConfig, base_name
 
 # BaseModelSpec lives in adapters.types; the engine imports it from here with the loader.
 __all__ = [
     "BaseModelSpec", "LoraModuleWeights", "LoraAdapter", "load_adapter", "load_adapter_bytes",
 ]  # fmt: skip
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,6 +67,9 @@ class LoraAdapter:
     # modules_to_save: target ("embed_tokens", "lm_head") -> the adapter's own weight [V, H],
     # CPU, as saved (F32/F16/BF16); with PEFT's weight tying both ends are one tensor
     saved_modules: dict[str, torch.Tensor] = field(default_factory=dict)
+    # served anyway, but worth a look (e.g. adapter_config.json names another base model);
+    # each is one sentence for a person, shown in the admin API's adapter info
+    warnings: tuple[str, ...] = ()
 
     @property
     def max_rank(self) -> int:
@@ -78,6 +90,7 @@ def load_adapter_bytes(config_raw: bytes, weights_raw: bytes, spec: BaseModelSpe
     if len(config_raw) > MAX_CONFIG_BYTES:
         raise AdapterError(f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
     config = parse_adapter_config(config_raw)
+    _check_base_model_class(config, spec)
     weights_raw = bytes(weights_raw)
     header = check_safetensors(weights_raw)
     saved_keys = check_saved_modules(header, config, spec)
@@ -109,12 +122,45 @@ def load_adapter_bytes(config_raw: bytes, weights_raw: bytes, spec: BaseModelSpe
                 " saved lm_head must equal its saved embed_tokens, but the saved tensors differ"
             )
         saved[LM_HEAD] = saved[EMBED_TOKENS]  # one tensor, as PEFT reloads it
+    sha256 = hashlib.sha256(weights_raw).hexdigest()
+    warnings = _base_model_name_warnings(config, spec)
+    for warning in warnings:
+        logger.warning("adapter (sha256 %s...): %s", sha256[:12], warning)
     return LoraAdapter(
         config=config,
         modules=modules,
-        sha256=hashlib.sha256(weights_raw).hexdigest(),
+        sha256=sha256,
         num_bytes=len(weights_raw),
         saved_modules=saved,
+        warnings=warnings,
+    )
+
+
+def _check_base_model_class(config: LoraConfig, spec: BaseModelSpec) -> None:
+    """Refuse an adapter trained on another architecture class; unknown on either side
+    (no auto_mapping, no architectures in config.json) checks nothing."""
+    trained, served = config.base_model_class, spec.architecture
+    if trained is None or served is None or trained == served:
+        return
+    raise AdapterError(
+        f"adapter_config.json says the adapter was trained on {_show(trained)}"
+        f" (auto_mapping.base_model_class), but this server serves {_show(served)}; use an"
+        f" adapter trained on {_show(served)}, or serve this one on a {_show(trained)} base model"
+    )
+
+
+def _base_model_name_warnings(config: LoraConfig, spec: BaseModelSpec) -> tuple[str, ...]:
+    """One warning when base_model_name_or_path names none of the served model's names, compared
+    by base_name (a Hub id and a local path to the same weights share their last component)."""
+    trained = config.base_model_name_or_path
+    if trained is None or not base_name(trained) or not spec.model_names:
+        return ()
+    if base_name(trained) in {base_name(name) for name in spec.model_names}:
+        return ()
+    return (
+        f"adapter_config.json says it was trained on {_show(trained)}; this server serves"
+        f" {_show(spec.model_names[0])} (shapes match, so it is served; check it is the right"
+        " base)",
     )
 
 

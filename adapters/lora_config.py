@@ -112,9 +112,9 @@ def parse_adapter_config(raw: bytes | str | dict) -> LoraConfig:
     layers_pattern = c.get("layers_pattern") or None
     if layers_pattern not in (None, "layers", ["layers"]):
         raise _bad("layers_pattern", f"is {_show(layers_pattern)}; expected 'layers'")
-    base_model = c.get("base_model_name_or_path")
-    if base_model is not None and not isinstance(base_model, str):
-        raise _bad("base_model_name_or_path", f"must be a string, got {_show(base_model)}")
+    auto_mapping = c.get("auto_mapping")
+    if auto_mapping is not None and not isinstance(auto_mapping, dict):
+        raise _bad("auto_mapping", f"must be an object or null, got {_show(auto_mapping)}")
     target_modules = _target_modules(c.get("target_modules"))
     layers = _layers(c.get("layers_to_transform"))
     if isinstance(target_modules, str) and layers is not None:
@@ -129,13 +129,15 @@ def parse_adapter_config(raw: bytes | str | dict) -> LoraConfig:
         alpha_pattern={k: _finite(v, f"alpha_pattern[{_show(k)}]")
                        for k, v in _patterns(c, "alpha_pattern").items()},
         layers_to_transform=layers,
-        base_model_name_or_path=base_model,
+        base_model_name_or_path=_name(c.get("base_model_name_or_path"), "base_model_name_or_path"),
         bias="none",
         fan_in_fan_out=False,
         modules_to_save=parse_modules_to_save(c.get("modules_to_save")),
         use_dora=False,
         exclude_modules=_exclude(c.get("exclude_modules")),
         ensure_weight_tying=_bool(c, "ensure_weight_tying"),
+        base_model_class=_name((auto_mapping or {}).get("base_model_class"),
+                               "auto_mapping.base_model_class"),
     )  # fmt: skip
 
 
@@ -144,6 +146,13 @@ def _bool(c: dict, field: str) -> bool:
     if v is not None and not isinstance(v, bool):
         raise _bad(field, f"must be true or false, got {_show(v)}")
     return bool(v)
+
+
+def _name(v: object, field: str) -> str | None:
+    """A name PEFT records (a Hub id, a path, a class): a string, or absent / null / ""."""
+    if v is not None and not isinstance(v, str):
+        raise _bad(field, f"must be a string or null, got {_show(v)}")
+    return v or None
 
 
 def _positive_int(v: object, field: str) -> int:

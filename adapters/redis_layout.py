@@ -6,7 +6,7 @@ Keys, under ``prefix`` (default ``loragw:``):
     replicas         set    replica ids, pruned of expired ones whenever it is read
     epoch            string a random token, set by the first replica to find it missing: a new
                             token means Redis lost its data, so every replica restores its writes
-    events           pub/sub channel of AdapterEvent JSON ("deleted" | "replaced")
+    events           pub/sub channel of AdapterEvent JSON ("added" | "deleted" | "replaced")
 
 Catalog writes are Lua scripts that compare, write and publish in one step. Every call here is
 one round trip and raises what Redis raises; staying up while Redis is away is RedisRegistry's
@@ -32,10 +32,14 @@ from adapters.registry_types import (
 _PUT = """
 local old = redis.call('HGET', KEYS[1], ARGV[1])
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-if not old then return 0 end
-local o, n = cjson.decode(old), cjson.decode(ARGV[2])
-if o.sha256 == n.sha256 and o.version == n.version then return 0 end
-redis.call('PUBLISH', KEYS[2], cjson.encode({kind='replaced', adapter_id=ARGV[1],
+local n = cjson.decode(ARGV[2])
+local kind = 'added'
+if old then
+  local o = cjson.decode(old)
+  if o.sha256 == n.sha256 and o.version == n.version then return 0 end
+  kind = 'replaced'
+end
+redis.call('PUBLISH', KEYS[2], cjson.encode({kind=kind, adapter_id=ARGV[1],
                                              version=n.version, origin=ARGV[3]}))
 return 1
 """
@@ -82,14 +86,23 @@ class RedisLayout:
         await self._put_script(keys=keys, args=[adapter_id, encode(entry), origin])
         return True
 
-    async def read_entry(self, adapter_id: str) -> CatalogEntry | None:
-        raw = await self._redis.hget(self.catalog_key, adapter_id)
+    async def read_entry(self, adapter_id: str) -> tuple[CatalogEntry | None, bytes | None]:
+        """One entry (None: not in the catalog) and the epoch token, read together: an
+        absence means "deleted" only under the epoch the reader knows."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hget(self.catalog_key, adapter_id)
+            pipe.get(self.epoch_key)
+            raw, epoch = await pipe.execute()
         found = decode_all(decode_entry, [raw] if raw else [])
-        return found[0] if found else None
+        return (found[0] if found else None), epoch
 
-    async def read_catalog(self) -> dict[str, CatalogEntry]:
-        raw = await self._redis.hgetall(self.catalog_key)
-        return {e.adapter_id: e for e in decode_all(decode_entry, raw.values())}
+    async def read_catalog(self) -> tuple[dict[str, CatalogEntry], bytes | None]:
+        """The whole catalog and the epoch token, read together."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(self.catalog_key)
+            pipe.get(self.epoch_key)
+            raw, epoch = await pipe.execute()
+        return {e.adapter_id: e for e in decode_all(decode_entry, raw.values())}, epoch
 
     async def restore_entries(self, entries: dict[str, CatalogEntry]) -> None:
         """Put entries back after Redis lost its data, unless someone already did."""

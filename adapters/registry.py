@@ -5,7 +5,8 @@ One interface (``Registry``, adapters.registry_types), two implementations:
 ``RedisRegistry`` (adapters.registry_redis: ``--redis-url``); ``make_registry`` picks one. The
 nouns are re-exported here, so callers import everything registry-shaped from this module.
 The residency manager writes the catalog and this replica's state; the router reads
-``replicas()``; every replica subscribes to "deleted" / "replaced" events to drop stale copies.
+``replicas()``; every replica subscribes to "added" / "deleted" / "replaced" events to keep its
+view of the catalog current.
 Events a replica causes reach its own subscribers too; filter on ``event.origin`` if needed.
 
 Registry calls never raise because Redis is away: reads fall back to what is known locally,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from adapters.registry_inprocess import InProcessRegistry
 from adapters.registry_types import (
+    EVENT_ADDED,
     EVENT_DELETED,
     EVENT_REPLACED,
     AdapterEvent,
@@ -27,7 +29,7 @@ from adapters.registry_types import (
 )
 
 __all__ = [
-    "EVENT_DELETED", "EVENT_REPLACED", "AdapterEvent", "CatalogEntry", "EventCallback",
+    "EVENT_ADDED", "EVENT_DELETED", "EVENT_REPLACED", "AdapterEvent", "CatalogEntry", "EventCallback",
     "InProcessRegistry", "Registry", "ReplicaState", "decode_state", "make_registry",
 ]  # fmt: skip
 

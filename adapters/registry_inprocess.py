@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from adapters.registry_types import (
+    EVENT_ADDED,
     EVENT_DELETED,
     EVENT_REPLACED,
     AdapterEvent,
@@ -36,8 +37,9 @@ class InProcessRegistry:
     async def put_adapter(self, entry: CatalogEntry) -> None:
         old = self._catalog.get(entry.adapter_id)
         self._catalog[entry.adapter_id] = entry
-        if old is not None and not old.same_weights(entry):
-            event = AdapterEvent(EVENT_REPLACED, entry.adapter_id, entry.version, self.replica_id)
+        if old is None or not old.same_weights(entry):
+            kind = EVENT_ADDED if old is None else EVENT_REPLACED
+            event = AdapterEvent(kind, entry.adapter_id, entry.version, self.replica_id)
             await deliver(self._callbacks, event)
 
     async def get_adapter(self, adapter_id: str) -> CatalogEntry | None:

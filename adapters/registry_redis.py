@@ -4,8 +4,9 @@ What it keeps in Redis, and how each write stays atomic: adapters.redis_layout. 
 the replica keeps serving: reads answer from the last known catalog (and ``replicas()`` from this
 replica alone, so the router serves locally), writes queue up, ``healthy`` is False, and a
 reconnect loop retries with capped exponential backoff. When Redis answers again, even empty,
-the replica re-subscribes, restores the entries it wrote, replays its queued writes and
-re-registers its state, all within one heartbeat period.
+the replica re-subscribes, restores every entry it knows (the catalog is whole again if one
+replica knew each entry), replays its queued writes and re-registers, within one heartbeat. A
+read under a new epoch (Redis restarted empty) rejoins first: a lost entry never reads as gone.
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ class RedisRegistry:
             self._pending[entry.adapter_id] = entry
 
     async def get_adapter(self, adapter_id: str) -> CatalogEntry | None:
-        ok, entry = await self._attempt(lambda: self._layout.read_entry(adapter_id))
+        ok, entry = await self._attempt(lambda: self._current(
+            lambda: self._layout.read_entry(adapter_id)))
         if not ok:
             return self._catalog.get(adapter_id)
         if entry is None:
@@ -136,7 +138,7 @@ class RedisRegistry:
         return entry
 
     async def list_adapters(self) -> list[CatalogEntry]:
-        ok, fresh = await self._attempt(self._layout.read_catalog)
+        ok, fresh = await self._attempt(lambda: self._current(self._layout.read_catalog))
         if ok:
             self._catalog = fresh
         return sorted(self._catalog.values(), key=lambda e: e.adapter_id)
@@ -178,6 +180,14 @@ class RedisRegistry:
             self._go_down(exc)
             return False, None
 
+    async def _current(self, read: Callable[[], Awaitable[tuple[T, bytes | None]]]) -> T:
+        """`read()`'s value under the epoch we know (a new one: rejoin, restore, read again)."""
+        value, epoch = await read()
+        if epoch != self._epoch:
+            await self._sync()
+            value, _ = await read()
+        return value
+
     async def _apply(self, adapter_id: str, entry: CatalogEntry | None) -> bool:
         """Write one catalog change (None = delete) as this replica, announced to the fleet."""
         return await self._layout.write_entry(adapter_id, entry, origin=self.replica_id)
@@ -201,12 +211,13 @@ class RedisRegistry:
             epoch = await self._layout.claim_epoch()
             lost = self._epoch is not None and epoch != self._epoch
             self._epoch = epoch
-            if lost:  # Redis came back empty: put back what we wrote, unless someone already did
-                logger.warning("registry: Redis %s lost its data; restoring ours", self._where)
-                await self._layout.restore_entries(self._own)
+            if lost:  # Redis came back empty: put back what we know, unless someone already did
+                logger.warning("registry: Redis %s lost its data; restoring the catalog",
+                               self._where)
+                await self._layout.restore_entries({**self._catalog, **self._own})
             await self._replay()
             await self._write_state()
-            fresh = await self._layout.read_catalog()
+            fresh, _ = await self._layout.read_catalog()
             missed = [] if lost else list(catalog_changes(self._catalog, fresh))
             self._catalog = {**self._catalog, **fresh} if lost else fresh
             await self._replay()  # writes queued while we were fetching

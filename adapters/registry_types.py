@@ -2,7 +2,7 @@
 
 ``CatalogEntry`` (filled by the residency manager when an adapter is registered),
 ``ReplicaState`` (filled by the residency manager, stamped on every publish) and
-``AdapterEvent`` (made by a registry when a catalog write deletes or replaces weights).
+``AdapterEvent`` (made by a registry when a catalog write adds, deletes or replaces weights).
 ``Registry`` is the interface gateway code holds; adapters.registry picks the implementation.
 Redis stores the same dataclasses as msgspec JSON (the decoders at the bottom).
 """
@@ -20,6 +20,7 @@ import msgspec
 
 logger = logging.getLogger(__name__)
 
+EVENT_ADDED = "added"
 EVENT_DELETED = "deleted"
 EVENT_REPLACED = "replaced"
 T = TypeVar("T")
@@ -27,19 +28,27 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class CatalogEntry:
-    """One registered adapter, fleet-wide. ``version`` grows each time the id gets new weights."""
+    """One registered adapter, fleet-wide: the catalog is the fleet's truth. ``version`` grows
+    each time the id gets new weights. Where a replica gets the bytes: the shared object store
+    (``object_key``), else its source (the Hub, S3, a path every replica may mount), else
+    nowhere: only ``holder`` has them (an upload, or a path, without a shared store)."""
 
     adapter_id: str
-    source: str  # local dir, hf://ORG/REPO[@REV], or "upload"
+    source: str  # local dir, hf://ORG/REPO[@REV], s3://BUCKET/PATH/, or "upload"
     revision: str | None
     sha256: str  # of adapter_model.safetensors
     rank: int
     targets: tuple[str, ...]  # target modules, e.g. ("q_proj", "v_proj")
     num_bytes: int
     version: int
+    config_sha256: str = ""  # of adapter_config.json
+    object_key: str = ""  # the pair's key in the shared object store; "" when not there
+    holder: str = ""  # the replica that registered it, when no other may be able to fetch it
+    created_at: float = 0.0  # unix time of this version's registration
 
     def same_weights(self, other: CatalogEntry) -> bool:
-        return self.sha256 == other.sha256 and self.version == other.version
+        return (self.sha256, self.config_sha256, self.version) == (
+            other.sha256, other.config_sha256, other.version)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,9 +66,9 @@ class ReplicaState:
 
 @dataclass(frozen=True, slots=True)
 class AdapterEvent:
-    """Broadcast when an adapter id is deleted or gets new weights."""
+    """Broadcast when an adapter id is added, deleted or gets new weights."""
 
-    kind: str  # EVENT_DELETED | EVENT_REPLACED
+    kind: str  # EVENT_ADDED | EVENT_DELETED | EVENT_REPLACED
     adapter_id: str
     version: int  # the new version (replaced) or the version that was removed (deleted)
     origin: str  # replica_id that caused it; "" when found by a resync after an outage
@@ -103,13 +112,17 @@ async def deliver(callbacks: list[EventCallback], event: AdapterEvent) -> None:
 
 
 def catalog_changes(before: dict[str, CatalogEntry], after: dict[str, CatalogEntry]):
-    """Deletes and replacements between two catalog snapshots, as events of unknown origin."""
+    """Adds, deletes and replacements between two catalog snapshots, as events of unknown
+    origin."""
     for adapter_id, old in before.items():
         new = after.get(adapter_id)
         if new is None:
             yield AdapterEvent(EVENT_DELETED, adapter_id, old.version, origin="")
         elif not new.same_weights(old):
             yield AdapterEvent(EVENT_REPLACED, adapter_id, new.version, origin="")
+    for adapter_id, new in after.items():
+        if adapter_id not in before:
+            yield AdapterEvent(EVENT_ADDED, adapter_id, new.version, origin="")
 
 
 # Wire format: the same dataclasses, as msgspec JSON.

@@ -100,10 +100,11 @@ class AdapterStore:
                     " first or replace it (vLLM: load again; admin API: replace=true)"
                 )
             self._check_namespace(adapter_id, target, old)
-            version = max(old.version if old else 0, self._versions().get(adapter_id, 0)) + 1
+            version = meta.version or self.next_version(adapter_id)
             stored = StoredAdapter(
                 adapter_id, version, hashlib.sha256(weights_raw).hexdigest(), len(weights_raw),
                 meta.source, meta.revision, meta.rank, tuple(meta.targets), time.time(), target,
+                hashlib.sha256(config_raw).hexdigest(), meta.object_key, tuple(meta.warnings),
             )  # fmt: skip
             parent = os.path.dirname(target)
             made_parent = not os.path.isdir(parent)
@@ -127,6 +128,11 @@ class AdapterStore:
             "stored adapter %s version %d (%d bytes)", adapter_id, version, len(weights_raw)
         )
         return stored
+
+    def next_version(self, adapter_id: str) -> int:
+        """The version a put of `adapter_id` gets by default: one past any it ever had here."""
+        old = self.get(adapter_id)
+        return max(old.version if old else 0, self._versions().get(adapter_id, 0)) + 1
 
     def delete(self, adapter_id: str) -> StoredAdapter:
         target = self.path(adapter_id)

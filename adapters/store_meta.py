@@ -22,10 +22,13 @@ META_FILE = "meta.json"
 class StoredMeta:
     """What the caller knows about an adapter it validated: filled from the LoraAdapter."""
 
-    source: str  # "upload", "hf://ORG/REPO@<commit sha>" or "/abs/dir"
+    source: str  # "upload", "hf://ORG/REPO@<commit sha>", "s3://BUCKET/PATH/" or "/abs/dir"
     revision: str | None = None  # the Hub revision asked for
     rank: int = 0  # LoraAdapter.max_rank
     targets: tuple[str, ...] = ()  # LoraAdapter.targets
+    version: int | None = None  # None: the store's next; set: the fleet catalog's version
+    object_key: str = ""  # where the shared object store holds the same bytes, if it does
+    warnings: tuple[str, ...] = ()  # LoraAdapter.warnings (accepted, but worth a look)
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,9 @@ class StoredAdapter:
     targets: tuple[str, ...]
     created_at: float  # unix time of this version's put
     path: str = field(default="", compare=False)  # folder with the PEFT files; not persisted
+    config_sha256: str = ""  # hex digest of adapter_config.json
+    object_key: str = ""
+    warnings: tuple[str, ...] = ()
 
 
 def encode_meta(stored: StoredAdapter) -> bytes:

@@ -11,6 +11,7 @@ adapters.saved_modules) and the loader (adapters.format). Module names are the b
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -54,6 +55,13 @@ def no_vocab_error(key: str, target: str) -> AdapterError:
 # -- the base model ---------------------------------------------------------------------------
 
 
+def base_name(name: str) -> str:
+    """What two names of one base model share: the last path component, case-folded.
+    'meta-llama/Llama-3.1-8B', '/models/llama-3.1-8b/' and 'C:\\m\\Llama-3.1-8B' all give
+    'llama-3.1-8b'."""
+    return re.split(r"[/\\]", name.strip().rstrip("/\\"))[-1].casefold()
+
+
 @dataclass(frozen=True)
 class BaseModelSpec:
     """What the served base model offers adapters; built by the engine."""
@@ -66,11 +74,17 @@ class BaseModelSpec:
     tie_word_embeddings: bool = False  # lm_head reuses embed_tokens' weight
     # adapters with saved modules (modules_to_save) the server holds at once; 0 refuses them
     max_full_module_slots: int = 0
+    # what adapters.format checks adapter_config.json's base model against: the served class
+    # (config.json architectures[0], e.g. 'LlamaForCausalLM') and names (the model directory's
+    # basename, then config.json's _name_or_path); None / () when unknown, which checks nothing
+    architecture: str | None = None
+    model_names: tuple[str, ...] = ()
 
     @classmethod
-    def from_hf_config(cls, hf_config: dict, max_lora_rank: int,
-                       max_full_module_slots: int = 0) -> BaseModelSpec:
-        """From a Llama / Mistral / Qwen2 / Qwen3 config.json (as a dict)."""
+    def from_hf_config(cls, hf_config: dict, max_lora_rank: int, max_full_module_slots: int = 0,
+                       model_path: str | os.PathLike | None = None) -> BaseModelSpec:
+        """From a Llama / Mistral / Qwen2 / Qwen3 config.json (as a dict); model_path is the
+        served model's directory, for its name."""
         cfg = hf_config
         if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
             cfg = cfg["text_config"]
@@ -96,7 +110,14 @@ class BaseModelSpec:
         if max_lora_rank < 1:
             raise ValueError(f"--max-lora-rank must be >= 1, got {max_lora_rank}")
         tied = bool(cfg.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False)))
-        return cls(cfg["num_hidden_layers"], shapes, max_lora_rank, tied, max_full_module_slots)
+        archs = hf_config.get("architectures")
+        arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+        names = [os.path.basename(os.path.abspath(model_path))] if model_path else []
+        if isinstance(hf_config.get("_name_or_path"), str):
+            names.append(hf_config["_name_or_path"])
+        names = tuple(dict.fromkeys(n for n in names if base_name(n)))  # distinct, in order
+        return cls(cfg["num_hidden_layers"], shapes, max_lora_rank, tied, max_full_module_slots,
+                   arch or None, names)
 
 
 # -- the adapter's config ---------------------------------------------------------------------
@@ -143,13 +164,16 @@ class LoraConfig:
     rank_pattern: dict[str, int]  # regex key -> rank, first match wins (see pattern_key)
     alpha_pattern: dict[str, float]
     layers_to_transform: tuple[int, ...] | None
-    base_model_name_or_path: str | None
+    base_model_name_or_path: str | None  # what it was trained on: a Hub id or a path; or None
     bias: str
     fan_in_fan_out: bool
     modules_to_save: tuple[str, ...]  # sorted subset of MODEL_TARGETS; () if none
     use_dora: bool
     exclude_modules: tuple[str, ...] | str | None = None
     ensure_weight_tying: bool = False
+    # the class it was trained on, auto_mapping.base_model_class ('LlamaForCausalLM'); None
+    # when absent (PEFT writes auto_mapping only for a LoraConfig without task_type)
+    base_model_class: str | None = None
 
     def rank_for(self, module_name: str) -> int:
         """Rank PEFT gives module_name, e.g. 'model.layers.3.self_attn.k_proj'."""

@@ -1,6 +1,8 @@
-"""Cold-start breakdown of one adapter (rank 16 on every target): Hub -> disk (a loopback Hub),
-disk -> host (parse + validate), host -> device (slot fill), and the time to first token of a
-request for a cold adapter vs a resident one. Prints a markdown table.
+"""Cold-start breakdown of one adapter (rank 16 on every target): Hub -> disk (a loopback Hub)
+and object store -> disk (a loopback S3 server: moto, as in the fleet tests; sha256-verified,
+then written to the disk store as a replica does), disk -> host (parse + validate), host ->
+device (slot fill), and the time to first token of a request for a cold adapter vs a resident
+one. Prints a markdown table.
 
     .venv/bin/python -m benchmarks.bench_cold_start [--out /tmp/bench-cold]
 """
@@ -8,9 +10,11 @@ request for a cold adapter vs a resident one. Prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
+import statistics
 import tempfile
 import time
 
@@ -20,11 +24,15 @@ from tqdm import tqdm
 
 from adapters.format import load_adapter
 from adapters.hub import fetch_hub_adapter
+from adapters.object_store import ObjectStore
+from adapters.store import AdapterStore
+from adapters.store_meta import StoredMeta
 from benchmarks.common import build_random_llama
 from engine.config import Config
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tests.adapters.hub_server import HubServer
+from tests.adapters.s3_server import S3Server
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RANK = 16
@@ -61,11 +69,28 @@ def ttft(llm: LLMEngine, adapter: str) -> float:
     return time.perf_counter() - started
 
 
-def measure(name: str, model_dir: str, work: str) -> dict:
+def s3_to_disk(store: ObjectStore, files: dict[str, bytes], disk: AdapterStore,
+               repeats: int = 5) -> float:
+    """Median seconds of what a replica does on first use: fetch both objects, verify their
+    sha256 against the catalog's, write the adapter to its disk store."""
+    config, weights = files["adapter_config.json"], files["adapter_model.safetensors"]
+    key = store.put(config, weights)
+    sha, config_sha = hashlib.sha256(weights).hexdigest(), hashlib.sha256(config).hexdigest()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        config_raw, weights_raw = store.get(key, sha, config_sha)
+        disk.put("from-s3", config_raw, weights_raw, StoredMeta("upload"), replace=True)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(name: str, model_dir: str, work: str, store: ObjectStore) -> dict:
     with open(os.path.join(model_dir, "config.json")) as f:
         hf = json.load(f)
     files = peft_bytes(hf)
     size_mb = len(files["adapter_model.safetensors"]) / 1e6
+    s3_s = s3_to_disk(store, files, AdapterStore(os.path.join(work, name, "disk")))
     llm = LLMEngine(Config(model=model_dir, device="cpu", max_loras=2, max_lora_rank=RANK,
                            max_model_len=256))
     with HubServer({"bench/cold": {"main": files}}) as hub:
@@ -85,8 +110,8 @@ def measure(name: str, model_dir: str, work: str) -> dict:
     llm.evict_adapter("cold2")  # disk tier: the engine re-reads it on first use
     cold_s = ttft(llm, "cold2")
     resident_s = min(ttft(llm, "cold") for _ in range(3))
-    return dict(name=name, mb=size_mb, hub=hub_s, host=host_s, device=device_s, cold=cold_s,
-                resident=resident_s)
+    return dict(name=name, mb=size_mb, hub=hub_s, s3=s3_s, host=host_s, device=device_s,
+                cold=cold_s, resident=resident_s)
 
 
 def main() -> None:
@@ -98,14 +123,23 @@ def main() -> None:
 
     models = {"demo": build_demo_model(os.path.join(args.out, "demo")),
               "llama-25M": build_random_llama(os.path.join(args.out, "llama25m"))}
-    rows = [measure(name, path, args.out) for name, path in tqdm(models.items(), desc="models")]
-    print("| model | adapter MB | Hub→disk ms (MB/s) | disk→host ms (MB/s) | host→device ms "
-          "(MB/s) | TTFT cold ms | TTFT resident ms |")
-    print("|---|---|---|---|---|---|---|")
+    s3 = S3Server()
+    s3.start()
+    try:
+        os.environ.update(s3.env)  # the store reads the standard AWS variables
+        store = ObjectStore(f"s3://{s3.create_bucket()}/bench")
+        rows = [measure(name, path, args.out, store)
+                for name, path in tqdm(models.items(), desc="models")]
+    finally:
+        s3.stop()
+    print("| model | adapter MB | Hub→disk ms (MB/s) | S3→disk ms (MB/s; ms/MB) | disk→host ms "
+          "(MB/s) | host→device ms (MB/s) | TTFT cold ms | TTFT resident ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        cells = [f"{r[k] * 1e3:.1f} ({r['mb'] / r[k]:.0f})" for k in ("hub", "host", "device")]
-        print(f"| {r['name']} | {r['mb']:.2f} | " + " | ".join(cells) +
-              f" | {r['cold'] * 1e3:.1f} | {r['resident'] * 1e3:.1f} |")
+        cell = lambda k, r=r: f"{r[k] * 1e3:.1f} ({r['mb'] / r[k]:.0f})"
+        s3_cell = f"{r['s3'] * 1e3:.1f} ({r['mb'] / r['s3']:.0f}; {r['s3'] * 1e3 / r['mb']:.1f})"
+        print(f"| {r['name']} | {r['mb']:.2f} | {cell('hub')} | {s3_cell} | {cell('host')} | "
+              f"{cell('device')} | {r['cold'] * 1e3:.1f} | {r['resident'] * 1e3:.1f} |")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ class LoRAManager:
         self.starvation_steps = config.lora_starvation_steps
         self.device, self.dtype = device, dtype
         self.spec = BaseModelSpec.from_hf_config(config.hf_config, config.max_lora_rank,
-                                                 config.max_full_module_slots)
+                                                 config.max_full_module_slots, config.model)
         self.model = model
         self.adapters: dict[str, RegisteredAdapter] = {}
         self.slots = [Slot() for _ in range(self.num_slots)]

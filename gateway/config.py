@@ -35,6 +35,12 @@ class ServerConfig(EngineOptions):
                                      "are stored (default ~/.cache/lora-gateway/adapters)")
     hub_allow: tuple[str, ...] = option((), "ORG/REPO glob of Hub adapters loaded on first use "
                                         "(repeatable)")
+    s3_allow: tuple[str, ...] = option((), "BUCKET/PATH glob of s3:// adapters (PEFT folders) "
+                                       "loaded on first use (repeatable)")
+    adapter_store_url: str | None = option(
+        None, "s3://BUCKET/PREFIX of the object store every replica shares adapter bytes "
+        "through (uploads and path registrations are written to it; endpoint and credentials "
+        "from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ... or the AWS credential chain)")
     redis_url: str | None = option(None, "Redis URL of the adapter registry shared by replicas")
     replica_id: str | None = option(None, "this replica's id in the registry (default: the "
                                     "host name)")
@@ -61,6 +67,9 @@ class ServerConfig(EngineOptions):
             raise ValueError(f"--max-upload-mb must be at least 1, got {self.max_upload_mb}")
         if self.max_waiting < 0:
             raise ValueError(f"--max-waiting must be at least 0, got {self.max_waiting}")
+        if self.adapter_store_url is not None and not self.adapter_store_url.startswith("s3://"):
+            raise ValueError(f"--adapter-store-url must be s3://BUCKET[/PREFIX], got "
+                             f"{self.adapter_store_url!r}")
         for name in ("api_key", "admin_key"):
             if getattr(self, name) == "":
                 raise ValueError(f"{self.option_name(name)} is empty; give a key or leave the "

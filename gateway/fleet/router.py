@@ -1,11 +1,14 @@
 """Adapter-affinity routing: send each request to the replica that already holds its adapter.
 
 Every replica scores every live replica in the registry (`score`), and `choose` picks a remote
-one only when it beats serving here by `FORWARD_MARGIN`. `Router.maybe_forward` then proxies
-the request there (body, headers and auth as received, plus `X-LoRAGW-Forwarded`), streaming the
-upstream bytes back as they arrive. One hop at most: a request carrying the marker is always
-served where it lands. A target that cannot be reached, or answers 5xx/429 before any byte, is
-forgotten for this request and we serve locally. The in-process registry never forwards.
+one only when it beats serving here by `FORWARD_MARGIN`. `Router.route` then proxies the
+request there (body, headers and auth as received, plus `X-LoRAGW-Forwarded`), streaming the
+upstream bytes back as they arrive. An adapter this replica cannot fetch (an upload without a
+shared store) goes to the replicas that hold it instead, best first; when none answers, a 503
+names the adapter and why. One hop at most: a request carrying the marker is always served
+where it lands. Forwarding never turns a servable request into an error: a target that cannot
+be reached, or answers 404, 429 or 5xx before any byte, is forgotten for this request and the
+next candidate, or this replica, serves it. The in-process registry never forwards.
 
 The router reads replica states only; the residency manager (gateway/residency/manager.py)
 publishes this replica's.
@@ -23,6 +26,7 @@ from litestar import Request, Response
 from litestar.response import Stream
 
 from adapters.registry import Registry, ReplicaState
+from gateway.errors import APIError
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +51,8 @@ READ_TIMEOUT_S = 600.0  # between two upstream bytes (a long non-streamed genera
 # Not copied onto a forwarded request or back from its response: hop-by-hop, or recomputed.
 _HOP_HEADERS = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "te",
                           "content-length", "upgrade", "proxy-connection", "date", "server"})
-_FALLBACK_STATUSES = frozenset({429})  # plus every 5xx: the target is full or failing
+# plus every 5xx: the target is full or failing, or (404) does not know the adapter yet
+_FALLBACK_STATUSES = frozenset({404, 429})
 
 
 def score(state: ReplicaState, adapter: str | None) -> float:
@@ -96,23 +101,42 @@ class Router:
             await self.client.aclose()
             self.client = None
 
-    async def route(self, request: Request, adapter: str | None) -> Response | None:
+    async def route(self, request: Request, adapter: str | None, here: bool = True,
+                    holders: tuple[str, ...] = ()) -> Response | None:
         """The forwarded response for this completion request (for `adapter`, None: the base
-        model), or None to serve it here."""
+        model), or None to serve it here. `here`: this replica can serve it; if not, only the
+        replicas in `holders` can, and a 503 says so when none of them answers."""
         headers = dict(request.headers)
         rid = request.scope.get("state", {}).get("request_id")
         if rid and "x-request-id" not in headers:
             headers["x-request-id"] = rid  # the target logs the same id
-        return await self.maybe_forward(await request.body(), headers, request.scope["path"],
-                                        adapter)
+        candidates: list[ReplicaState] = []
+        if self.fleet and self.client is not None and not _has_header(headers, FORWARDED_HEADER):
+            states = await self.states()
+            if here:
+                target = choose(states, self.replica_id, adapter)
+                candidates = [target] if target is not None else []
+            else:
+                candidates = sorted((s for s in states if s.replica_id in holders and s.url
+                                     and s.replica_id != self.replica_id),
+                                    key=lambda s: -score(s, adapter))
+        body = await request.body() if candidates else b""
+        for target in candidates:
+            forwarded = await self._forward(target, body, headers, request.scope["path"])
+            if forwarded is not None:
+                return forwarded
+        if here:
+            return None
+        held = ", ".join(holders) or "no replica that is alive"
+        raise APIError(503, f"adapter {adapter!r} is held only by {held} (it was uploaded or "
+                            "registered from a path there, and the fleet has no shared "
+                            "--adapter-store-url), and none of them can serve it now; retry "
+                            "later, or register it again", code="adapter_unavailable",
+                       headers={"Retry-After": "1"})
 
-    async def maybe_forward(self, request_body: bytes, headers: Mapping[str, str], path: str,
-                            adapter: str | None) -> Response | None:
-        if not self.fleet or self.client is None or _has_header(headers, FORWARDED_HEADER):
-            return None
-        target = choose(await self.states(), self.replica_id, adapter)
-        if target is None:
-            return None
+    async def _forward(self, target: ReplicaState, request_body: bytes,
+                       headers: Mapping[str, str], path: str) -> Response | None:
+        """The target's streamed response, or None if it failed before the first byte."""
         out = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
         out[FORWARDED_HEADER] = self.replica_id
         upstream_request = self.client.build_request("POST", target.url + path,
@@ -120,13 +144,13 @@ class Router:
         try:
             upstream = await self.client.send(upstream_request, stream=True)
         except httpx.HTTPError as exc:
-            logger.warning("forward of %s to %s (%s) failed: %s; serving locally", path,
-                           target.replica_id, target.url, exc)
+            logger.warning("forward of %s to %s (%s) failed: %s", path, target.replica_id,
+                           target.url, exc)
             return None
         if upstream.status_code >= 500 or upstream.status_code in _FALLBACK_STATUSES:
             await upstream.aclose()
-            logger.warning("replica %s answered %d to a forwarded %s; serving locally",
-                           target.replica_id, upstream.status_code, path)
+            logger.warning("replica %s answered %d to a forwarded %s", target.replica_id,
+                           upstream.status_code, path)
             return None
         headers_back = {k: v for k, v in upstream.headers.items()
                         if k.lower() not in _HOP_HEADERS and k.lower() != "content-type"}

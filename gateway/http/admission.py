@@ -1,9 +1,13 @@
 """The one way a generation request gets in: every decision made once, in this order.
 
     1. ready?                      Runtime.check_ready                      503
-    2. which adapter?              AdapterManager.adapter_for(model)        404 (names only)
-    3. another replica?            Router.route                             (forwarded there)
-    4. the adapter, here           AdapterManager.ensure_ready              disk / Hub -> host
+    2. which adapter, where?       AdapterManager.locate(model): the       404
+                                   catalog's entry, read now; here or only
+                                   on other replicas
+    3. another replica?            Router.route: by affinity, or to a       503 if no holder
+                                   holder when it cannot be fetched here    answers
+    4. the adapter, here           AdapterManager.ensure_ready              store / Hub / disk
+                                                                            -> host
     5. the request's own options   request_params: tools, logprobs, the guided constraint,
                                    SamplingParams (one per request)         400 naming the param
     6. prompts                     prompts: text, token ids, chat template  400
@@ -82,12 +86,14 @@ async def serve(request: Request, data: SamplingRequest, runtime: Runtime, kind:
     runtime.check_ready()
     state = request.scope["state"]
     state["model"] = data.model
-    adapter = runtime.adapters.adapter_for(data.model)
-    forwarded = await runtime.router.route(request, adapter)
+    location = await runtime.adapters.locate(data.model)
+    forwarded = await runtime.router.route(request, location.adapter_id, location.here,
+                                           location.holders)
     if forwarded is not None:
         return forwarded
+    adapter = location.adapter_id
     if adapter is not None:
-        await runtime.adapters.ensure_ready(adapter)
+        await runtime.adapters.ensure_ready(location)
     state["adapter"] = adapter or "base"  # the metrics label; set only once resolved
     prompts, first, make_format = await prepare()
     job = await start(request, runtime, prompts, first, data.n, adapter, kind)

@@ -86,11 +86,14 @@ async def _model_cards(runtime: Runtime) -> list[ModelCard]:
     cards = [ModelCard(id=base, created=runtime.started_at, owned_by=OWNER,
                        root=str(runtime.config.model), parent=None, residency="device",
                        max_model_len=limit)]
+    where = await runtime.adapters.resident_on()
     for record in runtime.adapters.list_models():
         cards.append(ModelCard(id=record.name, created=record.created, owned_by=OWNER,
                                root=record.source, parent=base,
                                residency=runtime.adapters.residency(record.name, snapshot),
-                               max_model_len=limit))
+                               max_model_len=limit, version=record.entry.version,
+                               sha256=record.entry.sha256,
+                               resident_on=sorted(where.get(record.name, []))))
     return cards
 
 

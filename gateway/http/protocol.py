@@ -231,9 +231,15 @@ class ModelCard(Struct):
     owned_by: str
     root: str
     parent: str | None
-    residency: Literal["device", "host", "disk"]  # extension: where the weights are now
+    # extensions: where the weights are on this replica now ("remote": in the fleet's
+    # catalog, fetched on first use), and for adapters their catalog version, sha256 and the
+    # replicas that hold them in a device slot
+    residency: Literal["device", "host", "disk", "remote"]
     max_model_len: int
     object: str = "model"
+    version: int | None = None
+    sha256: str | None = None
+    resident_on: list[str] | None = None
 
 
 class ModelList(Struct):

@@ -1,5 +1,6 @@
-"""How the fleet's catalog and the admin API see one adapter: its CatalogEntry (registry) and
-its AdapterInfo (GET /admin/adapters), both from its stored copy and the engine's state."""
+"""How the fleet's catalog and the admin API see one adapter: its CatalogEntry (registry), made
+from the copy a replica stored, and its AdapterInfo (GET /admin/adapters), from the catalog's
+entry, this replica's tiers and the fleet's heartbeats."""
 
 from __future__ import annotations
 
@@ -15,26 +16,32 @@ class AdapterInfo(msgspec.Struct):
     """One adapter as the admin API shows it."""
 
     id: str
-    version: int  # the store's version: +1 on every replace
-    sha256: str
+    version: int  # the catalog's version: +1 on every replace, on any replica
+    sha256: str  # of adapter_model.safetensors
     rank: int
     targets: list[str]
     bytes: int
     source: str
-    residency: str  # "device" | "host" | "disk"
+    residency: str  # on this replica: "device" | "host" | "disk" | "remote"
     pinned: bool
     created: int
+    resident_on: list[str] = []  # replicas holding it in a device slot
+    object_key: str = ""  # in the shared object store ("": not there)
+    holder: str = ""  # the only replica with its bytes, when it is not in a shared store
+    warnings: list[str] = []  # accepted, but worth a look (e.g. trained on another base)
 
 
-
-def catalog_entry(stored: StoredAdapter) -> CatalogEntry:
+def catalog_entry(stored: StoredAdapter, holder: str) -> CatalogEntry:
     return CatalogEntry(stored.adapter_id, stored.source, stored.revision, stored.sha256,
-                        stored.rank, tuple(stored.targets), stored.num_bytes, stored.version)
+                        stored.rank, tuple(stored.targets), stored.num_bytes, stored.version,
+                        stored.config_sha256, stored.object_key, holder, stored.created_at)
 
 
-def adapter_info(record: AdapterRecord, snapshot: EngineSnapshot) -> AdapterInfo:
-    s = record.stored
-    residency = snapshot.residency.get(s.adapter_id, "disk")
-    pinned = s.adapter_id in snapshot.pinned if s.adapter_id in snapshot.residency else record.pinned
-    return AdapterInfo(s.adapter_id, s.version, s.sha256, s.rank, list(s.targets), s.num_bytes,
-                       s.source, residency, pinned, int(s.created_at))
+def adapter_info(record: AdapterRecord, residency: str, snapshot: EngineSnapshot,
+                 resident_on: list[str]) -> AdapterInfo:
+    e = record.entry
+    pinned = e.adapter_id in snapshot.pinned if e.adapter_id in snapshot.residency else record.pinned
+    warnings = list(record.stored.warnings) if record.stored is not None else []
+    return AdapterInfo(e.adapter_id, e.version, e.sha256, e.rank, list(e.targets), e.num_bytes,
+                       e.source, residency, pinned, int(e.created_at), sorted(resident_on),
+                       e.object_key, e.holder, warnings)

@@ -1,13 +1,13 @@
-"""The adapter residency manager: what a request's admission asks (`adapter_for` a model
-name, `ensure_ready` on this replica), the admin verbs (upload, register, load, evict, pin,
-unpin, delete, get, list), and this replica's side of the registry.
+"""The adapter residency manager: what a request's admission asks (`locate` a model name,
+`ensure_ready` here), the admin verbs (upload, register, load, evict, pin, unpin, delete, get,
+list), and this replica's side of the registry (its state, published every heartbeat).
 
-The tiers (disk store, host copies, device slots) and the moves between them are in
-gateway/residency/tiers.py; this module decides when to move, serializes the moves and
-announces them. One asyncio lock per adapter id serializes that id's changes and its first load, so
-concurrent requests for a cold adapter trigger one load while requests for other adapters keep
-flowing. Local sources are accepted from HTTP callers too (vLLM does the same); the admin key
-guards those routes.
+The tiers (remote, disk, host copies, device slots) and the moves between them are in
+gateway/residency/tiers.py, the fleet's catalog as this replica sees it in catalog.py; this
+module decides when to move, serializes the moves and announces them. One asyncio lock per
+adapter id serializes that id's changes and its first load, so concurrent requests for a cold
+adapter trigger one load while requests for other adapters keep flowing. Local sources are
+accepted from HTTP callers too (vLLM does the same); the admin key guards those routes.
 """
 
 from __future__ import annotations
@@ -19,16 +19,9 @@ import os
 import time
 from collections import defaultdict
 
-from adapters.errors import AdapterNotFound
 from adapters.ids import validate_adapter_id
-from adapters.registry import (
-    EVENT_DELETED,
-    EVENT_REPLACED,
-    AdapterEvent,
-    ReplicaState,
-    make_registry,
-)
-from adapters.sources import HUB_SCHEME, InvalidSource, hub_allowed, parse_source
+from adapters.object_store import ObjectStore
+from adapters.registry import ReplicaState, make_registry
 from adapters.store import AdapterExists
 from adapters.store_meta import StoredAdapter, StoredMeta
 from engine.async_engine import AsyncEngine
@@ -36,13 +29,15 @@ from engine.snapshot import EngineSnapshot
 from gateway.config import ServerConfig
 from gateway.errors import APIError
 from gateway.metrics import Metrics
-from gateway.residency.info import AdapterInfo, adapter_info, catalog_entry
+from gateway.residency.catalog import FleetCatalog
+from gateway.residency.fetch import UPLOAD_SOURCE, can_fetch
+from gateway.residency.info import AdapterInfo, adapter_info
+from gateway.residency.names import Location, on_demand
 from gateway.residency.tiers import AdapterRecord, AdapterTiers
 
 logger = logging.getLogger(__name__)
 DEFAULT_ADAPTER_DIR = os.path.join("~", ".cache", "lora-gateway", "adapters")
-PUBLISH_INTERVAL_S = 1.0
-UPLOAD_SOURCE = "upload"
+PUBLISH_INTERVAL_S = 1.0  # this replica's state, and a read of the whole catalog
 
 
 class AdapterManager:
@@ -53,14 +48,19 @@ class AdapterManager:
                  *, hub_endpoint: str | None = None, hub_cache_dir: str | None = None):
         self.base_name, self.engine = config.model_name, engine
         self.adapter_dir = os.path.expanduser(config.adapter_dir or DEFAULT_ADAPTER_DIR)
+        self.object_store = (ObjectStore(config.adapter_store_url)
+                             if config.adapter_store_url else None)
         self.tiers = AdapterTiers(
             self.adapter_dir, engine, metrics or Metrics(),
             hub_endpoint=hub_endpoint or os.environ.get("HF_ENDPOINT") or None,
-            hub_cache_dir=hub_cache_dir or os.environ.get("HF_HUB_CACHE") or None)
-        self.hub_allow = list(config.hub_allow)
+            hub_cache_dir=hub_cache_dir or os.environ.get("HF_HUB_CACHE") or None,
+            object_store=self.object_store)
+        self.hub_allow, self.s3_allow = list(config.hub_allow), list(config.s3_allow)
         self.replica_id, self.url = config.replica, config.reachable_url
         self.registry = make_registry(config.redis_url, self.replica_id)
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.catalog = FleetCatalog(self.registry, self.tiers, self._locks, self.replica_id,
+                                    shared=bool(config.redis_url))
         self._publisher: asyncio.Task | None = None
 
     @property
@@ -69,17 +69,21 @@ class AdapterManager:
 
     # ---- life cycle ----------------------------------------------------------------------
     async def start(self) -> None:
-        """Open the store (every stored adapter is known again, parsed on first use), join
-        the registry and start the residency heartbeat."""
+        """Check the object store, open the disk store, join the registry, match this disk's
+        adapters to the catalog, and start the heartbeat."""
+        if self.object_store is not None:
+            await asyncio.to_thread(self.object_store.check)
+        elif self.catalog.shared:
+            logger.warning("--redis-url without --adapter-store-url: uploads and paths other "
+                           "replicas cannot read stay on the replica that took them (requests "
+                           "for them are forwarded there)")
         stored_adapters = await self.tiers.open()
         await self.registry.start()
-        self.registry.subscribe(self._on_event)
-        for stored in stored_adapters:
-            self.records[stored.adapter_id] = AdapterRecord(stored)
-            if await self.registry.get_adapter(stored.adapter_id) is None:
-                await self.registry.put_adapter(catalog_entry(stored))
-        logger.info("%d stored adapter(s) in %s", len(self.records), self.adapter_dir)
-        self._publisher = asyncio.create_task(self._publish_loop())
+        self.registry.subscribe(self.catalog.on_event)
+        await self.catalog.adopt(stored_adapters)
+        logger.info("%d adapter(s) in the catalog, %d on this disk (%s)", len(self.records),
+                    len(stored_adapters), self.adapter_dir)
+        self._publisher = asyncio.create_task(self._heartbeat())
 
     async def close(self) -> None:
         if self._publisher is not None:
@@ -90,45 +94,39 @@ class AdapterManager:
         self.tiers.close()
 
     # ---- the request path ----------------------------------------------------------------
-    def adapter_for(self, model: str) -> str | None:
-        """The adapter id a request's `model` names (None: the base model), from names alone:
-        a registered adapter, or a Hub repo --hub-allow lets us fetch; else 404."""
+    async def locate(self, model: str) -> Location:
+        """Where a request's `model` can be served: the base model, a catalog adapter (this
+        replica holds it or can fetch it, or only other replicas hold it), or a Hub / s3://
+        adapter --hub-allow / --s3-allow lets us fetch on first use; else 404."""
         if model == self.base_name:
-            return None
-        if model in self.records:
-            return model
-        repo_id = self._hub_on_demand(model)
-        if repo_id is None:
-            raise APIError.model_not_found(model)
-        return repo_id
+            return Location(None, True)
+        adapter_id, source = on_demand(model, self.hub_allow, self.s3_allow)
+        await self.catalog.refresh(adapter_id)  # the catalog's word, per request
+        record = self.records.get(adapter_id)
+        if record is None:
+            if source is None:
+                raise APIError.model_not_found(model)
+            return Location(adapter_id, True, source=source)
+        if record.stored is not None or can_fetch(record.entry, self.object_store):
+            return Location(adapter_id, True)
+        holder = record.entry.holder
+        return Location(adapter_id, False, (holder,) if holder != self.replica_id else ())
 
-    async def ensure_ready(self, adapter_id: str) -> None:
-        """Make `adapter_id` (from adapter_for) servable here: fetched from the Hub if it is
-        new, parsed into host memory if it is only on disk. One load per cold adapter."""
+    async def ensure_ready(self, location: Location) -> None:
+        """Make a located adapter servable here: fetched if it is new or remote, parsed into
+        host memory if it is only on disk. One load per cold adapter."""
+        adapter_id = location.adapter_id
         record = self.records.get(adapter_id)
         if record is not None and record.in_engine:
             return  # the hot path: no lock, no await
         if record is None:
             async with self._locks[adapter_id]:
                 if adapter_id not in self.records:
-                    await self._add(adapter_id, HUB_SCHEME + adapter_id, conflict=None,
-                                    replace=False)
+                    await self._add(adapter_id, location.source, conflict=None, replace=False)
         await self._ensure_in_engine(adapter_id)
 
-    def _hub_on_demand(self, model: str) -> str | None:
-        """ORG/REPO or hf://ORG/REPO allowed by --hub-allow, else None (no revisions here)."""
-        if not self.hub_allow or "@" in model:
-            return None
-        try:
-            source = parse_source(model, allow_local=False)
-        except (InvalidSource, AdapterNotFound):
-            return None
-        if source.kind != "hub" or not hub_allowed(source.repo_id, self.hub_allow):
-            return None
-        return source.repo_id
-
     async def _ensure_in_engine(self, adapter_id: str) -> None:
-        """Disk -> host once: concurrent callers for a cold adapter wait on the one load."""
+        """Remote/disk -> host once: concurrent callers for a cold adapter wait on one load."""
         async with self._locks[adapter_id]:
             await self.tiers.to_host(adapter_id)
         await self.publish()
@@ -137,15 +135,17 @@ class AdapterManager:
     async def upload(self, adapter_id: str, config_raw: bytes, weights_raw: bytes,
                      replace: bool = False) -> AdapterInfo:
         self._check_id(adapter_id)
+        await self.catalog.refresh(adapter_id)
         async with self._locks[adapter_id]:
             self._check_free(adapter_id, replace, conflict=409)
-            await self._announce(await self.tiers.put(adapter_id, config_raw, weights_raw,
-                                                      StoredMeta(UPLOAD_SOURCE), replace))
+            meta = StoredMeta(UPLOAD_SOURCE, version=self._next_version(adapter_id))
+            await self._announce(await self.tiers.put(adapter_id, config_raw, weights_raw, meta))
         return await self.get(adapter_id)
 
     async def register(self, adapter_id: str, source: str, replace: bool = False) -> AdapterInfo:
-        """A Hub (hf://ORG/REPO[@REV], ORG/REPO) or local (a server directory) source."""
+        """A Hub (hf://ORG/REPO[@REV], ORG/REPO), s3:// or local (a server directory) source."""
         self._check_id(adapter_id)
+        await self.catalog.refresh(adapter_id)
         async with self._locks[adapter_id]:
             await self._add(adapter_id, source, conflict=409, replace=replace)
         return await self.get(adapter_id)
@@ -157,6 +157,7 @@ class AdapterManager:
         needs `replace` (else 400 adapter_exists, as vLLM answers)."""
         if source is not None:
             self._check_id(adapter_id)
+            await self.catalog.refresh(adapter_id)
             async with self._locks[adapter_id]:
                 await self._add(adapter_id, source, conflict=400, replace=replace)
         await self._ensure_in_engine(adapter_id)
@@ -169,13 +170,28 @@ class AdapterManager:
         """Fetch, validate, store, register and announce; the caller holds the id's lock."""
         if conflict is not None:
             self._check_free(adapter_id, replace, conflict)
-        await self._announce(await self.tiers.fetch(adapter_id, source, replace))
+        await self._announce(await self.tiers.fetch(adapter_id, source,
+                                                    self._next_version(adapter_id)))
+
+    def _next_version(self, adapter_id: str) -> int:
+        """One past the catalog's version and any this disk ever stored."""
+        record = self.records.get(adapter_id)
+        return max(self.tiers.store.next_version(adapter_id),
+                   record.entry.version + 1 if record else 1)
 
     async def _announce(self, stored: StoredAdapter) -> None:
-        await self.registry.put_adapter(catalog_entry(stored))  # announces "replaced" if it was
+        """Record what was just stored and put it in the catalog ("added" or "replaced"); the
+        caller holds the id's lock."""
+        entry = self.catalog.entry_for(stored)
+        old = self.records.get(stored.adapter_id)
+        self.records[stored.adapter_id] = AdapterRecord(entry, stored, in_engine=True,
+                                                        pinned=old.pinned if old else False)
+        await self.registry.put_adapter(entry)
+        if old is not None and old.entry.object_key != entry.object_key:
+            await self.catalog.collect(old.entry.object_key, self.object_store)
         await self.publish()
-        logger.info("adapter %s v%d registered from %s", stored.adapter_id, stored.version,
-                    stored.source)
+        logger.info("adapter %s v%d registered from %s%s", stored.adapter_id, stored.version,
+                    stored.source, f" (object {entry.object_key})" if entry.object_key else "")
 
     def _check_id(self, adapter_id: str) -> None:
         validate_adapter_id(adapter_id)
@@ -190,7 +206,7 @@ class AdapterManager:
                     f"adapter {adapter_id!r} is already loaded; unload it first or pass "
                     "load_inplace=true to replace it", param="lora_name", code="adapter_exists")
             raise AdapterExists(f"adapter {adapter_id!r} already exists (version "
-                                f"{self.records[adapter_id].stored.version}); pass replace=true "
+                                f"{self.records[adapter_id].entry.version}); pass replace=true "
                                 "to replace it or delete it first")
 
     # ---- residency verbs -----------------------------------------------------------------
@@ -209,10 +225,14 @@ class AdapterManager:
         return await self.pin(adapter_id, False)
 
     async def delete(self, adapter_id: str) -> None:
-        """Forget it everywhere: engine (its requests aborted), store, registry catalog."""
+        """Forget it everywhere: engine (its requests aborted), disk, the catalog (every
+        replica drops its copy), and its objects once no catalog entry refers to them."""
+        await self.catalog.refresh(adapter_id)
         async with self._locks[adapter_id]:
+            record = self.tiers.record(adapter_id)
             await self.tiers.remove(adapter_id)
-        await self.registry.delete_adapter(adapter_id)  # announces "deleted"
+            await self.registry.delete_adapter(adapter_id)  # announces "deleted"
+        await self.catalog.collect(record.entry.object_key, self.object_store)
         await self.publish()
         logger.info("adapter %s deleted", adapter_id)
 
@@ -224,20 +244,37 @@ class AdapterManager:
         self.tiers.record(name)
 
     async def unload(self, name: str) -> None:
-        """vLLM's unload: forgets the adapter for good (memory and the stored copy)."""
+        """vLLM's unload: forgets the adapter for good (memory, the stored copy, the catalog)."""
         await self.delete(name)
 
     def residency(self, name: str, snapshot: EngineSnapshot | None) -> str:
+        """"device" | "host" | "disk" on this replica, or "remote" (not fetched here yet)."""
+        record = self.records.get(name)
+        if record is not None and record.stored is None:
+            return "remote"
         return snapshot.residency.get(name, "disk") if snapshot is not None else "disk"
+
+    async def resident_on(self) -> dict[str, list[str]]:
+        """adapter id -> the replicas that hold it in a device slot (from their heartbeats)."""
+        where: dict[str, list[str]] = defaultdict(list)
+        for state in await self.registry.replicas():
+            for adapter_id in state.resident:
+                where[adapter_id].append(state.replica_id)
+        return where
 
     # ---- reading -------------------------------------------------------------------------
     async def get(self, adapter_id: str) -> AdapterInfo:
         record = self.tiers.record(adapter_id)
-        return adapter_info(record, await self.engine.snapshot())
+        snapshot = await self.engine.snapshot()
+        where = await self.resident_on()
+        return adapter_info(record, self.residency(adapter_id, snapshot), snapshot,
+                            where.get(adapter_id, []))
 
     async def list(self) -> list[AdapterInfo]:
         snapshot = await self.engine.snapshot()
-        return [adapter_info(r, snapshot) for _, r in sorted(self.records.items())]
+        where = await self.resident_on()
+        return [adapter_info(r, self.residency(name, snapshot), snapshot, where.get(name, []))
+                for name, r in sorted(self.records.items())]
 
     # ---- registry ------------------------------------------------------------------------
     async def publish(self) -> None:
@@ -247,33 +284,11 @@ class AdapterManager:
             self.replica_id, self.url, tuple(snap.resident), tuple(sorted(self.tiers.loading)),
             snap.free_slots, snap.num_waiting, time.time()))
 
-    async def _publish_loop(self) -> None:
+    async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(PUBLISH_INTERVAL_S)
-            try:
-                await self.publish()
-            except Exception:  # the engine stopping, say: the next tick tries again
-                logger.exception("publishing residency failed")
-
-    async def _on_event(self, event: AdapterEvent) -> None:
-        """Another replica deleted or replaced an adapter: drop our stale copy."""
-        if event.origin == self.replica_id or event.adapter_id not in self.records:
-            return
-        adapter_id = event.adapter_id
-        if event.kind == EVENT_REPLACED:
-            entry = await self.registry.get_adapter(adapter_id)
-            if entry is not None and entry.sha256 == self.records[adapter_id].stored.sha256:
-                return  # same bytes as ours
-            async with self._locks[adapter_id]:
-                if entry is not None and entry.source.startswith(HUB_SCHEME):
-                    await self.tiers.drop(adapter_id)
-                    await self._add(adapter_id, entry.source, conflict=None, replace=True)
-                else:  # an upload we cannot fetch: better gone than stale
-                    await self.tiers.remove(adapter_id, missing_ok=True)
-        elif event.kind == EVENT_DELETED:
-            async with self._locks[adapter_id]:
-                if adapter_id in self.records:
-                    await self.tiers.remove(adapter_id, missing_ok=True)
-        logger.info("adapter %s %s by replica %s: local copy dropped", adapter_id, event.kind,
-                    event.origin or "?")
-        await self.publish()
+            for step in (self.publish, self.catalog.sync):
+                try:
+                    await step()
+                except Exception:  # the engine stopping, say: the next tick tries again
+                    logger.exception("residency heartbeat: %s failed", step.__name__)

@@ -1,9 +1,11 @@
-"""One replica's adapters across its three tiers, and the moves between them.
+"""One replica's adapters across its tiers, and the moves between them.
 
-Disk: the store under --adapter-dir (versioned, known again after a restart, parsed lazily on
-first use). Host and device: inside the engine (LRU host copies and device slots, see
-engine/lora.py). Every adapter is validated against the base model off the engine thread
-before anything is stored; the engine thread only copies tensors.
+Remote: listed in the fleet's catalog, not on this replica yet (gateway/residency/fetch.py says
+where the bytes come from). Disk: the store under --adapter-dir (versioned, known again after a
+restart, parsed lazily on first use). Host and device: inside the engine (LRU host copies and
+device slots, see engine/lora.py). Every adapter is validated against the base model off the
+engine thread before anything is stored; the engine thread only copies tensors. With a shared
+object store, uploads and path registrations are written through to it before they count.
 
 The moves take no locks: AdapterManager (gateway/residency/manager.py) holds the adapter
 id's lock around each one.
@@ -17,41 +19,48 @@ from dataclasses import dataclass
 
 from adapters.errors import AdapterNotFound
 from adapters.format import load_adapter, load_adapter_bytes
+from adapters.object_store import ObjectStore
+from adapters.registry import CatalogEntry
 from adapters.sources import parse_source, resolve_source
 from adapters.store import AdapterStore
 from adapters.store_meta import StoredAdapter, StoredMeta
 from engine.async_engine import AsyncEngine
 from gateway.errors import APIError
 from gateway.metrics import Metrics
+from gateway.residency.fetch import fetch_bytes
 
 
 @dataclass(slots=True)
 class AdapterRecord:
-    """A registered adapter: its stored copy, and whether the engine knows it yet."""
+    """A catalog adapter as this replica knows it: the catalog's entry, its copy on this disk
+    (None: remote, fetched on first use), and whether the engine knows it yet."""
 
-    stored: StoredAdapter
-    in_engine: bool = False  # False: on disk only, parsed and registered on first use
+    entry: CatalogEntry
+    stored: StoredAdapter | None = None
+    in_engine: bool = False  # False: not parsed yet (on disk only, or remote)
     pinned: bool = False
 
     @property
     def name(self) -> str:
-        return self.stored.adapter_id
+        return self.entry.adapter_id
 
     @property
     def source(self) -> str:
-        return self.stored.source
+        return self.entry.source
 
     @property
     def created(self) -> int:
-        return int(self.stored.created_at)
+        return int(self.entry.created_at)
 
 
 class AdapterTiers:
     def __init__(self, adapter_dir: str, engine: AsyncEngine, metrics: Metrics, *,
-                 hub_endpoint: str | None, hub_cache_dir: str | None):
+                 hub_endpoint: str | None, hub_cache_dir: str | None,
+                 object_store: ObjectStore | None = None):
         self.adapter_dir, self.engine, self.metrics = adapter_dir, engine, metrics
         self.llm = engine.engine  # its methods run on the engine thread, through engine.call
         self.hub_endpoint, self.hub_cache_dir = hub_endpoint, hub_cache_dir
+        self.object_store = object_store
         self.store: AdapterStore | None = None  # opened by open()
         self.records: dict[str, AdapterRecord] = {}
         self.loading: set[str] = set()  # ids being parsed into host memory right now
@@ -73,44 +82,67 @@ class AdapterTiers:
         return record
 
     # ---- onto disk (and into the engine) -----------------------------------------------------
-    async def fetch(self, adapter_id: str, source: str, replace: bool) -> StoredAdapter:
-        """A Hub or local source, fetched, validated and stored; see `put`."""
+    async def fetch(self, adapter_id: str, source: str, version: int) -> StoredAdapter:
+        """A local, Hub or s3:// source, fetched, validated and stored; see `put`. Only a path's
+        bytes are written through to the object store (the others' sources serve any
+        replica)."""
         parsed = parse_source(source)
         started = time.perf_counter()
         files = await asyncio.to_thread(resolve_source, parsed, endpoint=self.hub_endpoint,
                                         cache_dir=self.hub_cache_dir)
-        if parsed.kind == "hub":
+        if parsed.kind != "local":
             self._observe("disk", started)
         return await self.put(adapter_id, files.config_raw, files.weights_raw,
-                              StoredMeta(files.origin, files.revision), replace)
+                              StoredMeta(files.origin, files.revision, version=version),
+                              write_through=parsed.kind == "local")
 
     async def put(self, adapter_id: str, config_raw: bytes, weights_raw: bytes,
-                  meta: StoredMeta, replace: bool) -> StoredAdapter:
-        """Validate against the base model, store a new version, register it in the engine."""
+                  meta: StoredMeta, write_through: bool = True) -> StoredAdapter:
+        """Validate against the base model, write through to the object store (if there is one
+        and `write_through`), store `meta.version` here, register it in the engine."""
         adapter = await asyncio.to_thread(load_adapter_bytes, config_raw, weights_raw,
                                           self.llm.lora.spec)
-        meta = StoredMeta(meta.source, meta.revision, adapter.max_rank, adapter.targets)
+        key = meta.object_key
+        if write_through and self.object_store is not None:
+            key = await asyncio.to_thread(self.object_store.put, config_raw, weights_raw)
+        meta = StoredMeta(meta.source, meta.revision, adapter.max_rank, adapter.targets,
+                          meta.version, key, adapter.warnings)
         stored = await asyncio.to_thread(self.store.put, adapter_id, config_raw, weights_raw,
-                                         meta, replace)
+                                         meta, True)
         await self.engine.call(self.llm.add_adapter, adapter_id, adapter, stored.path)
-        old = self.records.get(adapter_id)
-        self.records[adapter_id] = AdapterRecord(stored, in_engine=True,
-                                                 pinned=old.pinned if old else False)
         return stored
+
+    async def mirror(self, entry: CatalogEntry) -> StoredAdapter:
+        """A catalog adapter's bytes onto this disk and into the engine (fetch.py says from
+        where; verified before they are parsed), as the catalog's version."""
+        started = time.perf_counter()
+        config_raw, weights_raw = await asyncio.to_thread(
+            fetch_bytes, entry, self.object_store, hub_endpoint=self.hub_endpoint,
+            hub_cache_dir=self.hub_cache_dir)
+        self._observe("disk", started)
+        meta = StoredMeta(entry.source, entry.revision, version=entry.version,
+                          object_key=entry.object_key)
+        return await self.put(entry.adapter_id, config_raw, weights_raw, meta,
+                              write_through=False)
 
     # ---- up: disk -> host -> device ----------------------------------------------------------
     async def to_host(self, adapter_id: str) -> None:
-        """Parse the stored copy and register it in the engine, unless it already is."""
+        """Parse the stored copy (fetching it first if it is remote) and register it in the
+        engine, unless it already is."""
         record = self.record(adapter_id)
         if record.in_engine:
             return
         self.loading.add(adapter_id)
         try:
-            started = time.perf_counter()
-            adapter = await asyncio.to_thread(load_adapter, record.stored.path,
-                                              self.llm.lora.spec)
-            self._observe("host", started)
-            await self.engine.call(self.llm.add_adapter, adapter_id, adapter, record.stored.path)
+            if record.stored is None:
+                record.stored = await self.mirror(record.entry)
+            else:
+                started = time.perf_counter()
+                adapter = await asyncio.to_thread(load_adapter, record.stored.path,
+                                                  self.llm.lora.spec)
+                self._observe("host", started)
+                await self.engine.call(self.llm.add_adapter, adapter_id, adapter,
+                                       record.stored.path)
             record.in_engine = True
         finally:
             self.loading.discard(adapter_id)
@@ -135,21 +167,24 @@ class AdapterTiers:
                 raise APIError(409, f"adapter {adapter_id!r} is in use by running requests; "
                                     "retry when they finish", code="adapter_busy")
 
-    async def drop(self, adapter_id: str) -> None:
-        """Out of the engine (its requests aborted) and the records; the stored copy stays."""
+    async def forget(self, adapter_id: str) -> None:
+        """Out of the engine (its requests aborted) and off this disk; the record stays, as
+        remote (its catalog entry is the caller's to change or drop)."""
         record = self.record(adapter_id)
         if record.in_engine:
             await self.engine.call(self.llm.remove_adapter, adapter_id)
-        del self.records[adapter_id]
+            record.in_engine = False
+        if record.stored is not None:
+            record.stored = None
+            try:
+                await asyncio.to_thread(self.store.delete, adapter_id)
+            except AdapterNotFound:
+                pass  # gone already
 
-    async def remove(self, adapter_id: str, *, missing_ok: bool = False) -> None:
-        """`drop`, then delete the stored copy (`missing_ok`: it may be gone already)."""
-        await self.drop(adapter_id)
-        try:
-            await asyncio.to_thread(self.store.delete, adapter_id)
-        except AdapterNotFound:
-            if not missing_ok:
-                raise
+    async def remove(self, adapter_id: str) -> None:
+        """`forget`, and the record too."""
+        await self.forget(adapter_id)
+        del self.records[adapter_id]
 
     def _observe(self, tier: str, started: float) -> None:
         self.metrics.adapter_load_seconds.labels(tier).observe(time.perf_counter() - started)

@@ -165,7 +165,7 @@ def test_parse_source_forms(tmp_path, monkeypatch):
 @pytest.mark.parametrize("bad", [
     "", "   ", "name", "a/b/c", "hf://", "hf://org/repo@", "hf://../etc", "hf://org/re po",
     "hf://org--x/repo", "hf://org/repo.git", "hf://org/repo@..", "hf://org/repo@-x",
-    "org/repo@main", "s3://bucket/x", "hf://org/repo\n", "hf://a/b/c",
+    "org/repo@main", "ftp://bucket/x", "hf://org/repo\n", "hf://a/b/c",
 ])  # fmt: skip
 def test_parse_source_refuses_malformed(bad, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -12,6 +12,7 @@ import pytest
 from redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
 
 from adapters.registry import (
+    EVENT_ADDED,
     EVENT_DELETED,
     EVENT_REPLACED,
     AdapterEvent,
@@ -135,10 +136,11 @@ async def test_delete_and_replace_are_announced_to_every_replica(replicas):
     await b.put_adapter(entry("sql-lora", sha="c", version=2))
     await a.delete_adapter("sql-lora")
     expected = [
+        AdapterEvent(EVENT_ADDED, "sql-lora", 1, origin="a"),
         AdapterEvent(EVENT_REPLACED, "sql-lora", 2, origin="b"),
         AdapterEvent(EVENT_DELETED, "sql-lora", 2, origin="a"),
     ]
-    await eventually(lambda: len(seen_a) >= 2 and len(seen_b) >= 2)
+    await eventually(lambda: len(seen_a) >= 3 and len(seen_b) >= 3)
     assert seen_a == expected and seen_b == expected  # own events come back too
 
 
@@ -328,6 +330,8 @@ async def test_changes_missed_during_a_partition_are_announced_on_return(
     await a.put_adapter(entry("chat-lora"))
     await b.put_adapter(entry("b-lora", sha="b"))
     assert len(await b.list_adapters()) == 3
+    await eventually(lambda: len(seen_b) == 3)  # the three "added"
+    before = len(seen_b)
 
     partition.cut()
     await eventually(lambda: not b.healthy)
@@ -337,7 +341,7 @@ async def test_changes_missed_during_a_partition_are_announced_on_return(
     partition.cut_off = False  # heal
 
     await eventually(lambda: b.healthy)
-    assert sorted(seen_b, key=lambda e: e.kind) == [
+    assert sorted(seen_b[before:], key=lambda e: e.kind) == [
         AdapterEvent(EVENT_DELETED, "sql-lora", 1, origin=""),
         AdapterEvent(EVENT_REPLACED, "chat-lora", 2, origin=""),
     ]
@@ -375,6 +379,8 @@ async def test_in_process_registry_follows_the_interface():
         events
         == sync_events
         == [
+            AdapterEvent(EVENT_ADDED, "sql-lora", 1, origin="solo"),
+            AdapterEvent(EVENT_ADDED, "org/chat", 1, origin="solo"),
             AdapterEvent(EVENT_REPLACED, "sql-lora", 2, origin="solo"),
             AdapterEvent(EVENT_DELETED, "sql-lora", 2, origin="solo"),
         ]
@@ -396,7 +402,7 @@ async def test_a_failing_subscriber_does_not_stop_the_others():
     events = recorder(reg)
     await reg.put_adapter(entry("x"))
     await reg.delete_adapter("x")
-    assert [e.kind for e in events] == [EVENT_DELETED]
+    assert [e.kind for e in events] == [EVENT_ADDED, EVENT_DELETED]
 
 
 def test_make_registry_picks_redis_when_a_url_is_given():

@@ -237,3 +237,25 @@ async def test_hub_adapter_fetched_once_on_demand(admin_server, hub):
         r = await c.post("/v1/completions", json=body | {"model": "other/cold"})
         assert_openai_error(r, 404)
         assert "other/cold" in r.json()["error"]["message"]
+
+
+def test_an_adapter_for_another_base_is_refused_or_flagged(admin, admin_server, make_adapter,
+                                                           tmp_path):
+    """adapter_config.json names the base it was trained on: another architecture class is a
+    422 that stores nothing; only another name (a Hub id for this local model, say) is served,
+    with the warning in the adapter's admin info."""
+    config, weights = read_files(make_adapter(tmp_path / "a", 21))
+    named = json.loads(config)
+    other_class = {**named, "auto_mapping": {"base_model_class": "Qwen2ForCausalLM"}}
+    before = tree_hash(admin_server.adapter_dir)
+    r = upload(admin, "wrong-base", json.dumps(other_class).encode(), weights)
+    assert_openai_error(r, 422)
+    assert "Qwen2ForCausalLM" in r.json()["error"]["message"]
+    assert tree_hash(admin_server.adapter_dir) == before
+    other_name = {**named, "base_model_name_or_path": "meta-llama/Llama-3.1-8B"}
+    r = upload(admin, "other-name", json.dumps(other_name).encode(), weights)
+    assert r.status_code == 201, r.text
+    (warning,) = r.json()["warnings"]
+    assert "meta-llama/Llama-3.1-8B" in warning
+    assert admin.get("/admin/adapters/other-name").json()["warnings"] == [warning]
+    assert admin.delete("/admin/adapters/other-name").status_code == 200

@@ -1,26 +1,23 @@
-"""Adapter-affinity routing across replicas (gateway/fleet/router.py).
+"""A fleet for real (gateway/fleet/router.py, gateway/residency/): adapter-affinity routing, and
+a catalog every replica serves from one shared S3 store.
 
-Unit tests for `score` and `choose`, then a real fleet on loopback: one redis-server and three
-`python -m gateway.server` processes (--redis-url, --replica-id, --advertise-url, 3 slots each)
-serving the demo model and the directory's random adapters. Every response names the replica
-that generated it in `X-Served-By`.
+Unit tests for `score` and `choose`, then three `python -m gateway.server` replicas on one
+redis-server and one S3 server (moto), started with no --adapter flags: every adapter arrives
+through the admin API of one replica, as in production, and every replica serves it. The tests
+run in order on one fleet: uploads and registrations, routing, a replace and a delete, a
+replica killed and restarted with an empty disk, Redis restarted empty.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import signal
-import subprocess
-import sys
+import threading
 import time
-from pathlib import Path
 
-import httpx
 import pytest
-import redis
+from conftest import write_random_adapter
+from fleet_harness import Fleet, load_fixture_module, redis_fixture, served_by
 
-from adapters.registry import ReplicaState, decode_state
+from adapters.registry import ReplicaState
 from gateway.fleet.router import (
     FORWARD_MARGIN,
     FORWARDED_HEADER,
@@ -33,19 +30,9 @@ from gateway.fleet.router import (
     score,
 )
 
-# tests/adapters is not a package (and `adapters` is the project's): load the fixture module
-# by path rather than copying it.
-_spec = importlib.util.spec_from_file_location(
-    "redis_server_fixture", Path(__file__).parent.parent / "adapters" / "redis_server.py")
-redis_fixture = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(redis_fixture)
-
-REPO = Path(__file__).resolve().parents[2]
-REPLICAS = ("r1", "r2", "r3")
-SLOTS = 3
-TTL_S = 6.0  # the registry's default residency expiry (no flag sets it yet)
-START_TIMEOUT_S = 150.0
-A, B = "lora-0", "lora-1"  # warmed on r1 and r2
+s3_fixture = load_fixture_module("s3_server")
+TTL_S = 6.0  # the registry's default residency expiry
+A, B = "lora-0", "lora-1"  # uploaded through r1 and r2, warmed there
 
 
 # ---- score and choose ---------------------------------------------------------------------
@@ -111,128 +98,90 @@ def test_unknown_local_state_or_lone_replica_serves_locally():
     assert choose([], "x", "a") is None
 
 
-# ---- a fleet of three replicas --------------------------------------------------------------
-class Fleet:
-    def __init__(self, redis_server, procs: dict, urls: dict):
-        self.redis_server, self.procs, self.urls = redis_server, procs, urls
-        self.http = httpx.Client(timeout=60)
-        self.redis = redis.Redis.from_url(redis_server.url)
-
-    def states(self) -> dict[str, ReplicaState]:
-        out = {}
-        for rid in REPLICAS:
-            raw = self.redis.get(f"loragw:replica:{rid}")
-            if raw is not None:
-                out[rid] = decode_state(raw)
-        return out
-
-    def wait_for(self, what: str, predicate, timeout: float = 20.0) -> float:
-        started = time.monotonic()
-        while not predicate():
-            assert time.monotonic() - started < timeout, f"timed out waiting for {what}"
-            time.sleep(0.1)
-        return time.monotonic() - started
-
-    def complete(self, rid: str, model: str, marker: str | None = None,
-                 **extra) -> httpx.Response:
-        headers = {"Authorization": "Bearer fleet-key"}
-        if marker:
-            headers[FORWARDED_HEADER] = marker
-        body = {"model": model, "prompt": "The quick brown fox", "max_tokens": 8,
-                "temperature": 0, **extra}
-        return self.http.post(self.urls[rid] + "/v1/completions", json=body, headers=headers)
-
-
-def _free_port() -> int:
-    return redis_fixture.free_port()
+# ---- three replicas, one Redis, one S3 store ------------------------------------------------
+@pytest.fixture(scope="module")
+def s3():
+    return s3_fixture.shared_server()
 
 
 @pytest.fixture(scope="module")
-def fleet(model_dir, adapter_dirs, tmp_path_factory):
+def fleet(model_dir, s3, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("fleet")
     redis_server = redis_fixture.RedisServer(workdir)
     redis_server.start()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    procs, urls, logs = {}, {}, {}
-    adapters = [a for name, path in adapter_dirs.items() for a in ("--adapter", f"{name}={path}")]
+    bucket = s3.create_bucket()
+    fleet = Fleet(workdir, model_dir, redis_server, s3=s3,
+                  store_url=f"s3://{bucket}/adapters", extra=("--s3-allow", f"{bucket}/open/*"))
+    fleet.bucket = bucket
     try:
-        for rid in REPLICAS:
-            port = _free_port()
-            urls[rid] = f"http://127.0.0.1:{port}"
-            logs[rid] = open(workdir / f"{rid}.log", "wb")
-            procs[rid] = subprocess.Popen(
-                [sys.executable, "-m", "gateway.server", "--model", model_dir,
-                 "--served-model-name", "demo-base", "--device", "cpu",
-                 "--max-model-len", "256", "--max-num-seqs", "4", "--max-loras", str(SLOTS),
-                 "--port", str(port), "--redis-url", redis_server.url, "--replica-id", rid,
-                 "--advertise-url", urls[rid], "--api-key", "fleet-key",
-                 "--adapter-dir", str(workdir / f"{rid}-store"), *adapters],
-                cwd=REPO, env=env, stdout=logs[rid], stderr=subprocess.STDOUT)
-        fleet = Fleet(redis_server, procs, urls)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for rid in REPLICAS:
-            while True:
-                assert procs[rid].poll() is None, (
-                    f"replica {rid} exited:\n{(workdir / f'{rid}.log').read_text()[-3000:]}")
-                assert time.monotonic() < deadline, f"replica {rid} never became ready"
-                try:
-                    if fleet.http.get(urls[rid] + "/ready").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
-        fleet.wait_for("all replicas in the registry", lambda: len(fleet.states()) == 3)
+        fleet.start("r1", "r2", "r3")
         yield fleet
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for log in logs.values():
-            log.close()
+        fleet.stop()
         redis_server.kill()
 
 
-def _served_by(response: httpx.Response) -> str:
-    assert response.status_code == 200, response.text
-    return response.headers["x-served-by"]
+def objects(fleet: Fleet) -> set[str]:
+    listed = fleet.s3.client().list_objects_v2(Bucket=fleet.bucket, Prefix="adapters/")
+    return {o["Key"] for o in listed.get("Contents", [])}
+
+
+def test_an_upload_through_one_replica_is_served_by_every_replica(fleet, adapter_dirs):
+    assert fleet.upload("r1", A, adapter_dirs[A]).status_code == 201
+    assert fleet.upload("r2", B, adapter_dirs[B]).status_code == 201
+    for rid in ("r1", "r2", "r3"):  # within one heartbeat, every replica lists both
+        fleet.wait_for(f"{rid} to list {A} and {B}",
+                       lambda rid=rid: {A, B} <= set(fleet.models(rid)), timeout=3)
+    cards = [fleet.models(rid)[A] for rid in ("r1", "r2", "r3")]
+    assert len({(c["version"], c["sha256"]) for c in cards}) == 1
+    assert fleet.models("r3")[A]["residency"] == "remote"  # not fetched there yet
+    info = fleet.admin("r3")[A]
+    assert info["object_key"].startswith("adapters/") and info["holder"] == ""
+    assert len(objects(fleet)) == 4  # two files per adapter, content-addressed
+    # every replica serves A itself (the marker), from the store, token for token alike
+    texts = {rid: fleet.text(rid, A, marker="test") for rid in ("r1", "r2", "r3")}
+    assert len(set(texts.values())) == 1, texts
+    assert texts["r1"] != fleet.text("r1", "demo-base", marker="test")
+    assert fleet.models("r3")[A]["residency"] != "remote"
+
+
+def test_a_path_registered_on_one_replica_is_served_by_every_replica(fleet, adapter_dirs):
+    path = adapter_dirs["lora-2"]
+    assert fleet.register("r1", "lora-2", path).status_code == 201
+    fleet.wait_for("r3 to list lora-2", lambda: "lora-2" in fleet.models("r3"), timeout=3)
+    texts = {rid: fleet.text(rid, "lora-2", marker="test") for rid in ("r1", "r2", "r3")}
+    assert len(set(texts.values())) == 1, texts
 
 
 def test_requests_land_on_the_replica_holding_the_adapter(fleet):
-    # warm-up: the marker makes each replica serve these itself
-    assert _served_by(fleet.complete("r1", A, marker="warmup")) == "r1"
-    assert _served_by(fleet.complete("r2", B, marker="warmup")) == "r2"
-    fleet.wait_for("A resident on r1 and B on r2 in the registry", lambda: (
-        A in fleet.states()["r1"].resident and B in fleet.states()["r2"].resident))
-
-    local = fleet.complete("r1", A, marker="test")
-    forwarded = fleet.complete("r3", A)
-    assert _served_by(forwarded) == "r1"
-    assert forwarded.json()["choices"][0]["text"] == local.json()["choices"][0]["text"]
-    assert _served_by(fleet.complete("r3", B)) == "r2"
-    assert _served_by(fleet.complete("r1", B)) == "r2"
-    assert _served_by(fleet.complete("r2", A)) == "r1"
+    for rid, adapter in (("r1", A), ("r2", B)):
+        assert served_by(fleet.complete(rid, adapter, marker="warmup")) == rid
+        fleet.wait_for(f"{adapter} resident on {rid}",
+                       lambda rid=rid, adapter=adapter: adapter in fleet.states()[rid].resident)
+    fleet.http.post(fleet.urls["r3"] + f"/admin/adapters/{A}/evict")
+    fleet.http.post(fleet.urls["r2"] + f"/admin/adapters/{A}/evict")
+    fleet.http.post(fleet.urls["r3"] + f"/admin/adapters/{B}/evict")
+    fleet.wait_for("A only on r1", lambda: A not in fleet.states()["r3"].resident)
+    assert served_by(fleet.complete("r3", A)) == "r1"
+    assert served_by(fleet.complete("r3", B)) == "r2"
+    assert served_by(fleet.complete("r1", B)) == "r2"
     # base model: resident everywhere, so it stays where it lands
-    for rid in REPLICAS:
-        assert _served_by(fleet.complete(rid, "demo-base")) == rid
-    assert A not in fleet.states()["r3"].resident  # r3 never loaded A
+    for rid in ("r1", "r2", "r3"):
+        assert served_by(fleet.complete(rid, "demo-base")) == rid
+    info = fleet.admin("r3")[A]
+    assert "r1" in info["resident_on"] and "r3" not in info["resident_on"]
 
 
 def test_auth_is_passed_on_and_checked(fleet):
     response = fleet.http.post(fleet.urls["r3"] + "/v1/completions",
-                               json={"model": A, "prompt": "x", "max_tokens": 1})
+                               json={"model": A, "prompt": "x", "max_tokens": 1},
+                               headers={"Authorization": ""})
     assert response.status_code == 401  # refused before any routing
 
 
 def test_streaming_through_a_forward(fleet):
     def stream(rid: str, marker: str | None):
-        headers = {"Authorization": "Bearer fleet-key"}
-        if marker:
-            headers[FORWARDED_HEADER] = marker
+        headers = {FORWARDED_HEADER: marker} if marker else {}
         body = {"model": A, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0,
                 "stream": True}
         events = []
@@ -240,49 +189,131 @@ def test_streaming_through_a_forward(fleet):
                                headers=headers) as response:
             assert response.status_code == 200
             assert response.headers["content-type"].startswith("text/event-stream")
-            served_by = response.headers["x-served-by"]
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line.removeprefix("data: "))
-        return served_by, events
+            by = response.headers["x-served-by"]
+            events = [line.removeprefix("data: ") for line in response.iter_lines()
+                      if line.startswith("data: ")]
+        import json
 
-    served_by, events = stream("r3", None)
-    assert served_by == "r1"
-    assert events[-1] == "[DONE]" and len(events) > 3
-    text = "".join(httpx.Response(200, content=e).json()["choices"][0]["text"]
-                   for e in events[:-1])
-    local_by, local_events = stream("r1", "test")
-    assert local_by == "r1"
-    local_text = "".join(httpx.Response(200, content=e).json()["choices"][0]["text"]
-                         for e in local_events[:-1])
-    assert text == local_text and text
+        return by, "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]), events
+
+    by, text, events = stream("r3", None)
+    assert by == "r1" and events[-1] == "[DONE]" and len(events) > 3
+    local_by, local_text, _ = stream("r1", "test")
+    assert local_by == "r1" and text == local_text and text
 
 
 def test_a_forwarded_request_is_never_forwarded_again(fleet):
     """B is resident on r2; with the marker set, r1 serves B itself instead of a second hop."""
-    assert B not in fleet.states()["r1"].resident
-    assert _served_by(fleet.complete("r1", B, marker="r3")) == "r1"
-    chat = fleet.http.post(fleet.urls["r3"] + "/v1/chat/completions", json={
-        "model": A, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
-        headers={"Authorization": "Bearer fleet-key", FORWARDED_HEADER: "r2"})
-    assert _served_by(chat) == "r3"
+    assert served_by(fleet.complete("r1", B, marker="r3")) == "r1"
 
 
-def test_a_killed_replica_expires_and_its_adapters_are_served_elsewhere(fleet):
-    fleet.procs["r1"].kill()  # SIGKILL: no deregistration, only the heartbeat stops
-    fleet.procs["r1"].wait(timeout=10)
-    # still registered as holding A: r3 tries it, fails to connect, serves A itself
-    assert "r1" in fleet.states()
-    assert _served_by(fleet.complete("r3", A)) == "r3"
+def test_a_replace_is_served_everywhere_once_it_returns(fleet, hf_config, tmp_path):
+    """No replica serves the old weights after the replace returns, even for a prompt whose
+    KV blocks the prefix cache holds from the old weights."""
+    long_prompt = "In a land far away, beyond the seven mountains and the seven seas, " * 3
+    before = {rid: fleet.text(rid, A, marker="test", prompt=long_prompt)
+              for rid in ("r1", "r2", "r3")}  # now cached everywhere
+    old_objects = objects(fleet)
+    new = write_random_adapter(str(tmp_path / "new"), hf_config, seed=999)
+    response = fleet.upload("r3", A, new, replace=True)
+    assert response.status_code == 201 and response.json()["version"] == 2
+    after = {rid: fleet.text(rid, A, marker="test", prompt=long_prompt)
+             for rid in ("r1", "r2", "r3")}
+    assert len(set(after.values())) == 1 and after["r1"] != before["r1"], (before, after)
+    assert {fleet.models(rid)[A]["version"] for rid in ("r1", "r2", "r3")} == {2}
+    fresh = objects(fleet) - old_objects
+    assert len(fresh) == 2 and len(objects(fleet)) == len(old_objects)  # the old pair is gone
+
+
+def test_a_delete_is_404_everywhere_and_its_objects_leave_the_bucket(fleet):
+    key = fleet.admin("r1")[B]["object_key"]
+    assert fleet.delete("r2", B).status_code == 200
+    for rid in ("r1", "r2", "r3"):
+        response = fleet.complete(rid, B)
+        assert response.status_code == 404, (rid, response.text)
+        assert B not in fleet.models(rid)
+    assert not any(k.startswith(key) for k in objects(fleet))
+    assert B not in fleet.catalog()
+
+
+def test_bad_sources_are_clear_errors_and_change_nothing(fleet, adapter_dirs):
+    s3 = fleet.s3.client()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        with open(f"{adapter_dirs['lora-3']}/{name}", "rb") as f:
+            s3.put_object(Bucket=fleet.bucket, Key=f"open/lora-3/{name}", Body=f.read())
+            s3.put_object(Bucket=fleet.bucket, Key=f"closed/lora-3/{name}", Body=b"x")
+    # an s3:// folder registered on one replica is served by every replica
+    source = f"s3://{fleet.bucket}/open/lora-3/"
+    assert fleet.register("r1", "from-s3", source).status_code == 201
+    fleet.wait_for("r3 to list from-s3", lambda: "from-s3" in fleet.models("r3"), timeout=3)
+    assert fleet.text("r3", "from-s3", marker="test") == fleet.text("r1", "from-s3",
+                                                                     marker="test")
+    # an s3:// model name inside --s3-allow is fetched on first use; outside it is unknown
+    assert fleet.complete("r2", f"s3://{fleet.bucket}/open/lora-3").status_code == 200
+    refused = fleet.complete("r2", f"s3://{fleet.bucket}/closed/lora-3")
+    assert refused.status_code == 404 and "closed/lora-3" in refused.json()["error"]["message"]
+    before = set(fleet.admin("r2"))
+    for source, status, named in (("s3://no-such-bucket/x/", 404, "no-such-bucket"),
+                                  (f"s3://{fleet.bucket}/missing/", 404, "missing")):
+        response = fleet.register("r2", "bad", source)
+        assert response.status_code == status, response.text
+        assert named in response.json()["error"]["message"]
+    assert set(fleet.admin("r2")) == before and "bad" not in fleet.catalog()
+    # tampered bytes in the store: a replica that must fetch them refuses, naming sha256
+    key = fleet.admin("r1")["lora-2"]["object_key"]
+    s3.put_object(Bucket=fleet.bucket, Key=f"{key}/adapter_model.safetensors", Body=b"evil")
+    fleet.http.post(fleet.urls["r3"] + "/admin/adapters/lora-2/evict")
+    fleet.start("r4", empty_disk=True)
+    tampered = fleet.complete("r4", "lora-2", marker="test")
+    assert tampered.status_code == 502 and "sha256" in tampered.json()["error"]["message"]
+    assert fleet.text("r4", A, marker="test")  # r4 keeps serving everything else
+    fleet.kill("r4")
+
+
+def test_a_replica_the_store_refuses_exits_at_start_up_naming_credentials(fleet):
+    fleet.start("r5", env_changes={"AWS_SECRET_ACCESS_KEY": "wrong"}, wait=False)
+    assert fleet.procs["r5"].wait(timeout=60) != 0
+    assert "credentials" in fleet.log("r5")
+
+
+def test_a_killed_replica_leaves_its_uploads_served_and_comes_back_empty(fleet, adapter_dirs):
+    assert fleet.upload("r1", "lora-4", adapter_dirs["lora-4"]).status_code == 201
+    fleet.kill("r1")  # SIGKILL right after the upload
+    expected = fleet.text("r2", "lora-4", marker="test")
+    assert fleet.text("r3", "lora-4", marker="test") == expected
+    assert served_by(fleet.complete("r3", A)) in ("r2", "r3")  # r1 is gone: never a 5xx
     waited = fleet.wait_for("r1's residency to expire", lambda: "r1" not in fleet.states(),
                             timeout=TTL_S + 5)
     assert waited <= TTL_S + 1
-    fleet.wait_for("A resident on r3", lambda: A in fleet.states()["r3"].resident)
-    assert _served_by(fleet.complete("r2", A)) == "r3"
+    fleet.start("r1", empty_disk=True)
+    assert {A, "lora-2", "lora-4"} <= set(fleet.models("r1"))
+    assert fleet.text("r1", "lora-4", marker="test") == expected
 
 
-def test_redis_down_every_replica_serves_locally(fleet):
-    fleet.redis_server.kill()
-    time.sleep(0.5)  # past the router's state cache
-    for rid, model in (("r2", A), ("r3", B), ("r2", "demo-base"), ("r3", A)):
-        assert _served_by(fleet.complete(rid, model)) == rid
+def test_redis_restarted_empty_is_refilled_and_nobody_fails(fleet):
+    ids = fleet.catalog()
+    assert {A, "lora-4"} <= ids
+    failures, stop = [], threading.Event()
+
+    def traffic():
+        while not stop.is_set():
+            for rid in ("r2", "r3"):
+                response = fleet.complete(rid, A, marker="test")
+                if response.status_code != 200:
+                    failures.append((rid, response.status_code, response.text))
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    try:
+        time.sleep(0.5)
+        fleet.redis_server.restart()  # back on the same port, empty
+        assert fleet.catalog() == set() or fleet.catalog() <= ids
+        fleet.wait_for("the catalog refilled", lambda: fleet.catalog() == ids, timeout=4)
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        thread.join()
+    assert not failures, failures[:3]
+    for rid in ("r1", "r2", "r3"):
+        assert set(ids) <= set(fleet.models(rid))

@@ -106,9 +106,12 @@ async def test_two_replicas_on_one_redis(model_dir, make_adapter, tmp_path, redi
         managers.append(m)
     a, b = managers
     try:
-        files = read_files(make_adapter(tmp_path / "shared", 42))
-        await a.upload("shared", *files)
-        await b.upload("shared", *files)
+        # a path both can read: registered on a, in b's catalog at once, loaded from the path
+        await a.register("shared", str(make_adapter(tmp_path / "shared", 42)))
+        deadline = time.monotonic() + 5
+        while "shared" not in b.records:
+            assert time.monotonic() < deadline, "the registration never reached the other replica"
+            await asyncio.sleep(0.05)
         await a.load("shared")
         await b.load("shared")
         replicas = {s.replica_id: s for s in await a.registry.replicas()}

@@ -393,6 +393,93 @@ def test_no_hub_allow_by_default():
     assert flag(gateway(render()), "--hub-allow") == []
 
 
+# ---- the adapter store and s3:// adapters -------------------------------------------------------
+AWS_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID",
+                 "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
+def test_no_adapter_store_no_s3_allow_and_no_aws_variables_by_default():
+    container = gateway(render())
+    assert flag(container, "--adapter-store-url") == []
+    assert flag(container, "--s3-allow") == []
+    assert not set(AWS_VARIABLES) & set(env(container))
+
+
+def test_the_adapter_store_gets_its_url_endpoint_region_and_keys_from_the_existing_secret():
+    rendered = render(load_set("adapter-store"))
+    container = gateway(rendered)
+    assert flag(container, "--adapter-store-url") == ["s3://lora-adapters/gateway"]
+    variables = env(container)
+    assert variables["AWS_ENDPOINT_URL"]["value"] == "http://minio.storage.svc:9000"
+    assert variables["AWS_DEFAULT_REGION"]["value"] == "us-east-1"
+    refs = {name: variables[name]["valueFrom"]["secretKeyRef"]
+            for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    # not optional: a key missing from the Secret stops the pod instead of failing the first upload
+    assert refs == {
+        "AWS_ACCESS_KEY_ID": {"name": "adapter-store-credentials", "key": "access-key",
+                              "optional": False},
+        "AWS_SECRET_ACCESS_KEY": {"name": "adapter-store-credentials", "key": "secret-key",
+                                  "optional": False},
+    }
+    assert "AWS_SESSION_TOKEN" not in variables
+    secrets = {s["metadata"]["name"]: s for s in rendered.of_kind("Secret")}
+    assert "adapter-store-credentials" not in secrets, "the user brings the store's Secret"
+    assert not any(k.startswith("AWS") or "access" in k for s in secrets.values()
+                   for k in s.get("data", {}))
+
+
+def test_each_s3_allow_pattern_becomes_its_own_flag():
+    container = gateway(render(load_set("adapter-store")))
+    assert flag(container, "--s3-allow") == ["lora-adapters/tenants/*", "shared-models/support-*"]
+
+
+def test_the_store_and_s3_allow_flags_parse_as_the_servers_own():
+    import argparse
+
+    from gateway.config import add_serve_arguments
+
+    args = gateway(render(load_set("adapter-store")))["args"][1:]
+    kept = [a for i, a in enumerate(args)
+            if "$(" not in a and not (i + 1 < len(args) and "$(" in args[i + 1])]
+    parsed = add_serve_arguments(argparse.ArgumentParser()).parse_args(kept)
+    assert parsed.adapter_store_url == "s3://lora-adapters/gateway"
+    assert list(parsed.s3_allow) == ["lora-adapters/tenants/*", "shared-models/support-*"]
+
+
+def test_without_an_existing_secret_no_keys_are_set_and_the_credential_chain_signs():
+    # all-features: AWS S3 through IRSA, the role on the ServiceAccount
+    rendered = render(load_set("all-features"))
+    container = gateway(rendered)
+    assert flag(container, "--adapter-store-url") == ["s3://acme-lora-adapters/gateway"]
+    assert flag(container, "--s3-allow") == ["acme-lora-adapters/published/*"]
+    variables = env(container)
+    assert variables["AWS_DEFAULT_REGION"]["value"] == "eu-west-1"
+    assert not {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                "AWS_SESSION_TOKEN"} & set(variables), "AWS S3 and no keys: IRSA signs"
+    role = rendered.one("ServiceAccount")["metadata"]["annotations"]["eks.amazonaws.com/role-arn"]
+    assert role.startswith("arn:aws:iam::")
+
+
+def test_each_aws_variable_is_set_only_when_its_value_is():
+    url_only = env(gateway(render({"adapterStore": {"url": "s3://bucket/prefix"}})))
+    assert not set(AWS_VARIABLES) & set(url_only)
+    gcs = "https://storage.googleapis.com"
+    endpoint = env(gateway(render({"adapterStore": {"endpoint": gcs}})))
+    assert endpoint["AWS_ENDPOINT_URL"]["value"] == gcs
+    assert not (set(AWS_VARIABLES) - {"AWS_ENDPOINT_URL"}) & set(endpoint)
+
+
+def test_a_session_token_key_adds_aws_session_token_from_the_same_secret():
+    values = {"adapterStore": {"url": "s3://bucket/prefix", "existingSecret": "sts-creds",
+                               "secretKeys": {"sessionToken": "token"}}}
+    variables = env(gateway(render(values)))
+    assert variables["AWS_SESSION_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "sts-creds", "key": "token", "optional": False}
+    assert variables["AWS_ACCESS_KEY_ID"]["valueFrom"]["secretKeyRef"]["key"] == "AWS_ACCESS_KEY_ID"
+    assert variables["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["key"] == \
+        "AWS_SECRET_ACCESS_KEY"
+
+
 def test_caches_live_on_the_data_volume_and_root_is_read_only():
     rendered = render()
     container = gateway(rendered)
@@ -495,6 +582,15 @@ BAD_VALUES = {
     "preload without source": {"adapters": {"preload": [{"name": "sql"}]}},
     "unknown device": {"engine": {"device": "tpu"}},
     "startup probe period zero": {"probes": {"startup": {"periodSeconds": 0}}},
+    "store url over http": {"adapterStore": {"url": "http://minio:9000/adapters"}},
+    "store url with an uppercase bucket": {"adapterStore": {"url": "s3://Adapters/prod"}},
+    "store url without a bucket": {"adapterStore": {"url": "s3://"}},
+    "store endpoint without scheme": {"adapterStore": {"endpoint": "minio.storage:9000"}},
+    "store secret with a capital": {"adapterStore": {"existingSecret": "S3-Keys"}},
+    "store secret key with a space": {"adapterStore": {"secretKeys": {"accessKeyId": "access key"}}},
+    "misspelt store key": {"adapterStore": {"bucket": "adapters"}},
+    "s3 allow pattern with scheme": {"adapters": {"s3Allow": ["s3://bucket/adapters/*"]}},
+    "s3 allow list as string": {"adapters": {"s3Allow": "bucket/*"}},
 }
 
 
@@ -569,17 +665,48 @@ def test_the_doc_comment_check_catches_an_undocumented_value():
 
 
 # ---- NOTES.txt and the CLI agreeing with the SDK -----------------------------------------------
-def test_notes_show_how_to_port_forward_and_send_an_openai_request():
+def render_notes(values: dict[str, Any] | None = None) -> str:
+    """NOTES.txt as `helm install` prints it (Helm's SDK: `helm template` does not render it)."""
     try:
         import helm_python
     except ImportError:
         pytest.fail(helm_render.INSTALL_HINT, pytrace=False)
     with helm_python.Chart.load(CHART) as chart:
-        files = chart.render({}, name=RELEASE, namespace=NAMESPACE)
-    notes = next(v for k, v in files.items() if k.endswith("NOTES.txt"))
+        files = chart.render(values or {}, name=RELEASE, namespace=NAMESPACE)
+    return next(v for k, v in files.items() if k.endswith("NOTES.txt"))
+
+
+def test_notes_show_how_to_port_forward_and_send_an_openai_request():
+    notes = render_notes()
     assert f"kubectl -n {NAMESPACE} port-forward svc/demo-lora-gateway 8000:8000" in notes
     assert "/v1/chat/completions" in notes and '"model": "Qwen/Qwen2.5-1.5B-Instruct"' in notes
     assert "from openai import OpenAI" in notes
+
+
+NO_STORE_WARNING = "WARNING: up to"
+
+
+def test_notes_warn_that_uploads_stay_on_one_pod_when_several_replicas_have_no_store():
+    three = render_notes({"replicaCount": 3})
+    assert "WARNING: up to 3 replicas and no adapterStore.url" in three
+    assert "lost with that pod" in three and "Set adapterStore.url" in three
+    scaled = render_notes({"autoscaling": {"enabled": True, "maxReplicas": 5}})
+    assert "WARNING: up to 5 replicas and no adapterStore.url" in scaled
+
+
+def test_notes_do_not_warn_with_a_store_or_a_single_replica():
+    assert NO_STORE_WARNING not in render_notes()
+    one_at_most = {"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 1}}
+    assert NO_STORE_WARNING not in render_notes(one_at_most)
+    stored = render_notes(load_set("adapter-store"))
+    assert NO_STORE_WARNING not in stored
+    assert ("Adapter store: s3://lora-adapters/gateway at http://minio.storage.svc:9000, keys from "
+            "Secret adapter-store-credentials.") in stored
+    assert "Adapter store:" not in render_notes()
+    irsa = render_notes(load_set("all-features"))
+    assert NO_STORE_WARNING not in irsa
+    assert ("Adapter store: s3://acme-lora-adapters/gateway, keys from the AWS credential "
+            "chain.") in irsa
 
 
 @pytest.mark.skipif(shutil.which("helm") is None,

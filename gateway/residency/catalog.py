@@ -1,0 +1,165 @@
+"""This replica's view of the fleet's catalog (the registry), kept current.
+
+The catalog is the fleet's truth: every adapter it lists is an AdapterRecord here, "remote"
+until first used (then fetched from the object store or its source: fetch.py). Changes reach
+this view four ways, each applied under the adapter id's lock:
+
+    events      another replica added, replaced or deleted an adapter: pub/sub, milliseconds
+    sync        the whole catalog, read every heartbeat: what an event may have missed
+    refresh     one entry, read by admission before each request for it, so no request is
+                served with weights the catalog has replaced or deleted
+    adopt       at start-up, this disk's adapters against the catalog
+
+A record whose catalog entry has other weights loses its local copy (engine and disk: requests
+on the old weights are aborted) and becomes remote; one the catalog no longer lists is
+removed. An absence counts as a deletion only while the registry is healthy (a Redis that
+restarted empty is refilled by the replicas first: adapters.registry_redis).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+
+from adapters.object_store import ObjectStore
+from adapters.registry import (
+    EVENT_DELETED,
+    AdapterEvent,
+    CatalogEntry,
+    Registry,
+)
+from adapters.store_meta import StoredAdapter
+from gateway.residency.fetch import UPLOAD_SOURCE
+from gateway.residency.info import catalog_entry
+from gateway.residency.tiers import AdapterRecord, AdapterTiers
+
+logger = logging.getLogger(__name__)
+
+
+def same_bytes(entry: CatalogEntry, stored: StoredAdapter) -> bool:
+    configs = (entry.config_sha256, stored.config_sha256)
+    return entry.sha256 == stored.sha256 and (not all(configs) or configs[0] == configs[1])
+
+
+class FleetCatalog:
+    def __init__(self, registry: Registry, tiers: AdapterTiers,
+                 locks: defaultdict[str, asyncio.Lock], replica_id: str, shared: bool):
+        self.registry, self.tiers, self.locks = registry, tiers, locks
+        self.replica_id, self.shared = replica_id, shared
+
+    @property
+    def records(self) -> dict[str, AdapterRecord]:
+        return self.tiers.records
+
+    def entry_for(self, stored: StoredAdapter) -> CatalogEntry:
+        """The catalog entry of an adapter this replica just stored. Its holder is this
+        replica when no other can fetch the bytes: an upload, or a path, not in the store."""
+        anyone = stored.object_key or stored.source.startswith(("hf://", "s3://"))
+        local = stored.source == UPLOAD_SOURCE or stored.source.startswith("/")
+        return catalog_entry(stored, holder="" if anyone or not local else self.replica_id)
+
+    # ---- start-up --------------------------------------------------------------------------
+    async def adopt(self, stored_adapters: list[StoredAdapter]) -> None:
+        """This disk's adapters against the catalog. A non-empty catalog is the truth: copies
+        it lists with other bytes, or does not list (deleted while we were away), are dropped.
+        An empty one (a new fleet, a single replica, a Redis that lost its data) is filled
+        from this disk."""
+        catalog = {e.adapter_id: e for e in await self.registry.list_adapters()}
+        trusted = self.shared and self.registry.healthy and bool(catalog)
+        for stored in stored_adapters:
+            entry = catalog.get(stored.adapter_id)
+            if entry is None and not trusted:
+                entry = self.entry_for(stored)
+                await self.registry.put_adapter(entry)
+            elif entry is None or not same_bytes(entry, stored):
+                why = "is no longer in" if entry is None else "has other weights in"
+                logger.warning("adapter %s on this disk %s the fleet's catalog; dropping the "
+                               "local copy", stored.adapter_id, why)
+                await asyncio.to_thread(self.tiers.store.delete, stored.adapter_id)
+                if entry is None:
+                    continue
+                stored = None
+            self.records[entry.adapter_id] = AdapterRecord(entry, stored)
+        for adapter_id, entry in catalog.items():
+            self.records.setdefault(adapter_id, AdapterRecord(entry))
+
+    # ---- keeping current -------------------------------------------------------------------
+    async def refresh(self, adapter_id: str) -> None:
+        """The catalog's word on one adapter, now (admission calls this per request)."""
+        if not self.shared or not self.registry.healthy:
+            return
+        entry = await self.registry.get_adapter(adapter_id)
+        record = self.records.get(adapter_id)
+        if entry is None and record is not None and self.registry.healthy:
+            async with self.locks[adapter_id]:
+                await self._drop_unlisted(adapter_id)
+        elif entry is not None and (record is None or record.entry != entry):
+            async with self.locks[adapter_id]:
+                await self.follow(entry)
+
+    async def follow(self, entry: CatalogEntry) -> None:
+        """Make this replica's record of entry's id match it; the caller holds the id's lock."""
+        record = self.records.get(entry.adapter_id)
+        if record is None:
+            self.records[entry.adapter_id] = AdapterRecord(entry)
+            logger.info("adapter %s v%d from the catalog (%s)", entry.adapter_id, entry.version,
+                        entry.source)
+        elif not record.entry.same_weights(entry):
+            await self.tiers.forget(entry.adapter_id)  # aborts requests on the old weights
+            record.entry = entry
+            logger.info("adapter %s replaced in the catalog (v%d): local copy dropped",
+                        entry.adapter_id, entry.version)
+        else:
+            record.entry = entry  # same bytes; where they live may have changed
+
+    async def _drop_unlisted(self, adapter_id: str) -> None:
+        """Remove a record the catalog does not list, if it still does not (the id's lock is
+        held: a registration of ours in flight has put its entry by now)."""
+        if adapter_id not in self.records:
+            return
+        if await self.registry.get_adapter(adapter_id) is None and self.registry.healthy:
+            await self.tiers.remove(adapter_id)
+            logger.info("adapter %s deleted from the catalog: local copy dropped", adapter_id)
+
+    async def on_event(self, event: AdapterEvent) -> None:
+        """Another replica changed the catalog."""
+        if event.origin == self.replica_id:
+            return
+        adapter_id = event.adapter_id
+        if event.kind == EVENT_DELETED:
+            async with self.locks[adapter_id]:
+                await self._drop_unlisted(adapter_id)
+            return
+        entry = await self.registry.get_adapter(adapter_id)
+        if entry is not None:
+            async with self.locks[adapter_id]:
+                await self.follow(entry)
+
+    async def sync(self) -> None:
+        """The whole catalog against this view (every heartbeat)."""
+        if not self.shared or not self.registry.healthy:
+            return
+        entries = {e.adapter_id: e for e in await self.registry.list_adapters()}
+        if not self.registry.healthy:
+            return  # the read fell back to what we knew: nothing new to learn
+        for adapter_id, entry in entries.items():
+            record = self.records.get(adapter_id)
+            if record is None or record.entry != entry:
+                async with self.locks[adapter_id]:
+                    await self.follow(entry)
+        for adapter_id in [a for a in self.records if a not in entries]:
+            async with self.locks[adapter_id]:
+                await self._drop_unlisted(adapter_id)
+
+    async def collect(self, key: str, store: ObjectStore | None) -> None:
+        """Delete the object-store pair at `key` once no catalog entry refers to it."""
+        if not key or store is None:
+            return
+        if any(e.object_key == key for e in await self.registry.list_adapters()):
+            return
+        try:
+            await asyncio.to_thread(store.delete, key)
+            logger.info("object store: deleted %s (no catalog entry refers to it)", key)
+        except Exception as exc:  # the bucket keeps an orphan; the catalog is right either way
+            logger.warning("object store: could not delete %s: %s", key, exc)

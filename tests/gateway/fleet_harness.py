@@ -1,0 +1,184 @@
+"""A fleet on loopback, as production runs one: `python -m gateway.server` replica processes on
+one real redis-server (and, when given, one real S3 server), started with no --adapter flags:
+every adapter arrives through the admin API of whichever replica a test picks.
+
+    fleet = Fleet(workdir, model_dir, redis_server, s3=s3_server)
+    fleet.start("r1", "r2", "r3")
+    fleet.upload("r1", "sql", folder)         # the admin API, multipart
+    fleet.complete("r2", "sql")               # the OpenAI API; X-Served-By says who served it
+    fleet.kill("r1"); fleet.start("r1", empty_disk=True)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import redis
+from uploads import read_files
+
+from adapters.registry import ReplicaState, decode_state
+from gateway.fleet.router import FORWARDED_HEADER
+
+REPO = Path(__file__).resolve().parents[2]
+KEY = "fleet-key"
+SLOTS = 3
+START_TIMEOUT_S = 150.0
+PROMPT = "The quick brown fox"
+
+
+def load_fixture_module(name: str):
+    """tests/adapters/<name>.py (tests/adapters is not a package, and `adapters` is ours),
+    once per process under its own name, as its own tests import it."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).parent.parent / "adapters" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+redis_fixture = load_fixture_module("redis_server")
+
+
+class Fleet:
+    def __init__(self, workdir: Path, model_dir: str, redis_server, s3=None,
+                 store_url: str | None = None, extra: tuple[str, ...] = ()):
+        self.workdir, self.model_dir, self.redis_server = workdir, model_dir, redis_server
+        self.s3, self.store_url, self.extra = s3, store_url, extra
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.urls: dict[str, str] = {}
+        self.logs: dict[str, object] = {}
+        self.http = httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"})
+        self.redis = redis.Redis.from_url(redis_server.url)
+
+    # ---- replicas ------------------------------------------------------------------------
+    def start(self, *rids: str, empty_disk: bool = False, env_changes: dict | None = None,
+              wait: bool = True) -> None:
+        """Start replicas (again, on the same port, after a kill) and wait until ready."""
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+               **(self.s3.env if self.s3 is not None else {}), **(env_changes or {})}
+        for rid in rids:
+            disk = self.workdir / f"{rid}-store"
+            if empty_disk:
+                shutil.rmtree(disk, ignore_errors=True)
+            self.urls.setdefault(rid, f"http://127.0.0.1:{redis_fixture.free_port()}")
+            port = self.urls[rid].rsplit(":", 1)[1]
+            store = ["--adapter-store-url", self.store_url] if self.store_url else []
+            self.logs[rid] = open(self.workdir / f"{rid}.log", "ab")
+            self.procs[rid] = subprocess.Popen(
+                [sys.executable, "-m", "gateway.server", "--model", self.model_dir,
+                 "--served-model-name", "demo-base", "--device", "cpu",
+                 "--max-model-len", "256", "--max-num-seqs", "4", "--max-loras", str(SLOTS),
+                 "--port", port, "--redis-url", self.redis_server.url, "--replica-id", rid,
+                 "--advertise-url", self.urls[rid], "--api-key", KEY,
+                 "--adapter-dir", str(disk), *store, *self.extra],
+                cwd=REPO, env=env, stdout=self.logs[rid], stderr=subprocess.STDOUT)
+        if not wait:
+            return
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for rid in rids:
+            while not self._ready(rid):
+                assert self.procs[rid].poll() is None, f"replica {rid} exited:\n{self.log(rid)}"
+                assert time.monotonic() < deadline, f"replica {rid} never became ready"
+                time.sleep(0.2)
+        self.wait_for("the replicas in the registry", lambda: set(rids) <= set(self.states()))
+
+    def _ready(self, rid: str) -> bool:
+        try:
+            return self.http.get(self.urls[rid] + "/ready").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def kill(self, rid: str) -> None:
+        """SIGKILL: no deregistration; only the heartbeat stops."""
+        self.procs[rid].kill()
+        self.procs[rid].wait(timeout=10)
+
+    def log(self, rid: str) -> str:
+        return (self.workdir / f"{rid}.log").read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        for log in self.logs.values():
+            log.close()
+        self.http.close()
+
+    # ---- the registry --------------------------------------------------------------------
+    def states(self) -> dict[str, ReplicaState]:
+        out = {}
+        for rid in list(self.urls):
+            raw = self.redis.get(f"loragw:replica:{rid}")
+            if raw is not None:
+                out[rid] = decode_state(raw)
+        return out
+
+    def catalog(self) -> set[str]:
+        return {k.decode() for k in self.redis.hkeys("loragw:catalog")}
+
+    @staticmethod
+    def wait_for(what: str, predicate, timeout: float = 20.0) -> float:
+        started = time.monotonic()
+        while not predicate():
+            assert time.monotonic() - started < timeout, f"timed out waiting for {what}"
+            time.sleep(0.1)
+        return time.monotonic() - started
+
+    # ---- the APIs ------------------------------------------------------------------------
+    def complete(self, rid: str, model: str, marker: str | None = None, prompt: str = PROMPT,
+                 **extra) -> httpx.Response:
+        """POST /v1/completions on `rid`; `marker` makes it serve the request itself."""
+        headers = {FORWARDED_HEADER: marker} if marker else {}
+        body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, **extra}
+        return self.http.post(self.urls[rid] + "/v1/completions", json=body, headers=headers)
+
+    def text(self, rid: str, model: str, marker: str | None = None, **extra) -> str:
+        response = self.complete(rid, model, marker, **extra)
+        assert response.status_code == 200, (rid, model, response.text)
+        return response.json()["choices"][0]["text"]
+
+    def upload(self, rid: str, adapter_id: str, folder, replace: bool = False) -> httpx.Response:
+        config, weights = read_files(folder)
+        return self.http.post(self.urls[rid] + "/admin/adapters",
+                              data={"adapter_id": adapter_id, "replace": str(replace).lower()},
+                              files={"adapter_config": ("adapter_config.json", config),
+                                     "adapter_model": ("adapter_model.safetensors", weights)})
+
+    def register(self, rid: str, adapter_id: str, source: str,
+                 replace: bool = False) -> httpx.Response:
+        return self.http.post(self.urls[rid] + "/admin/adapters/register",
+                              json={"adapter_id": adapter_id, "source": source,
+                                    "replace": replace})
+
+    def delete(self, rid: str, adapter_id: str) -> httpx.Response:
+        return self.http.delete(self.urls[rid] + f"/admin/adapters/{adapter_id}")
+
+    def models(self, rid: str) -> dict[str, dict]:
+        response = self.http.get(self.urls[rid] + "/v1/models")
+        assert response.status_code == 200, response.text
+        return {card["id"]: card for card in response.json()["data"]}
+
+    def admin(self, rid: str) -> dict[str, dict]:
+        response = self.http.get(self.urls[rid] + "/admin/adapters")
+        assert response.status_code == 200, response.text
+        return {info["id"]: info for info in response.json()["data"]}
+
+
+def served_by(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    return response.headers["x-served-by"]

@@ -1,0 +1,65 @@
+"""A fleet without a shared object store (gateway/residency/fetch.py, gateway/fleet/router.py):
+two replicas on one redis-server. A path every replica can read is served everywhere (its
+bytes checked against the catalog's sha256); an upload stays on the replica that took it, the
+catalog says so, and requests for it elsewhere are forwarded there (never to a replica that
+does not hold it); when that replica is gone, a 503 names the adapter and why, never a 404.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from fleet_harness import Fleet, redis_fixture, served_by
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("fleet-local")
+    redis_server = redis_fixture.RedisServer(workdir)
+    redis_server.start()
+    fleet = Fleet(workdir, model_dir, redis_server)
+    try:
+        fleet.start("r1", "r2")
+        yield fleet
+    finally:
+        fleet.stop()
+        redis_server.kill()
+
+
+def test_start_up_warns_that_uploads_stay_replica_local(fleet):
+    assert "uploads and paths other replicas cannot read stay" in fleet.log("r1")
+
+
+def test_a_path_every_replica_reads_is_served_everywhere(fleet, adapter_dirs):
+    assert fleet.register("r1", "lora-5", adapter_dirs["lora-5"]).status_code == 201
+    fleet.wait_for("r2 to list lora-5", lambda: "lora-5" in fleet.models("r2"), timeout=3)
+    assert fleet.admin("r2")["lora-5"]["object_key"] == ""
+    assert fleet.text("r2", "lora-5", marker="test") == fleet.text("r1", "lora-5",
+                                                                   marker="test")
+
+
+def test_an_upload_is_forwarded_to_the_replica_that_holds_it(fleet, adapter_dirs):
+    assert fleet.upload("r1", "lora-6", adapter_dirs["lora-6"]).status_code == 201
+    fleet.wait_for("r2 to list lora-6", lambda: "lora-6" in fleet.models("r2"), timeout=3)
+    info = fleet.admin("r2")["lora-6"]
+    assert info["holder"] == "r1" and info["residency"] == "remote"
+    local = fleet.text("r1", "lora-6", marker="test")
+    response = fleet.complete("r2", "lora-6")
+    assert served_by(response) == "r1"
+    assert response.json()["choices"][0]["text"] == local
+    # a path only r1 could read (gone now): r1 holds its copy, r2 forwards to it
+    folder = shutil.copytree(adapter_dirs["lora-7"], fleet.workdir / "lora-7-only-r1")
+    assert fleet.register("r1", "lora-7", str(folder)).status_code == 201
+    shutil.rmtree(folder)
+    fleet.wait_for("r2 to list lora-7", lambda: "lora-7" in fleet.models("r2"), timeout=3)
+    assert served_by(fleet.complete("r2", "lora-7")) == "r1"
+
+
+def test_with_its_holder_gone_an_upload_is_a_503_naming_it(fleet):
+    fleet.kill("r1")
+    response = fleet.complete("r2", "lora-6")
+    assert response.status_code == 503, response.text
+    message = response.json()["error"]["message"]
+    assert "lora-6" in message and "r1" in message and "adapter-store-url" in message
+    assert fleet.text("r2", "lora-5")  # r2 keeps serving what it can
