@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Timer, build_random_llama, machine  # noqa: E402
+from common import Timer, build_random_llama, machine, write_adapters  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 
@@ -39,39 +39,6 @@ TARGETS = {
     "q,v": ("q_proj", "v_proj"),  # PEFT's default for Llama
     "all seven": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
 }
-
-
-def write_adapters(root: str, hf_config, targets: tuple[str, ...], count: int,
-                   seed: int) -> list[str]:
-    """`count` PEFT adapter dirs of rank RANK on `targets`, random weights (built once)."""
-    import safetensors.torch
-    from peft import LoraConfig
-
-    hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
-    head_dim = hidden // hf_config.num_attention_heads
-    kv = hf_config.num_key_value_heads * head_dim
-    shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
-              "o_proj": (hidden, hidden), "gate_proj": (hidden, inter),
-              "up_proj": (hidden, inter), "down_proj": (inter, hidden)}  # (in, out)
-    dirs = []
-    for k in range(count):
-        path = os.path.join(root, f"adapter{k:02d}")
-        dirs.append(path)
-        if os.path.isfile(os.path.join(path, "adapter_model.safetensors")):
-            continue
-        g = torch.Generator().manual_seed(seed * 1000 + k)
-        LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=list(targets),
-                   task_type="CAUSAL_LM").save_pretrained(path)
-        tensors = {}
-        for layer in range(hf_config.num_hidden_layers):
-            for target in targets:
-                block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-                prefix = f"base_model.model.model.layers.{layer}.{block}.{target}"
-                fan_in, fan_out = shapes[target]
-                tensors[f"{prefix}.lora_A.weight"] = torch.randn(RANK, fan_in, generator=g) / fan_in**0.5
-                tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, RANK, generator=g) * 0.01
-        safetensors.torch.save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
-    return dirs
 
 
 def workload(vocab: int) -> tuple[list[list[int]], list[int]]:

@@ -18,17 +18,15 @@ processes, frequency) lands on all three alike; each median is over every round'
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import shutil
 import statistics
 import tempfile
 import time
 
 from tqdm import tqdm
 
-from benchmarks.common import build_random_llama
+from benchmarks.common import build_llama25m_with_tokenizer
 from demo.model import build_demo_model
 from engine import LLM
 from engine.sampling_params import SamplingParams
@@ -47,16 +45,7 @@ GRAMMARS = {  # longer than any run: no row ends early
 
 def build_model(name: str) -> str:
     demo = build_demo_model(os.path.join(tempfile.gettempdir(), "loragw-bench-demo"))
-    if name == "demo":
-        return demo
-    with open(os.path.join(demo, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
-    path = build_random_llama(os.path.join(tempfile.gettempdir(), f"loragw-bench-llama25m-v{vocab}"),
-                              vocab=vocab)
-    for name in os.listdir(demo):  # the tokenizer, its config and chat template
-        if name.startswith("tokenizer") or name.endswith(".jinja"):
-            shutil.copy(os.path.join(demo, name), path)
-    return path
+    return demo if name == "demo" else build_llama25m_with_tokenizer()
 
 
 def step_times(llm: LLM, constrained: int, steps: int, grammar: GuidedDecoding) -> list[float]:

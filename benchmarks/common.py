@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
+import tempfile
 import time
 
 import torch
@@ -31,6 +33,55 @@ def build_random_llama(out_dir: str, hidden: int = 512, layers: int = 8, heads: 
                 p.normal_(0, 0.05)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def build_llama25m_with_tokenizer(root: str | None = None) -> str:
+    """The random ~25M Llama with the demo model's tokenizer, vocabulary and chat template:
+    text prompts, detokenized outputs, a step closer to a real model's than the demo's."""
+    from demo.model import build_demo_model
+
+    root = root or tempfile.gettempdir()
+    demo = build_demo_model(os.path.join(root, "loragw-bench-demo"))
+    with open(os.path.join(demo, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    path = build_random_llama(os.path.join(root, f"loragw-bench-llama25m-v{vocab}"), vocab=vocab)
+    for name in os.listdir(demo):  # the tokenizer, its config and chat template
+        if name.startswith(("tokenizer", "generation_config")) or name.endswith(".jinja"):
+            shutil.copy(os.path.join(demo, name), path)
+    return path
+
+
+def write_adapters(root: str, hf_config, targets: tuple[str, ...], count: int, seed: int,
+                   rank: int = 16) -> list[str]:
+    """`count` PEFT adapter dirs of rank `rank` on `targets`, random weights (built once)."""
+    import safetensors.torch
+    from peft import LoraConfig
+
+    hidden, inter = hf_config.hidden_size, hf_config.intermediate_size
+    head_dim = hidden // hf_config.num_attention_heads
+    kv = hf_config.num_key_value_heads * head_dim
+    shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+              "o_proj": (hidden, hidden), "gate_proj": (hidden, inter),
+              "up_proj": (hidden, inter), "down_proj": (inter, hidden)}  # (in, out)
+    dirs = []
+    for k in range(count):
+        path = os.path.join(root, f"adapter{k:02d}")
+        dirs.append(path)
+        if os.path.isfile(os.path.join(path, "adapter_model.safetensors")):
+            continue
+        g = torch.Generator().manual_seed(seed * 1000 + k)
+        LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets),
+                   task_type="CAUSAL_LM").save_pretrained(path)
+        tensors = {}
+        for layer in range(hf_config.num_hidden_layers):
+            for target in targets:
+                block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+                prefix = f"base_model.model.model.layers.{layer}.{block}.{target}"
+                fan_in, fan_out = shapes[target]
+                tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) / fan_in**0.5
+                tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.01
+        safetensors.torch.save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    return dirs
 
 
 def machine() -> str:

@@ -1,9 +1,13 @@
-"""The engine for servers: one background thread steps the engine; the event loop never blocks.
+"""The engine for servers on a thread of the server's own: one background thread steps the
+engine; the event loop never blocks. (engine/core/ runs it in a process of its own instead,
+behind the same interface: submit_many, abort, snapshot, probe, the adapter calls, shutdown,
+info, adapter_spec.)
 
 `submit()` queues a request from any coroutine and returns an async iterator of increments.
 Requests, aborts and adapter operations cross into the engine thread through one lock-guarded
-inbox; outputs cross back through `loop.call_soon_threadsafe` into per-request asyncio queues.
-Cancelling the iterator (a client that disconnects) aborts the sequence and frees its blocks.
+inbox; outputs cross back through `loop.call_soon_threadsafe`, one call per step for all the
+streams of a loop. Cancelling the iterator (a client that disconnects) aborts the sequence and
+frees its blocks.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import replace
 
+from adapters.format import LoraAdapter, load_adapter
 from engine.llm_engine import EngineRequest, LLMEngine, Prompt, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.snapshot import EngineSnapshot, take_snapshot
+from engine.snapshot import EngineInfo, EngineSnapshot, engine_info, take_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +36,8 @@ class AsyncEngine:
         self._wake = threading.Condition()
         self._stopped = False
         self.step_errors = 0
+        self.info: EngineInfo = engine_info(engine)
+        self.adapter_spec = engine.lora.spec
         self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -89,6 +96,29 @@ class AsyncEngine:
         """The engine's state between two steps (engine/snapshot.py)."""
         return await self.call(take_snapshot, self.engine, self.step_errors)
 
+    async def probe(self) -> None:
+        """Answers once the engine loop gets between two steps."""
+        await self.call(lambda: True)
+
+    async def add_adapter(self, name: str, path: str, adapter: LoraAdapter | None = None) -> int:
+        """Register or replace `name`: `adapter` parsed already, or parsed from `path` on a
+        worker thread (never the engine's)."""
+        if adapter is None:
+            adapter = await asyncio.to_thread(load_adapter, path, self.adapter_spec)
+        return await self.call(self.engine.add_adapter, name, adapter, path)
+
+    async def load_adapter(self, name: str) -> str:
+        return await self.call(self.engine.load_adapter, name)
+
+    async def pin_adapter(self, name: str, pinned: bool) -> None:
+        await self.call(self.engine.pin_adapter, name, pinned)
+
+    async def evict_adapter(self, name: str) -> bool:
+        return await self.call(self.engine.evict_adapter, name)
+
+    async def remove_adapter(self, name: str) -> None:
+        await self.call(self.engine.remove_adapter, name)
+
     def shutdown(self) -> None:
         with self._wake:
             self._stopped = True
@@ -128,11 +158,21 @@ class AsyncEngine:
                 self.engine.abort(request_id)
                 self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
             return
-        for out in outputs:
-            self._deliver(out.request_id, out)
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:  # one wake-up of each loop per step, not one per token
+            target = self._streams.get(out.request_id)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _deliver(self, request_id: str, item) -> None:
         target = self._streams.get(request_id)
         if target is not None:
             loop, queue = target
             loop.call_soon_threadsafe(queue.put_nowait, item)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from adapters.types import BaseModelSpec
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "triton")  # LoRA kernels and decode attention (engine/backends.py)
@@ -139,6 +141,11 @@ class Config(EngineOptions):
     @property
     def torch_dtype(self) -> torch.dtype:
         return resolve_dtype(self.dtype, self.torch_device, self.hf_config)
+
+    def adapter_spec(self) -> BaseModelSpec:
+        """What this base model offers adapters: every adapter is checked against it."""
+        return BaseModelSpec.from_hf_config(self.hf_config, self.max_lora_rank,
+                                            self.max_full_module_slots, self.model)
 
     @property
     def max_host_loras(self) -> int:

@@ -18,23 +18,19 @@ from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.sampling_params import InvalidParam, SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import RequestOutput, Sequence, SequenceStatus, TokenLogprob
+from engine.sequence import (
+    EngineRequest,
+    Prompt,
+    RequestOutput,
+    Sequence,
+    SequenceStatus,
+    TokenLogprob,
+)
 from engine.structured import GrammarCompiler, GuidedState
-from engine.tokenizer import eos_token_ids, try_load_tokenizer
+from engine.tokenizer import eos_token_ids, tokenize, try_load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
-
-
-@dataclass(slots=True)
-class EngineRequest:
-    """One request to queue: a prompt (text or token ids) and how to sample it."""
-
-    prompt: Prompt
-    params: SamplingParams
-    adapter: str | None = None
-    request_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -66,13 +62,7 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
-        """Text through the tokenizer; token ids as given (check_request checks them)."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidParam("prompt", "this model has no tokenizer; pass prompts as "
-                                   "token-id lists")
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
+        return tokenize(self.tokenizer, prompt)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """The engine's admission rules, each with its one message (InvalidParam names the

@@ -16,7 +16,7 @@ import time
 import torch
 
 from adapters.errors import AdapterError, AdapterNotFound
-from adapters.format import BaseModelSpec, LoraAdapter, load_adapter
+from adapters.format import LoraAdapter, load_adapter
 from adapters.saved_modules import FLAG, full_modules_off
 from engine.config import Config
 from engine.forward_context import LoRAStep
@@ -37,8 +37,7 @@ class LoRAManager:
         self.max_host = config.max_host_loras
         self.starvation_steps = config.lora_starvation_steps
         self.device, self.dtype = device, dtype
-        self.spec = BaseModelSpec.from_hf_config(config.hf_config, config.max_lora_rank,
-                                                 config.max_full_module_slots, config.model)
+        self.spec = config.adapter_spec()
         self.model = model
         self.adapters: dict[str, RegisteredAdapter] = {}
         self.slots = [Slot() for _ in range(self.num_slots)]

@@ -25,6 +25,7 @@ class TokenLogprob:
 
 
 _ids = itertools.count()
+Prompt = str | list[int]  # text, or token ids
 
 
 @dataclass(slots=True, eq=False)
@@ -105,3 +106,13 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """One request to queue: a prompt (text or token ids) and how to sample it."""
+
+    prompt: Prompt
+    params: SamplingParams
+    adapter: str | None = None
+    request_id: str | None = None

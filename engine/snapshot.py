@@ -1,6 +1,7 @@
 """What the engine looks like at one instant between steps: the one reading of its state that
 metrics, the adapter listings and the fleet's heartbeat share. `take_snapshot(engine)` runs on
-the engine's thread (AsyncEngine.call), so nothing in it is torn mid-step."""
+the engine's own thread or process, between steps, so nothing in it is torn mid-step. And
+`EngineInfo`: what a server needs to know of an engine that does not change while it runs."""
 
 from __future__ import annotations
 
@@ -9,6 +10,19 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+
+
+def engine_info(engine: LLMEngine) -> EngineInfo:
+    return EngineInfo(engine.vocab_size, engine.config.max_model_len, engine.config.block_size,
+                      engine.block_manager.num_blocks)
 
 
 @dataclass(frozen=True, slots=True)

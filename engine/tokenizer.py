@@ -10,6 +10,8 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from engine.sampling_params import InvalidParam
+
 logger = logging.getLogger(__name__)
 
 
@@ -21,6 +23,16 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
                          "directory holding tokenizer.json / tokenizer_config.json "
                          "(download the model first, e.g. with `huggingface-cli download`)")
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def tokenize(tokenizer: PreTrainedTokenizerBase | None, prompt: str | list[int]) -> list[int]:
+    """Text through the tokenizer; token ids as given (the engine's check_request checks them)."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidParam("prompt", "this model has no tokenizer; pass prompts as token-id "
+                               "lists")
+        return tokenizer.encode(prompt)
+    return list(prompt)
 
 
 def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],

@@ -51,6 +51,9 @@ class ServerConfig(EngineOptions):
                                    "load/unload")
     max_upload_mb: int = option(512, "largest request body (adapter uploads), in MB")
     max_waiting: int = option(256, "requests queued beyond --max-num-seqs before 429")
+    engine_process: bool = option(True, "run the engine loop in a process of its own, so the "
+                                  "HTTP server never shares a GIL with it (--no-engine-process: "
+                                  "a thread of the server's)")
 
     def option_name(self, name: str) -> str:
         return "--" + name.replace("_", "-")

@@ -21,9 +21,10 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from tqdm import tqdm
 
 from engine.async_engine import AsyncEngine
+from engine.core.client import EngineDied, EngineProcess
 from engine.llm_engine import LLMEngine
-from engine.snapshot import EngineSnapshot
-from engine.tokenizer import TokenText
+from engine.snapshot import EngineInfo, EngineSnapshot
+from engine.tokenizer import TokenText, try_load_tokenizer
 from gateway.config import ServerConfig
 from gateway.errors import APIError
 from gateway.fleet.router import Router
@@ -41,11 +42,13 @@ class Runtime:
         self.config = config
         self.metrics = metrics or Metrics()
         self.on_fatal = on_fatal  # called when start-up fails (the server should exit)
-        self.llm: LLMEngine | None = None
-        self.engine: AsyncEngine | None = None
+        self.engine: AsyncEngine | EngineProcess | None = None
+        self.info: EngineInfo | None = None  # the engine's vocabulary size, context window, ...
+        self.tokenizer = None  # the model's (None: prompts must be token ids)
         self.adapters: AdapterManager | None = None
         self.router: Router | None = None
         self.token_text: TokenText | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.ready = False
         self.status = "starting"
         self.started_at = int(time.time())
@@ -71,9 +74,11 @@ class Runtime:
             with tqdm(total=1 + len(sources), desc="loading", unit="step", disable=None) as bar:
                 self.status = f"loading model {config.model}"
                 bar.set_postfix_str(os.path.basename(str(config.model)))
-                self.llm = await asyncio.to_thread(LLMEngine, config.engine_config())
-                self.engine = AsyncEngine(self.llm)
-                self.token_text = TokenText(self.llm.tokenizer)
+                self.loop = asyncio.get_running_loop()
+                self.engine = await self._start_engine()
+                self.info = self.engine.info
+                self.tokenizer = await asyncio.to_thread(try_load_tokenizer, config.model)
+                self.token_text = TokenText(self.tokenizer)
                 self.adapters = AdapterManager(config, self.engine, self.metrics)
                 await self.adapters.start()
                 self.router = Router(self.adapters.registry, self.adapters.replica_id,
@@ -95,7 +100,19 @@ class Runtime:
             return
         self.ready, self.status = True, "ready"
         logger.info("ready: model %r with %d adapter(s), context %d tokens",
-                    config.model_name, len(sources), self.llm.config.max_model_len)
+                    config.model_name, len(sources), self.info.max_model_len)
+
+    async def _start_engine(self) -> AsyncEngine | EngineProcess:
+        engine_config = self.config.engine_config()
+        if self.config.engine_process:
+            return await EngineProcess.start(engine_config, on_death=self._engine_died)
+        return AsyncEngine(await asyncio.to_thread(LLMEngine, engine_config))
+
+    def _engine_died(self, exc: EngineDied) -> None:
+        """The engine process is gone: not ready any more, and the server should exit."""
+        self.ready, self.status = False, str(exc)
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
 
     async def stop(self) -> None:
         self.ready, self.status = False, "shutting down"
@@ -114,8 +131,8 @@ class Runtime:
     async def probe(self, timeout: float = ENGINE_PROBE_TIMEOUT_S) -> None:
         """/ready: loaded, and the engine loop answers between two steps within `timeout`."""
         self.check_ready()
-        # shield: a timed-out probe must not cancel the call the engine thread will still run
-        answered = asyncio.shield(self.engine.call(lambda: True))
+        # shield: a timed-out probe must not cancel the call the engine will still answer
+        answered = asyncio.shield(self.engine.probe())
         try:
             await asyncio.wait_for(answered, timeout)
         except asyncio.TimeoutError:

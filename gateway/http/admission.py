@@ -60,9 +60,9 @@ async def serve_completion(request: Request, data: CompletionRequest, runtime: R
     async def prepare():
         check_completion_options(data)
         first = sampling_params(data, data.logprobs, guided_decoding(data, None))
-        prompts = await off_loop_if_large(completion_prompts, data, runtime.llm)
+        prompts = await off_loop_if_large(completion_prompts, data, runtime.tokenizer)
         # what echo shows, once the engine has accepted the prompts' token ids
-        echo = (lambda: prompt_texts(data, prompts, runtime.llm)) if data.echo else None
+        echo = (lambda: prompt_texts(data, prompts, runtime.tokenizer)) if data.echo else None
         return prompts, first, lambda job: CompletionFormat(
             job.id, data.model, runtime.token_text, data.logprobs is not None,
             echo=echo() if echo else None)
@@ -74,7 +74,7 @@ async def serve_chat(request: Request, data: ChatCompletionRequest, runtime: Run
     async def prepare():
         names = tool_names(data)  # None: no tools in play
         first = sampling_params(data, chat_logprobs(data), guided_decoding(data, names))
-        prompt = await off_loop_if_large(chat_prompt, data, runtime.llm)
+        prompt = await off_loop_if_large(chat_prompt, data, runtime.tokenizer)
         return [prompt], first, lambda job: ChatFormat(
             job.id, data.model, runtime.token_text, data.logprobs, tool_names=names)
 

@@ -82,7 +82,7 @@ class OpenAIController(Controller):
 async def _model_cards(runtime: Runtime) -> list[ModelCard]:
     runtime.check_ready()
     snapshot = await runtime.snapshot()
-    base, limit = runtime.config.model_name, runtime.llm.config.max_model_len
+    base, limit = runtime.config.model_name, runtime.info.max_model_len
     cards = [ModelCard(id=base, created=runtime.started_at, owned_by=OWNER,
                        root=str(runtime.config.model), parent=None, residency="device",
                        max_model_len=limit)]

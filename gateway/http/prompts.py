@@ -8,8 +8,7 @@ import asyncio
 from collections.abc import Callable
 from typing import TypeVar
 
-from engine.llm_engine import LLMEngine
-from engine.tokenizer import encode_chat
+from engine.tokenizer import encode_chat, tokenize
 from gateway.errors import APIError
 from gateway.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
@@ -18,7 +17,7 @@ TOKENIZE_INLINE_MAX_CHARS = 16_384
 T = TypeVar("T")
 
 
-def completion_prompts(data: CompletionRequest, llm: LLMEngine) -> list[list[int]]:
+def completion_prompts(data: CompletionRequest, tokenizer) -> list[list[int]]:
     """str | list[str] | list[int] | list[list[int]] -> one token-id list per prompt (the
     engine checks token ids against its vocabulary when they are queued)."""
     prompt = data.prompt
@@ -34,26 +33,24 @@ def completion_prompts(data: CompletionRequest, llm: LLMEngine) -> list[list[int
                                    "ids or a list of token-id lists (not empty, not mixed)",
                                    param="prompt")
     try:
-        return [llm.tokenize(item) for item in items]
+        return [tokenize(tokenizer, item) for item in items]
     except ValueError as exc:
         raise APIError.bad_request(str(exc), param="prompt") from None
 
 
-def prompt_texts(data: CompletionRequest, prompts: list[list[int]],
-                 llm: LLMEngine) -> list[str]:
+def prompt_texts(data: CompletionRequest, prompts: list[list[int]], tokenizer) -> list[str]:
     """What echo shows of each prompt: the text sent, or the token ids sent, decoded."""
     if isinstance(data.prompt, str):
         return [data.prompt]
     if all(isinstance(p, str) for p in data.prompt):
         return list(data.prompt)
-    tokenizer = llm.tokenizer
     if tokenizer is None:
         return [""] * len(prompts)  # no text at all without a tokenizer, outputs included
     return [tokenizer.decode(ids, skip_special_tokens=data.skip_special_tokens)
             for ids in prompts]
 
 
-def chat_prompt(data: ChatCompletionRequest, llm: LLMEngine) -> list[int]:
+def chat_prompt(data: ChatCompletionRequest, tokenizer) -> list[int]:
     messages = []
     for m in data.messages:
         content = m.content
@@ -66,24 +63,24 @@ def chat_prompt(data: ChatCompletionRequest, llm: LLMEngine) -> list[int]:
         if m.tool_calls:
             message["tool_calls"] = m.tool_calls
         messages.append(message)
-    if llm.tokenizer is None:
+    if tokenizer is None:
         raise APIError.bad_request("this model has no tokenizer; use /v1/completions with "
                                    "token-id prompts", param="messages")
     try:
         tools = data.tools if data.tool_choice != "none" else None
-        return encode_chat(llm.tokenizer, messages, tools=tools or None)
+        return encode_chat(tokenizer, messages, tools=tools or None)
     except Exception as exc:  # ValueError (no template) or a template that raised
         raise APIError.bad_request(f"the chat template could not render these messages: "
                                    f"{exc}", param="messages") from None
 
 
-async def off_loop_if_large(tokenize: Callable[[SamplingRequest, LLMEngine], T],
-                            data: SamplingRequest, llm: LLMEngine) -> T:
-    """tokenize(data, llm), on a worker thread when the text is long enough to stall the
+async def off_loop_if_large(render: Callable[[SamplingRequest, object], T],
+                            data: SamplingRequest, tokenizer) -> T:
+    """render(data, tokenizer), on a worker thread when the text is long enough to stall the
     event loop (fast tokenizers encode and decode concurrently without trouble)."""
     if _text_size(data) <= TOKENIZE_INLINE_MAX_CHARS:
-        return tokenize(data, llm)
-    return await asyncio.to_thread(tokenize, data, llm)
+        return render(data, tokenizer)
+    return await asyncio.to_thread(render, data, tokenizer)
 
 
 def _text_size(data: SamplingRequest) -> int:

@@ -55,7 +55,9 @@ async def collect(job: GenerationJob, fmt: Format, disconnected: asyncio.Future 
 
 async def stream_sse(job: GenerationJob, fmt: Format,
                      include_usage: bool) -> AsyncIterator[bytes]:
-    """`data: {chunk}` events, a finish chunk per choice, optional usage, then [DONE]."""
+    """`data: {chunk}` events, a finish chunk per choice, optional usage, then [DONE]. What has
+    arrived by the time the client takes the next bytes goes out as one write: a client (or a
+    step of n choices) that falls behind gets its events coalesced, not one send each."""
     queue: asyncio.Queue = asyncio.Queue()
     try:
         for chunk in fmt.head(job.choices):
@@ -63,15 +65,24 @@ async def stream_sse(job: GenerationJob, fmt: Format,
         pending = job.num_unfinished
         job.start(lambda choice, out: queue.put_nowait((choice, out)))
         while pending:
-            choice, out = await queue.get()
-            if isinstance(out, BaseException):
-                raise out
-            delta = fmt.delta(choice, out)
-            if delta is not None:
-                yield sse(delta)
-            if out.finished:
-                pending -= 1
-                yield sse(fmt.finish(choice))
+            events = [await queue.get()]
+            while not queue.empty():
+                events.append(queue.get_nowait())
+            frames, failure = [], None
+            for choice, out in events:
+                if isinstance(out, BaseException):
+                    failure = out
+                    break
+                delta = fmt.delta(choice, out)
+                if delta is not None:
+                    frames.append(sse(delta))
+                if out.finished:
+                    pending -= 1
+                    frames.append(sse(fmt.finish(choice)))
+            if frames:
+                yield b"".join(frames)
+            if failure is not None:
+                raise failure
         if include_usage:
             yield sse(fmt.usage_chunk(job.counts))
     except Exception as exc:  # headers are gone: report in-band, as OpenAI and vLLM do

@@ -25,6 +25,7 @@ from adapters.registry import ReplicaState, make_registry
 from adapters.store import AdapterExists
 from adapters.store_meta import StoredAdapter, StoredMeta
 from engine.async_engine import AsyncEngine
+from engine.core.client import EngineProcess
 from engine.snapshot import EngineSnapshot
 from gateway.config import ServerConfig
 from gateway.errors import APIError
@@ -41,10 +42,11 @@ PUBLISH_INTERVAL_S = 1.0  # this replica's state, and a read of the whole catalo
 
 
 class AdapterManager:
-    """`AdapterManager(config, engine)`: the adapters of the engine `engine` (an AsyncEngine)
-    serves, stored under config.adapter_dir, announced to config.redis_url's registry."""
+    """`AdapterManager(config, engine)`: the adapters of the engine `engine` (an AsyncEngine or
+    an EngineProcess) serves, stored under config.adapter_dir, announced to config.redis_url's registry."""
 
-    def __init__(self, config: ServerConfig, engine: AsyncEngine, metrics: Metrics | None = None,
+    def __init__(self, config: ServerConfig, engine: AsyncEngine | EngineProcess,
+                 metrics: Metrics | None = None,
                  *, hub_endpoint: str | None = None, hub_cache_dir: str | None = None):
         self.base_name, self.engine = config.model_name, engine
         self.adapter_dir = os.path.expanduser(config.adapter_dir or DEFAULT_ADAPTER_DIR)

@@ -18,13 +18,14 @@ import time
 from dataclasses import dataclass
 
 from adapters.errors import AdapterNotFound
-from adapters.format import load_adapter, load_adapter_bytes
+from adapters.format import load_adapter_bytes
 from adapters.object_store import ObjectStore
 from adapters.registry import CatalogEntry
 from adapters.sources import parse_source, resolve_source
 from adapters.store import AdapterStore
 from adapters.store_meta import StoredAdapter, StoredMeta
 from engine.async_engine import AsyncEngine
+from engine.core.client import EngineProcess
 from gateway.errors import APIError
 from gateway.metrics import Metrics
 from gateway.residency.fetch import fetch_bytes
@@ -54,11 +55,10 @@ class AdapterRecord:
 
 
 class AdapterTiers:
-    def __init__(self, adapter_dir: str, engine: AsyncEngine, metrics: Metrics, *,
-                 hub_endpoint: str | None, hub_cache_dir: str | None,
+    def __init__(self, adapter_dir: str, engine: AsyncEngine | EngineProcess, metrics: Metrics,
+                 *, hub_endpoint: str | None, hub_cache_dir: str | None,
                  object_store: ObjectStore | None = None):
         self.adapter_dir, self.engine, self.metrics = adapter_dir, engine, metrics
-        self.llm = engine.engine  # its methods run on the engine thread, through engine.call
         self.hub_endpoint, self.hub_cache_dir = hub_endpoint, hub_cache_dir
         self.object_store = object_store
         self.store: AdapterStore | None = None  # opened by open()
@@ -101,7 +101,7 @@ class AdapterTiers:
         """Validate against the base model, write through to the object store (if there is one
         and `write_through`), store `meta.version` here, register it in the engine."""
         adapter = await asyncio.to_thread(load_adapter_bytes, config_raw, weights_raw,
-                                          self.llm.lora.spec)
+                                          self.engine.adapter_spec)
         key = meta.object_key
         if write_through and self.object_store is not None:
             key = await asyncio.to_thread(self.object_store.put, config_raw, weights_raw)
@@ -109,7 +109,7 @@ class AdapterTiers:
                           meta.version, key, adapter.warnings)
         stored = await asyncio.to_thread(self.store.put, adapter_id, config_raw, weights_raw,
                                          meta, True)
-        await self.engine.call(self.llm.add_adapter, adapter_id, adapter, stored.path)
+        await self.engine.add_adapter(adapter_id, stored.path, adapter)
         return stored
 
     async def mirror(self, entry: CatalogEntry) -> StoredAdapter:
@@ -136,13 +136,10 @@ class AdapterTiers:
         try:
             if record.stored is None:
                 record.stored = await self.mirror(record.entry)
-            else:
+            else:  # parsed off the engine's step loop (AsyncEngine / EngineProcess.add_adapter)
                 started = time.perf_counter()
-                adapter = await asyncio.to_thread(load_adapter, record.stored.path,
-                                                  self.llm.lora.spec)
+                await self.engine.add_adapter(adapter_id, record.stored.path)
                 self._observe("host", started)
-                await self.engine.call(self.llm.add_adapter, adapter_id, adapter,
-                                       record.stored.path)
             record.in_engine = True
         finally:
             self.loading.discard(adapter_id)
@@ -150,11 +147,11 @@ class AdapterTiers:
     async def to_device(self, adapter_id: str) -> None:
         """Into a device slot if one is free (else it waits in host memory)."""
         started = time.perf_counter()
-        await self.engine.call(self.llm.load_adapter, adapter_id)
+        await self.engine.load_adapter(adapter_id)
         self._observe("device", started)
 
     async def pin(self, adapter_id: str, pinned: bool) -> None:
-        await self.engine.call(self.llm.pin_adapter, adapter_id, pinned)
+        await self.engine.pin_adapter(adapter_id, pinned)
         self.record(adapter_id).pinned = pinned
 
     # ---- down: device -> host -> disk -> gone ------------------------------------------------
@@ -163,7 +160,7 @@ class AdapterTiers:
         or it is pinned."""
         record = self.record(adapter_id)
         if record.in_engine:
-            if not await self.engine.call(self.llm.evict_adapter, adapter_id):
+            if not await self.engine.evict_adapter(adapter_id):
                 raise APIError(409, f"adapter {adapter_id!r} is in use by running requests; "
                                     "retry when they finish", code="adapter_busy")
 
@@ -172,7 +169,7 @@ class AdapterTiers:
         remote (its catalog entry is the caller's to change or drop)."""
         record = self.record(adapter_id)
         if record.in_engine:
-            await self.engine.call(self.llm.remove_adapter, adapter_id)
+            await self.engine.remove_adapter(adapter_id)
             record.in_engine = False
         if record.stored is not None:
             record.stored = None

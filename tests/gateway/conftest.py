@@ -4,6 +4,7 @@ the same model and adapters as the reference its outputs must equal."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -140,11 +141,22 @@ def wait_idle():
     return _wait_idle
 
 
+@pytest.fixture(scope="session")
+def engine_state():
+    """engine_state(runtime): the engine's EngineSnapshot now, from a thread outside the
+    server's event loop (the engine may be in a process of its own)."""
+    return _engine_state
+
+
+def _engine_state(runtime):
+    return asyncio.run_coroutine_threadsafe(runtime.snapshot(), runtime.loop).result(30)
+
+
 def engine_idle(runtime) -> bool:
-    llm = runtime.llm
-    return (llm.num_running == 0 and llm.num_waiting == 0
-            and llm.num_free_kv_blocks == llm.block_manager.num_blocks
-            and llm.lora.slots_in_use == 0 and runtime.inflight == 0)
+    snap = _engine_state(runtime)
+    return (snap.num_running == 0 and snap.num_waiting == 0
+            and snap.kv_blocks_free == snap.kv_blocks_total and snap.slots_in_use == 0
+            and runtime.inflight == 0)
 
 
 def _wait_idle(runtime, timeout: float = 30.0) -> None:

@@ -96,7 +96,8 @@ def assert_openai_error(r: httpx.Response, status: int) -> None:
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
 
 
-def test_upload_use_replace_delete(admin, admin_server, offline, make_adapter, tmp_path):
+def test_upload_use_replace_delete(admin, admin_server, offline, make_adapter, tmp_path,
+                                   engine_state):
     first = make_adapter(tmp_path / "v1", 11)
     r = upload(admin, "acme/story", *read_files(first))
     assert r.status_code == 201, r.text
@@ -127,7 +128,7 @@ def test_upload_use_replace_delete(admin, admin_server, offline, make_adapter, t
     assert_openai_error(complete(admin, "acme/story"), 404)
     assert_openai_error(admin.get("/admin/adapters/acme/story"), 404)
     assert not [p for p in tree_hash(admin_server.adapter_dir) if not p.startswith(".")]
-    assert "acme/story" not in admin_server.runtime.llm.lora.adapters
+    assert "acme/story" not in engine_state(admin_server.runtime).residency
 
 
 def test_actions_load_evict_pin_unpin(admin, make_adapter, tmp_path):

@@ -208,7 +208,7 @@ def test_models_lists_base_and_adapters_with_parent(client, base_name, adapter_n
 
 
 def test_load_use_unload_adapter_at_runtime(http, client, server, make_adapter, wait_idle,
-                                            tmp_path):
+                                            tmp_path, engine_state):
     path = make_adapter(tmp_path / "late", seed=7)
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": path})
     assert r.status_code == 200, r.text
@@ -231,7 +231,7 @@ def test_load_use_unload_adapter_at_runtime(http, client, server, make_adapter, 
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-3][6:])["choices"][0]["finish_reason"] == "abort"
     assert json.loads(events[-2][6:])["usage"]["completion_tokens"] < 400
-    assert "late" not in server.runtime.llm.lora.adapters  # really gone from the engine
+    assert "late" not in engine_state(server.runtime).residency  # really gone from the engine
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="late", prompt=PROMPTS[0], **GREEDY)
     assert err.value.body["code"] == "model_not_found"
@@ -241,7 +241,8 @@ def test_load_use_unload_adapter_at_runtime(http, client, server, make_adapter, 
     wait_idle(server.runtime)
 
 
-async def test_64_concurrent_streams_over_8_adapters_with_4_slots(server, offline, wait_idle):
+async def test_64_concurrent_streams_over_8_adapters_with_4_slots(server, offline, wait_idle,
+                                                                  engine_state):
     jobs = [(ADAPTERS[i % 8], PROMPTS[(i // 8 + i) % len(PROMPTS)]) for i in range(64)]
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0,
@@ -266,7 +267,7 @@ async def test_64_concurrent_streams_over_8_adapters_with_4_slots(server, offlin
     solo = offline_texts(offline, [jobs[9][1]], [jobs[9][0]])[0]
     assert got[9] == solo
     wait_idle(server.runtime)
-    assert server.runtime.llm.lora.stats.device_evictions > 0, "8 adapters in 4 slots must swap"
+    assert engine_state(server.runtime).evictions["device"] > 0, "8 adapters in 4 slots must swap"
 
 
 # ---- logit_bias, echo and vLLM's sampling extensions ------------------------------------------

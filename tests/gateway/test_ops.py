@@ -191,8 +191,9 @@ LONG = 480  # tokens a request would generate if nobody stopped it (context 512)
 
 
 @pytest.mark.parametrize("n", [1, 2])
-def test_a_client_disconnecting_mid_stream_frees_its_sequences(server, http, wait_idle, n):
-    runtime, llm, adapter = server.runtime, server.runtime.llm, "lora-6"
+def test_a_client_disconnecting_mid_stream_frees_its_sequences(server, http, wait_idle, n,
+                                                               engine_state):
+    runtime, adapter = server.runtime, "lora-6"
     finished = metric(http, "loragw_e2e_request_latency_seconds_count", adapter=adapter)
     generated = metric(http, "loragw_completion_tokens_total", adapter=adapter)
     body = {"model": adapter, "prompt": "tell me a long story", "max_tokens": LONG,
@@ -202,11 +203,13 @@ def test_a_client_disconnecting_mid_stream_frees_its_sequences(server, http, wai
             assert r.status_code == 200
             lines = r.iter_lines()
             assert sum(next(lines).startswith("data: {") for _ in range(6)) >= 3
-            assert llm.num_running + llm.num_waiting == n  # every choice still generating
+            snap = engine_state(runtime)
+            assert snap.num_running + snap.num_waiting == n  # every choice still generating
     # closed with the response unread: the server must abort every choice, not finish them
     wait_idle(runtime, timeout=20)
-    assert llm.num_free_kv_blocks == llm.block_manager.num_blocks
-    assert llm.lora.slots_in_use == 0 and runtime.inflight == 0
+    snap = engine_state(runtime)
+    assert snap.kv_blocks_free == snap.kv_blocks_total
+    assert snap.slots_in_use == 0 and runtime.inflight == 0
     assert metric(http, "loragw_e2e_request_latency_seconds_count", adapter=adapter) == finished
     assert metric(http, "loragw_completion_tokens_total", adapter=adapter) - generated < n * LONG
 

@@ -17,7 +17,7 @@ def metric(text: str, name: str) -> float:
 
 
 def test_a_repeated_prompt_reports_cached_tokens(client, http, server, wait_idle):
-    block_size = server.runtime.llm.config.block_size
+    block_size = server.runtime.info.block_size
     first = client.completions.create(model=BASE, prompt=PROMPT, **GREEDY)
     second = client.completions.create(model=BASE, prompt=PROMPT, **GREEDY)
     prompt_tokens = second.usage.prompt_tokens

@@ -29,9 +29,11 @@ PROMPT = "Once upon a time"
 
 @pytest.fixture(scope="module")
 def slot_server(model_dir, tmp_path_factory):
+    # The engine on a thread of the server's: the eviction test follows the tensors themselves.
     config = ServerConfig(model=model_dir, served_model_name="demo-base", device="cpu",
                           max_model_len=256, max_num_seqs=16, max_loras=3,
-                          adapter_dir=str(tmp_path_factory.mktemp("res-store")))
+                          adapter_dir=str(tmp_path_factory.mktemp("res-store")),
+                          engine_process=False)
     app = create_app(config)
     with BackgroundServer(app) as background:
         background.runtime = app.state.runtime
@@ -65,7 +67,7 @@ async def test_three_slots_ten_adapters_each_request_gets_its_own(slot_server, o
     for name, r in zip(order, replies, strict=True):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want[name], name
-    lora = slot_server.runtime.llm.lora
+    lora = slot_server.runtime.engine.engine.lora
     assert lora.stats.device_evictions > 0  # slots really turned over
     wait_idle(slot_server.runtime)
     for name in names:
@@ -81,7 +83,7 @@ async def test_evict_frees_host_memory(slot_server, make_adapter, tmp_path, wait
                              files=files)).status_code == 201
         assert (await c.post("/admin/adapters/gc-me/load")).json()["residency"] == "device"
         wait_idle(slot_server.runtime)
-        lora = slot_server.runtime.llm.lora
+        lora = slot_server.runtime.engine.engine.lora  # the LLMEngine behind the AsyncEngine
         host = lora.adapters["gc-me"].host
         tensor = weakref.ref(next(iter(host.modules.values())).lora_a)
         del host

@@ -1,0 +1,266 @@
+"""Serving throughput under concurrent streams: `loragw serve` against the same engine offline,
+on the same requests, in one run (and vLLM's OpenAI server when its CPU build is given).
+
+    python benchmarks/bench_serving.py [--requests 96] [--concurrency 32] [--rounds 2]
+                                       [--vllm-python /path/to/vllm-venv/bin/python]
+
+Workload (issue 17): the 25M random Llama with the demo tokenizer, 32 distinct rank-16
+all-linear adapters, --max-loras 32 --max-num-seqs 32; 96 requests, 32 at a time, 32-token
+prompts (token ids), 64 greedy tokens each with ignore_eos, request i on adapter i % 32.
+HTTP: an external streaming httpx client in this process (the server is a subprocess);
+offline: `LLM.generate` in a subprocess of its own. Reported per mode: output tok/s, TTFT and
+TPOT p50/p99 (TPOT = (e2e - TTFT) / (tokens - 1) per request), server CPU seconds per output
+token (utime + stime of the server's processes), and for offline the median step time at batch
+32. Rounds alternate the modes; the best round of each is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import build_llama25m_with_tokenizer, machine, write_adapters  # noqa: E402
+from gateway.bench.server import free_port  # noqa: E402
+
+logger = logging.getLogger("bench_serving")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+NUM_ADAPTERS, PROMPT_LEN, MAX_TOKENS = 32, 32, 64
+
+
+@dataclass
+class Run:
+    mode: str
+    wall_s: float
+    tokens: int
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    server_cpu_s: float | None = None
+    step_ms: float | None = None
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall_s
+
+
+def prompts(n: int, vocab: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(0)
+    return [[rng.randrange(10, vocab) for _ in range(PROMPT_LEN)] for _ in range(n)]
+
+
+# ---- offline ------------------------------------------------------------------------------
+OFFLINE = r"""
+import json, statistics, sys, time
+from engine import LLM, SamplingParams
+from engine.llm_engine import EngineRequest
+model, adapters, prompts = json.loads(sys.stdin.read())
+llm = LLM(model, device="cpu", dtype="float32", max_loras=32, max_num_seqs=32, max_lora_rank=16)
+for i, path in enumerate(adapters):
+    llm.add_adapter(f"a{i:02d}", path)
+params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+names = [f"a{i % len(adapters):02d}" for i in range(len(prompts))]
+llm.generate(prompts[:32], params, adapters=names[:32])  # warm-up: every adapter in a slot
+engine = llm.engine
+ids = engine.add_requests([EngineRequest(p, params, a) for p, a in zip(prompts, names)])
+arrival, first, last, counts, steps = time.perf_counter(), {}, {}, {}, []
+while engine.has_unfinished():
+    t0 = time.perf_counter()
+    running = engine.scheduler.running  # a decode-only step at batch 32?
+    full = len(running) == 32 and all(s.num_output_tokens > 0 for s in running)
+    outs = engine.step()
+    now = time.perf_counter()
+    if full:
+        steps.append(now - t0)
+    for o in outs:
+        first.setdefault(o.request_id, now)
+        last[o.request_id] = now
+        counts[o.request_id] = o.num_output_tokens
+wall = time.perf_counter() - arrival
+print(json.dumps({"wall": wall, "tokens": sum(counts.values()),
+                  "ttft": [first[r] - arrival for r in ids],
+                  "tpot": [(last[r] - first[r]) / (counts[r] - 1) for r in ids],
+                  "step_ms": 1e3 * statistics.median(steps)}))
+"""
+
+
+def run_offline(model: str, adapters: list[str], requests: list[list[int]]) -> Run:
+    out = subprocess.run([sys.executable, "-c", OFFLINE], cwd=ROOT, capture_output=True,
+                         text=True, input=json.dumps([model, adapters, requests]), check=True)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    return Run("offline LLM.generate", r["wall"], r["tokens"], r["ttft"], r["tpot"],
+               step_ms=r["step_ms"])
+
+
+# ---- HTTP ---------------------------------------------------------------------------------
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process and its children so far (all its threads)."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+async def one(client: httpx.AsyncClient, model: str, prompt: list[int], run: Run) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    started, first, tokens = time.perf_counter(), None, 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            elif first is None and event["choices"] and event["choices"][0]["text"]:
+                first = time.perf_counter()
+    end = time.perf_counter()
+    run.tokens += tokens
+    run.ttft.append(first - started)
+    run.tpot.append((end - first) / max(tokens - 1, 1))
+
+
+async def drive(url: str, names: list[str], requests: list[list[int]], concurrency: int,
+                mode: str, pid: int | None) -> Run:
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        await asyncio.gather(*(one(client, n, p, Run("warm-up", 1, 0))  # every adapter loaded
+                               for n, p in zip(names[:32], requests[:32])))
+        run, gate = Run(mode, 0.0, 0), asyncio.Semaphore(concurrency)
+        cpu0 = cpu_seconds(pid) if pid else None
+
+        async def gated(n, p):
+            async with gate:
+                await one(client, n, p, run)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(gated(n, p) for n, p in zip(names, requests)))
+        run.wall_s = time.perf_counter() - started
+        if pid:
+            run.server_cpu_s = cpu_seconds(pid) - cpu0
+    return run
+
+
+def run_http(command: list[str], ready_path: str, port: int, names, requests, concurrency,
+             mode: str, env: dict | None = None) -> Run:
+    log = tempfile.NamedTemporaryFile(prefix="bench-serving-", suffix=".log", delete=False)
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})})
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, Path(log.name).read_text()[-3000:]
+            assert time.monotonic() < deadline, "the server never became ready"
+            try:
+                if httpx.get(url + ready_path, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        return asyncio.run(drive(url, names, requests, concurrency, mode, proc.pid))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def loragw(model: str, adapters: list[str], port: int) -> list[str]:
+    flags = [a for i, path in enumerate(adapters) for a in ("--adapter", f"a{i:02d}={path}")]
+    return [sys.executable, "-m", "gateway.server", "--model", model, "--device", "cpu",
+            "--max-loras", "32", "--max-num-seqs", "32", "--max-lora-rank", "16",
+            "--port", str(port), "--adapter-dir", tempfile.mkdtemp(prefix="bench-store-"),
+            *flags]
+
+
+def vllm(python: str, model: str, adapters: list[str], port: int) -> list[str]:
+    modules = [f"a{i:02d}={path}" for i, path in enumerate(adapters)]
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port",
+            str(port), "--dtype", "float32", "--enable-lora", "--max-loras", "32",
+            "--max-lora-rank", "16", "--max-num-seqs", "32", "--max-model-len", "2048",
+            "--lora-modules", *modules]
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def table(runs: dict[str, Run]) -> str:
+    offline = runs["offline LLM.generate"]
+    lines = ["| mode | output tok/s | vs offline | TTFT p50 / p99 | TPOT p50 / p99 | "
+             "server CPU s / token |", "|---|---:|---:|---:|---:|---:|"]
+    for run in runs.values():
+        cpu = f"{run.server_cpu_s / run.tokens * 1e3:.2f} ms" if run.server_cpu_s else "-"
+        lines.append(
+            f"| {run.mode} | {run.tok_s:.0f} | {run.tok_s / offline.tok_s:.2f} | "
+            f"{pct(run.ttft, .5) * 1e3:.0f} / {pct(run.ttft, .99) * 1e3:.0f} ms | "
+            f"{pct(run.tpot, .5) * 1e3:.1f} / {pct(run.tpot, .99) * 1e3:.1f} ms | {cpu} |")
+    lines.append(f"\noffline median decode step at batch 32: {offline.step_ms:.1f} ms")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--vllm-python", help="python of a venv with vLLM's CPU build")
+    parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "bench-serving"))
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from transformers import AutoConfig
+
+    model = build_llama25m_with_tokenizer(args.work_dir)
+    hf_config = AutoConfig.from_pretrained(model)
+    adapters = write_adapters(os.path.join(args.work_dir, "adapters"), hf_config, TARGETS,
+                              NUM_ADAPTERS, seed=0)
+    requests = prompts(args.requests, hf_config.vocab_size)
+    names = [f"a{i % NUM_ADAPTERS:02d}" for i in range(args.requests)]
+    best: dict[str, Run] = {}
+    for round_ in range(args.rounds):
+        port = free_port()
+        candidates = [run_offline(model, adapters, requests),
+                      run_http(loragw(model, adapters, port), "/ready", port, names, requests,
+                               args.concurrency, "loragw serve (HTTP)")]
+        if args.vllm_python:
+            port = free_port()
+            candidates.append(run_http(
+                vllm(args.vllm_python, model, adapters, port), "/health", port, names,
+                requests, args.concurrency, "vLLM OpenAI server (CPU)",
+                env={"VLLM_CPU_KVCACHE_SPACE": "4", "OMP_NUM_THREADS": "2"}))
+        for run in candidates:
+            logger.info("round %d %s: %.0f tok/s", round_, run.mode, run.tok_s)
+            if run.mode not in best or run.tok_s > best[run.mode].tok_s:
+                best[run.mode] = run
+    print(f"`python benchmarks/bench_serving.py {' '.join(sys.argv[1:])}`; {machine()}; "
+          f"{args.requests} requests, {args.concurrency} concurrent, best of {args.rounds}\n")
+    print(table(best))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
