@@ -51,8 +51,9 @@ class BlockManager:
         """Ids of the cached blocks holding the longest run of `seq`'s leading full blocks under
         `seq.cache_key`; changes nothing. At most (num_tokens - 1) // block_size blocks: at least
         one token is left to compute, so the step yields logits, and its K/V go to a block of
-        the sequence's own, never into a shared one."""
-        if not self.enable_prefix_caching:
+        the sequence's own, never into a shared one. A sequence still to compute prompt
+        logprobs matches nothing: those come from the prefill's own logits, never the cache."""
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
         hit: list[int] = []
         for i in range((seq.num_tokens - 1) // self.block_size):

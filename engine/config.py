@@ -79,6 +79,8 @@ class EngineOptions:
         0, "adapters with PEFT modules_to_save (their own full lm_head and/or embed_tokens) "
         "held on the device at once, each also taking one --max-loras slot; 0 refuses them")
     seed: int = option(0, "seed of the sampler's generator (requests without a seed)")
+    max_logprobs: int = option(20, "most alternatives a request may ask for per token "
+                               "(logprobs, top_logprobs, prompt_logprobs)")
 
     def option_name(self, name: str) -> str:
         """How messages name an option: the field name (the command line names its flag)."""
@@ -98,6 +100,8 @@ class EngineOptions:
             if value is not None and value < 1:
                 off = " (or None to disable aging)" if name == "lora_starvation_steps" else ""
                 raise ValueError(f"{n(name)} must be at least 1{off}, got {value}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"{n('max_logprobs')} must be at least 0, got {self.max_logprobs}")
         if not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"{n('kv_cache_memory_fraction')} must be in (0, 1], got "
                              f"{self.kv_cache_memory_fraction}")

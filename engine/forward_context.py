@@ -56,8 +56,8 @@ class LoRAStep:
 
     tokens: LoRAMeta  # every new token: the projections (and embed_tokens)
     embed: bool  # some token's slot has an embed_tokens LoRA (else that module skips LoRA)
-    # the sampling rows only (what lm_head sees), in batch order; None when no sampling row's
-    # slot has an lm_head LoRA
+    # the logit rows only (what lm_head sees: ScheduledBatch.logit_range), in batch order; None
+    # when no such row's slot has an lm_head LoRA
     sample: LoRAMeta | None = None
     full: FullModuleStep | None = None  # None when no row's adapter has a saved module
 

@@ -10,13 +10,17 @@ import logging
 import time
 from dataclasses import dataclass, replace
 
+import torch
+
 from engine.block_manager import BlockManager
 from engine.config import Config
 from engine.detokenizer import IncrementalDetokenizer
 from engine.lora import LoRAManager
 from engine.model_runner import ModelRunner
+from engine.prompt_logprobs import record_prompt_logprobs
+from engine.request_checks import check_request
 from engine.sampler import Sampler
-from engine.sampling_params import InvalidParam, SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import (
     EngineRequest,
@@ -39,6 +43,7 @@ class _Request:
     detokenizer: IncrementalDetokenizer | None
     stop_reason: str | int | None = None
     guided: GuidedState | None = None  # structured output's matcher, if params.guided
+    sent_prompt_logprobs: bool = False  # its first output carried them
 
 
 class LLMEngine:
@@ -65,42 +70,11 @@ class LLMEngine:
         return tokenize(self.tokenizer, prompt)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """The engine's admission rules, each with its one message (InvalidParam names the
-        parameter): a prompt of token ids, the context window, the KV cache, token ids in the
-        vocabulary. `add_requests` runs it on every request before queueing any, so the
-        gateway and the offline API get the same refusals; what it passed, the rest of the
-        engine trusts (and asserts)."""
-        vocab, limit = self.vocab_size, self.config.max_model_len
-        if not prompt_ids:
-            raise InvalidParam("prompt", "prompt is empty")
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
-            raise InvalidParam("prompt", f"prompt token ids must be integers in [0, {vocab})")
-        prompt_len, asked = len(prompt_ids), params.max_tokens
-        if prompt_len + (asked or 1) > limit:
-            plus = "" if asked is None else f" plus {asked} in max_tokens"
-            raise InvalidParam(
-                "prompt" if asked is None else "max_tokens",
-                f"This model's maximum context length is {limit} tokens, but the request has "
-                f"{prompt_len} prompt tokens{plus}; shorten the prompt or lower max_tokens",
-                code="context_length_exceeded")
-        max_tokens = asked or limit - prompt_len
-        needed = self.block_manager.blocks_for(prompt_len + max_tokens)
-        if needed > self.block_manager.num_blocks:
-            raise InvalidParam("max_tokens", f"request needs {needed} KV blocks for its prompt "
-                               f"and max_tokens but the cache holds "
-                               f"{self.block_manager.num_blocks}; lower max_tokens or give the "
-                               "engine more KV blocks")
-        if params.min_tokens > max_tokens:
-            raise InvalidParam("min_tokens", f"min_tokens must be in [0, max_tokens="
-                               f"{max_tokens}], got {params.min_tokens}")
-        params.check_token_ids(vocab)
-        if params.allowed_token_ids is not None and params.min_tokens > 0:
-            stops = set(params.stop_token_ids) | (set() if params.ignore_eos
-                                                  else self.eos_token_ids)
-            if stops.issuperset(params.allowed_token_ids):
-                raise InvalidParam("allowed_token_ids", "every token in allowed_token_ids ends "
-                                   "the output, so min_tokens can never be met; allow other "
-                                   "tokens or leave min_tokens out")
+        """The engine's admission rules (engine/request_checks.py); `add_requests` runs them on
+        every request before queueing any, so the gateway and the offline API get the same
+        refusals. What they passed, the rest of the engine trusts (and asserts)."""
+        check_request(self.config, self.vocab_size, self.block_manager, self.eos_token_ids,
+                      prompt_ids, params)
 
     def add_requests(self, requests: list[EngineRequest]) -> list[str]:
         """Check every request, then queue them all (so a bad one changes nothing); returns
@@ -188,15 +162,19 @@ class LLMEngine:
             lora_meta = self.lora.prepare(batch)  # None when no row has an adapter
             sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
             masks = self._fill_masks(sampling)  # on the mask thread, during the forward pass
-            logits = self.runner.run(batch, lora_meta)  # [num_sampling, V]
+            step = self.runner.run(batch, lora_meta)  # the logit rows' logits [L, V]
         except BaseException:
             self.block_manager.rollback()  # blocks registered for this step hold no K/V
             raise
         self.block_manager.commit()
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             self.block_manager.mark_computed(seq, num_new)
+        record_prompt_logprobs(step, batch)
         if not sampling:
             return []
+        logits = step.logits
+        if len(step.sampling) < logits.shape[0]:
+            logits = logits[torch.tensor(step.sampling, device=logits.device)]
         sampled = self.sampler(logits, sampling, masks.result() if masks else None)
         outputs = []
         for seq, token, logprob in zip(sampling, sampled.token_ids, sampled.logprobs):
@@ -263,9 +241,12 @@ class LLMEngine:
     def _output(self, request: _Request, tokens: list[int], logprobs: list[TokenLogprob],
                 text: str) -> RequestOutput:
         seq = request.seq
+        prompt = None
+        if seq.prompt_logprobs is not None and not request.sent_prompt_logprobs:
+            prompt, request.sent_prompt_logprobs = seq.prompt_logprobs, True  # the first output
         return RequestOutput(seq.request_id, tokens, text, logprobs, seq.is_finished,
                              seq.finish_reason, request.stop_reason, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.num_cached_tokens or 0)
+                             seq.num_output_tokens, seq.num_cached_tokens or 0, prompt)
 
     # ---- introspection (metrics, tests) ---------------------------------------------------
     @property

@@ -33,6 +33,7 @@ from engine.layers.embedding import EmbeddingLoRABuffers
 from engine.layers.linear import LoRABuffers
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledBatch
+from kernels import make_lora_meta
 
 logger = logging.getLogger(__name__)
 
@@ -148,16 +149,13 @@ class SlotPool:
         without adapters pay nothing for LoRA)."""
         if not any(seq.adapter for seq in batch.seqs):
             return None
-        from kernels import make_lora_meta
-
         token_slots: list[int] = []
-        sample_slots: list[int] = []  # the sampling rows, in the model runner's order
+        sample_slots: list[int] = []  # the logit rows (ScheduledBatch.logit_range), in order
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             assert seq.adapter is None or seq.lora_slot >= 0, "running adapter without a slot"
             slot = seq.lora_slot if seq.adapter else -1
             token_slots.extend([slot] * num_new)
-            if batch.samples(i):
-                sample_slots.append(slot)
+            sample_slots.extend([slot] * len(batch.logit_range(i)))
         as_meta = lambda slots: make_lora_meta(  # noqa: E731
             torch.tensor(slots, dtype=torch.int32, device=self.device), self.num_slots)
         used = {seq.lora_slot for seq in batch.seqs if seq.adapter}

@@ -9,6 +9,7 @@ slot of every token and, for lm_head, of every sampling row (in the order built 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +20,25 @@ from engine.loader import load_model
 from engine.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRows:
+    """Logit rows of one sequence that give prompt logprobs: rows [first, first + count) of
+    StepLogits.logits hold positions [position, position + count), each the logprob of the
+    prompt token after it."""
+
+    batch_row: int  # the sequence's index in the batch
+    first: int
+    position: int
+    count: int
+
+
+@dataclass(slots=True)
+class StepLogits:
+    logits: torch.Tensor  # [L, vocab] float32: the step's logit rows, in batch order
+    sampling: list[int]  # the rows of `logits` that sample, one per sampling sequence, in order
+    prompt: list[PromptRows]
 
 
 class ModelRunner:
@@ -82,10 +102,11 @@ class ModelRunner:
         return blocks, lens, blocks.flatten().long(), mask
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, lora: LoRAStep | None = None):
-        """Forward one batch; return logits [num_sampling_rows, vocab] (float32). `lora`:
-        LoRAManager.prepare(batch), None when no row has an adapter."""
-        input_ids, positions, slots, sample_rows = [], [], [], []
+    def run(self, batch: ScheduledBatch, lora: LoRAStep | None = None) -> StepLogits:
+        """Forward one batch; the logits of its logit rows (batch.logit_range: the rows that
+        sample, and those whose prompt logprobs were asked for). `lora`: LoRAManager.prepare
+        (batch), None when no row has an adapter."""
+        input_ids, positions, slots, logit_rows, sampling, prompt = [], [], [], [], [], []
         prefill_starts, prefill_lens, prefill_ctx, prefill_tables = [], [], [], []
         decode_tables, decode_ctx = [], []
         row = 0
@@ -105,9 +126,15 @@ class ModelRunner:
                 prefill_lens.append(num_new)
                 prefill_ctx.append(end)
                 prefill_tables.append(torch.tensor(table, dtype=torch.long, device=self.device))
+            wanted = batch.logit_range(i)
+            if wanted:
+                if seq.needs_prompt_logprobs:  # every wanted row but a sampling one
+                    count = len(wanted) - batch.samples(i)
+                    prompt.append(PromptRows(i, len(logit_rows), start + wanted.start, count))
+                logit_rows.extend(row + o for o in wanted)
+                if batch.samples(i):
+                    sampling.append(len(logit_rows) - 1)
             row += num_new
-            if batch.samples(i):
-                sample_rows.append(row - 1)
 
         to_device = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)
         block_tables, context_lens, block_ids, mask = (
@@ -128,9 +155,12 @@ class ModelRunner:
         ctx = ForwardContext(attn=attn, lora=lora, backends=self.backends)
         with forward_context(ctx):
             hidden = self.model(to_device(input_ids), to_device(positions))  # [T, hidden]
-            if not sample_rows:
-                return hidden.new_empty((0, self.args.vocab_size), dtype=torch.float32)
-            return self.model.compute_logits(hidden[to_device(sample_rows)])  # [B, vocab]
+            if not logit_rows:
+                return StepLogits(hidden.new_empty((0, self.args.vocab_size),
+                                                   dtype=torch.float32), [], [])
+            if len(logit_rows) < len(input_ids):  # else every row: no gather
+                hidden = hidden[to_device(logit_rows)]
+            return StepLogits(self.model.compute_logits(hidden), sampling, prompt)  # [L, V]
 
 
 def _pad(tables: list[list[int]], device: torch.device) -> torch.Tensor:

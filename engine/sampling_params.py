@@ -28,7 +28,8 @@ class SamplingParams:
     max_tokens None means the rest of the context window (resolved per sequence at admission).
     temperature 0 means greedy. top_k 0 (or -1) means off. logprobs=N returns the sampled
     token's logprob plus the N most likely alternatives at each step (log-softmax of the raw
-    model logits, before logit_bias, penalties and temperature, as vLLM does).
+    model logits, before logit_bias, penalties and temperature, as vLLM does); prompt_logprobs=N
+    the same for every prompt token after the first (the engine's max_logprobs caps both).
     logit_bias (OpenAI): {token id: bias in [-100, 100]} added to the logits before penalties
     and temperature; -100 all but bans a token, +100 all but forces it.
     allowed_token_ids (vLLM): only these tokens may be sampled.
@@ -54,6 +55,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM: logprobs of the prompt's tokens, N alternatives
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     guided: GuidedDecoding | None = None  # structured output (engine/structured.py)
@@ -82,8 +84,10 @@ class SamplingParams:
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty",
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
-             f"logprobs must be between 0 and 20, got {self.logprobs}"),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs",
+             f"logprobs must be at least 0, got {self.logprobs}"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
+             f"prompt_logprobs must be at least 0, got {self.prompt_logprobs}"),
             (all(t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "stop_token_ids must be non-negative"),
             (0 <= self.min_tokens <= (self.max_tokens or self.min_tokens), "min_tokens",

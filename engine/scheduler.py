@@ -63,6 +63,18 @@ class ScheduledBatch:
         seq = self.seqs[i]
         return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
 
+    def logit_range(self, i: int) -> range:
+        """Which of row i's new tokens (offsets into them) need logits this step: its last if it
+        samples; from the first prompt token still lacking a logprob, if it asked for prompt
+        logprobs (the hidden state at position p gives the logprob of token p + 1)."""
+        seq, n = self.seqs[i], self.num_new_tokens[i]
+        start = n - 1 if self.samples(i) else n
+        if seq.needs_prompt_logprobs:
+            first = max(seq.num_computed_tokens, len(seq.prompt_logprobs) - 1)
+            if first < min(seq.num_computed_tokens + n, seq.num_prompt_tokens - 1):
+                start = min(start, first - seq.num_computed_tokens)
+        return range(start, n)
+
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int,

@@ -22,6 +22,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the N most likely alternatives, most likely first
+    rank: int | None = None  # of token_id among all tokens, 1 = most likely (prompt logprobs)
 
 
 _ids = itertools.count()
@@ -56,6 +57,9 @@ class Sequence:
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     lora_slot: int = -1  # device slot of its adapter while running (set by LoRAManager)
     arrival: float = 0.0
+    # params.prompt_logprobs: one entry per prompt token so far, filled chunk by chunk by the
+    # engine (the first token has none); None when not asked for
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -64,6 +68,14 @@ class Sequence:
             self.request_id = str(self.seq_id)
         if self.params.seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and some prompt tokens have none yet."""
+        return (self.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens)
 
     def set_cache_key(self, key: tuple[str, int] | None) -> None:
         """Run under `key` from now on; hashes made under another adapter version are void."""
@@ -106,6 +118,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    # with params.prompt_logprobs, on its first output: one per prompt token, the first None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)

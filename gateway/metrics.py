@@ -5,6 +5,10 @@ sequences, KV blocks, device slots) and the engine's adapter counters (loads, ev
 per tier) are read from an `EngineSnapshot` (engine/snapshot.py) taken on the engine thread at scrape time, so they
 are live and never torn mid-step. Events outside the engine (Hub downloads to the disk tier)
 are counted in `TierStats` by the adapter manager.
+
+Request counters are labelled with the HTTP status, or CLIENT_CLOSED_REQUEST (499, nginx's
+"client closed request") for a request whose client went away before its response ended: a
+stream it abandoned, or a whole response it stopped waiting for.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from prometheus_client.registry import Collector
 from engine.snapshot import EngineSnapshot
 
 BASE_LABEL = "base"  # the adapter label of requests for the base model
+CLIENT_CLOSED_REQUEST = 499  # the status label of a request its client abandoned
 TIERS = ("device", "host", "disk")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

@@ -147,7 +147,10 @@ class EngineProcess:
     def _send(self, message) -> None:
         if self.died is not None:
             raise self.died
-        frame = encode(message)
+        try:
+            frame = encode(message)
+        except (OverflowError, TypeError) as exc:  # e.g. an integer past 64 bits: bad input
+            raise ValueError(f"the request holds a value the engine cannot take: {exc}") from None
         with self._send_lock:
             self.conn.send_bytes(frame)
 

@@ -17,6 +17,8 @@ from adapters.ids import validate_adapter_id
 from gateway.errors import APIError
 from gateway.flags import parse_bool
 from gateway.http.auth import require_admin_key
+from gateway.http.error_handlers import error_responses
+from gateway.http.openapi_docs import MultipartUpload
 from gateway.residency.info import AdapterInfo
 from gateway.residency.manager import AdapterManager
 from gateway.runtime import Runtime
@@ -55,15 +57,18 @@ class AdminController(Controller):
     guards = [require_admin_key]
     tags = ["Admin"]
 
-    @get("/")
+    @get("/", responses=error_responses(401, 503))
     async def list_adapters(self, runtime: Runtime) -> AdapterList:
         return AdapterList(await _manager(runtime).list())
 
-    @get("/{adapter_id:path}")
+    @get("/{adapter_id:path}", responses=error_responses(
+        400, 401, 404, 503, e400="the adapter id is not valid"))
     async def get_adapter(self, adapter_id: str, runtime: Runtime) -> AdapterInfo:
         return await _manager(runtime).get(_id(adapter_id))
 
-    @post("/", status_code=201)
+    @post("/", status_code=201, operation_class=MultipartUpload,
+          responses=error_responses(400, 401, 409, 413, 422, 503, e409="the id exists (send "
+                                    "replace=true to replace it)"))
     async def upload(self, request: Request[Any, Any, Any], runtime: Runtime) -> AdapterInfo:
         """multipart: `adapter_id`, `adapter_config` (file), `adapter_model` (file),
         optional `replace`=true."""
@@ -84,11 +89,15 @@ class AdminController(Controller):
             raise _too_large(runtime.config.max_upload_mb)
         return await manager.upload(adapter_id, config_raw, weights_raw, replace)
 
-    @post("/register", status_code=201)
+    @post("/register", status_code=201, responses=error_responses(
+        400, 401, 404, 409, 413, 422, 502, 503, e404="the source does not exist",
+        e409="the id exists (send replace=true to replace it)"))
     async def register(self, data: RegisterRequest, runtime: Runtime) -> AdapterInfo:
         return await _manager(runtime).register(data.adapter_id, data.source, data.replace)
 
-    @post("/{target:path}", status_code=200)
+    @post("/{target:path}", status_code=200, responses=error_responses(
+        400, 401, 404, 409, 422, 502, 503, e404="no such adapter, or no such action",
+        e409="evict: the adapter is in use by running requests, or pinned"))
     async def action(self, target: str, runtime: Runtime) -> AdapterInfo:
         """`{adapter_id}/load|evict|pin|unpin`."""
         adapter_id, _, verb = target.strip("/").rpartition("/")
@@ -103,7 +112,8 @@ class AdminController(Controller):
             return await manager.evict(adapter_id)
         return await manager.pin(adapter_id, verb == "pin")
 
-    @delete("/{adapter_id:path}", status_code=200)
+    @delete("/{adapter_id:path}", status_code=200,
+            responses=error_responses(400, 401, 404, 503))
     async def delete_adapter(self, adapter_id: str, runtime: Runtime) -> Deleted:
         adapter_id = _id(adapter_id)
         await runtime.unload_adapter(adapter_id)  # ends its in-flight requests, then deletes

@@ -34,13 +34,17 @@ from litestar.response import Stream
 from engine.llm_engine import EngineRequest
 from engine.sampling_params import SamplingParams
 from gateway.errors import APIError
-from gateway.http.formats import ChatFormat, CompletionFormat, Format
+from gateway.http.format_chat import ChatFormat
+from gateway.http.format_completions import CompletionFormat
+from gateway.http.formats import Format
 from gateway.http.prompts import chat_prompt, completion_prompts, off_loop_if_large, prompt_texts
 from gateway.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from gateway.http.request_params import (
     chat_logprobs,
     check_completion_options,
+    check_prompt_logprobs,
     choice_params,
+    completion_prompt_logprobs,
     guided_decoding,
     sampling_params,
     tool_names,
@@ -59,13 +63,16 @@ Prepare = Callable[[], Awaitable[tuple[list[list[int]], SamplingParams,
 async def serve_completion(request: Request, data: CompletionRequest, runtime: Runtime):
     async def prepare():
         check_completion_options(data)
-        first = sampling_params(data, data.logprobs, guided_decoding(data, None))
+        check_prompt_logprobs(data)
+        first = sampling_params(data, data.logprobs, guided_decoding(data, None),
+                                completion_prompt_logprobs(data))
         prompts = await off_loop_if_large(completion_prompts, data, runtime.tokenizer)
         # what echo shows, once the engine has accepted the prompts' token ids
         echo = (lambda: prompt_texts(data, prompts, runtime.tokenizer)) if data.echo else None
         return prompts, first, lambda job: CompletionFormat(
             job.id, data.model, runtime.token_text, data.logprobs is not None,
-            echo=echo() if echo else None)
+            data.prompt_logprobs is not None, echo=echo() if echo else None, prompts=prompts,
+            only_prompt=data.max_tokens == 0)
 
     return await serve(request, data, runtime, "cmpl", prepare)
 
@@ -73,10 +80,13 @@ async def serve_completion(request: Request, data: CompletionRequest, runtime: R
 async def serve_chat(request: Request, data: ChatCompletionRequest, runtime: Runtime):
     async def prepare():
         names = tool_names(data)  # None: no tools in play
-        first = sampling_params(data, chat_logprobs(data), guided_decoding(data, names))
+        check_prompt_logprobs(data)
+        first = sampling_params(data, chat_logprobs(data), guided_decoding(data, names),
+                                data.prompt_logprobs)
         prompt = await off_loop_if_large(chat_prompt, data, runtime.tokenizer)
         return [prompt], first, lambda job: ChatFormat(
-            job.id, data.model, runtime.token_text, data.logprobs, tool_names=names)
+            job.id, data.model, runtime.token_text, data.logprobs,
+            data.prompt_logprobs is not None, tool_names=names)
 
     return await serve(request, data, runtime, "chatcmpl", prepare)
 

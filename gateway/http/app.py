@@ -27,7 +27,9 @@ from gateway.http.admin import AdminController
 from gateway.http.error_handlers import EXCEPTION_HANDLERS
 from gateway.http.openai import AdapterLoadController, OpenAIController
 from gateway.http.ops import OpsController
-from gateway.metrics import Metrics
+from gateway.http.responses import ResponsesController
+from gateway.http.utility import UtilityController
+from gateway.metrics import CLIENT_CLOSED_REQUEST, Metrics
 from gateway.runtime import Runtime
 
 access_log = logging.getLogger("gateway.access")
@@ -58,7 +60,9 @@ def _with_request_id(message: Message, rid: str) -> Message:
 
 
 class RequestContextMiddleware(ASGIMiddleware):
-    """Request id in and out, one JSON access-log line and the request counters per request."""
+    """Request id in and out, one JSON access-log line and the request counters per request.
+    A client that went away before its response ended (a stream it abandoned) is counted as
+    CLIENT_CLOSED_REQUEST, not as the status its headers carried."""
 
     scopes = ("http",)
 
@@ -69,18 +73,28 @@ class RequestContextMiddleware(ASGIMiddleware):
         rid = request_id(scope)
         state = scope["state"]
         started = state["arrival"] = time.monotonic()
-        status = 500
+        status, ended, gone = 500, False, False
+
+        async def receive_watching() -> Message:
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status
+            nonlocal status, ended
             if message["type"] == "http.response.start":
                 status = message["status"]
                 message = _with_request_id(message, rid)
             await send(message)
+            ended = ended or (message["type"] == "http.response.body"
+                              and not message.get("more_body", False))
 
         try:
-            await next_app(scope, receive, send_with_id)
+            await next_app(scope, receive_watching, send_with_id)
         finally:
+            if gone and not ended:
+                status = CLIENT_CLOSED_REQUEST
             route = scope.get("path_template") or scope["path"]
             self.metrics.http_requests.labels(route, str(status)).inc()
             if "adapter" in state:
@@ -106,7 +120,8 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     owned = runtime is None
     runtime = runtime or Runtime(config, on_fatal=on_fatal)
     return Litestar(
-        route_handlers=[OpenAIController, AdapterLoadController, OpsController, AdminController],
+        route_handlers=[OpenAIController, ResponsesController, UtilityController,
+                        AdapterLoadController, OpsController, AdminController],
         lifespan=[runtime.lifespan] if owned else [],
         state=State({"config": config, "runtime": runtime}),
         dependencies={"runtime": Provide(lambda: runtime, use_cache=True, sync_to_thread=False)},

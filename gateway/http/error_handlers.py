@@ -11,10 +11,11 @@ import logging
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi import ResponseSpec
 
 from adapters.errors import AdapterError, AdapterNotFound, InvalidAdapterId
 from gateway.errors import APIError
-from gateway.http.protocol import ErrorBody, ErrorResponse
+from gateway.http.response_bodies import ErrorBody, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +24,26 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "perm
           404: "invalid_request_error", 405: "invalid_request_error", 409: "invalid_request_error",
           413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
           503: "service_unavailable_error"}
+# What each status means, for the OpenAPI document (a route may say it more precisely).
+MEANINGS = {400: "invalid body or parameter (`param` names it), or a request this server "
+                 "cannot run (a prompt past the context window, more sequences than it runs)",
+            401: "the key (`Authorization: Bearer KEY`) is missing or wrong",
+            404: "no such model or adapter", 409: "the adapter is in use, pinned or exists",
+            413: "the body is larger than this server accepts",
+            422: "the adapter is not valid for this base model",
+            429: "at capacity; retry after Retry-After seconds",
+            502: "the adapter's source (the Hub, S3) failed or sent bytes that do not verify",
+            503: "not ready (the model is loading), or no replica holding the adapter answers; "
+                 "retry after Retry-After seconds"}
+
+
+def error_responses(*statuses: int, **meanings: str) -> dict[int, ResponseSpec]:
+    """OpenAPI `responses=` for a route: OpenAI's error body at each status, in place of
+    Litestar's default `{status_code, detail}` (which the handlers below never send).
+    `meanings` overrides a status's text, keyed `e404="unknown model"`."""
+    return {status: ResponseSpec(ErrorResponse, generate_examples=False,
+                                 description=meanings.get(f"e{status}", MEANINGS[status]))
+            for status in statuses}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,

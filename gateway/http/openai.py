@@ -11,40 +11,39 @@ from litestar.openapi import ResponseSpec
 from gateway.errors import APIError
 from gateway.http.admission import serve_chat, serve_completion
 from gateway.http.auth import require_admin_key, require_api_key
+from gateway.http.error_handlers import error_responses
+from gateway.http.openapi_docs import streamed
 from gateway.http.protocol import (
-    ChatCompletionChunk,
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
+from gateway.http.response_bodies import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
     CompletionResponse,
     ErrorResponse,
-    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
-    UnloadLoRAAdapterRequest,
 )
 from gateway.runtime import Runtime
 
 MAX_JSON_BODY_BYTES = 32 * 1024 * 1024  # prompts; adapter uploads go to /admin with their own cap
 OWNER = "lora-gateway"
-_ERRORS = {400: "bad parameters, or a prompt longer than the context window",
-           401: "missing or wrong key", 404: "unknown model or adapter",
-           413: "body too large", 422: "adapter invalid for this base model",
-           429: "too many requests in flight; retry after Retry-After seconds",
-           503: "the model is still loading"}
+# a model may name an adapter fetched on first use (the Hub, the fleet's store) or held by
+# another replica: every adapter status can answer a generation request
+GENERATION_ERRORS = error_responses(400, 401, 404, 413, 422, 429, 502, 503)
+ADAPTER_ERRORS = error_responses(400, 401, 404, 413, 422, 502, 503,
+                                 e400="invalid body, or the name is taken (`adapter_exists`)",
+                                 e404="no such adapter, or no such source path")
 
 
-def _documented(success: type, streamed: type | None = None) -> dict[int, ResponseSpec]:
+def _documented(success: type, errors: dict[int, ResponseSpec]) -> dict[int, ResponseSpec]:
     """OpenAPI: the real success body and OpenAI-shaped errors (not Litestar's defaults)."""
-    text = f"{success.__name__}" + (f"; with stream=true, text/event-stream of "
-                                    f"`data: {streamed.__name__}` events and `data: [DONE]`"
-                                    if streamed else "")
     media = "text/plain" if success is str else "application/json"
-    responses = {200: ResponseSpec(success, description=text, media_type=media,
-                                   generate_examples=False)}
-    responses.update({status: ResponseSpec(ErrorResponse, description=why)
-                      for status, why in _ERRORS.items()})
-    return responses
+    return {200: ResponseSpec(success, description=success.__name__, media_type=media,
+                              generate_examples=False), **errors}
 
 
 class OpenAIController(Controller):
@@ -54,22 +53,24 @@ class OpenAIController(Controller):
     tags = ["OpenAI"]
 
     @post("/completions", status_code=200,
-          responses=_documented(CompletionResponse, CompletionResponse))
+          operation_class=streamed(CompletionResponse, ErrorResponse),
+          responses=_documented(CompletionResponse, GENERATION_ERRORS))
     async def completions(self, request: Request, data: CompletionRequest,
                           runtime: Runtime) -> Response:
         return await serve_completion(request, data, runtime)
 
     @post("/chat/completions", status_code=200,
-          responses=_documented(ChatCompletionResponse, ChatCompletionChunk))
+          operation_class=streamed(ChatCompletionChunk, ErrorResponse),
+          responses=_documented(ChatCompletionResponse, GENERATION_ERRORS))
     async def chat_completions(self, request: Request, data: ChatCompletionRequest,
                                runtime: Runtime) -> Response:
         return await serve_chat(request, data, runtime)
 
-    @get("/models")
+    @get("/models", responses=error_responses(401, 503))
     async def models(self, runtime: Runtime) -> ModelList:
         return ModelList(data=await _model_cards(runtime))
 
-    @get("/models/{model_id:path}")
+    @get("/models/{model_id:path}", responses=error_responses(400, 401, 404, 503))
     async def model(self, model_id: str, runtime: Runtime) -> ModelCard:
         """One entry of /v1/models (the `openai` client's models.retrieve); ids may hold a /."""
         model_id = model_id.lstrip("/")
@@ -105,14 +106,14 @@ class AdapterLoadController(Controller):
     tags = ["Adapters (vLLM-compatible)"]
 
     @post("/load_lora_adapter", status_code=200, media_type="text/plain",
-          responses=_documented(str))
+          responses=_documented(str, ADAPTER_ERRORS))
     async def load_lora_adapter(self, data: LoadLoRAAdapterRequest, runtime: Runtime) -> str:
         runtime.check_ready()
         await runtime.adapters.load(data.lora_name, data.lora_path, replace=data.load_inplace)
         return f"Success: LoRA adapter '{data.lora_name}' added successfully."
 
     @post("/unload_lora_adapter", status_code=200, media_type="text/plain",
-          responses=_documented(str))
+          responses=_documented(str, error_responses(400, 401, 404, 413, 503)))
     async def unload_lora_adapter(self, data: UnloadLoRAAdapterRequest, runtime: Runtime) -> str:
         await runtime.unload_adapter(data.lora_name)
         return f"Success: LoRA adapter '{data.lora_name}' removed successfully."

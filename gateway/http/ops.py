@@ -5,7 +5,8 @@ from __future__ import annotations
 from litestar import Controller, Response, get
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway.http.protocol import Health
+from gateway.http.error_handlers import error_responses
+from gateway.http.response_bodies import Health
 from gateway.runtime import Runtime
 
 
@@ -18,7 +19,8 @@ class OpsController(Controller):
         """The process is alive (a liveness probe); says nothing about the model."""
         return Health(status="ok")
 
-    @get("/ready")
+    @get("/ready", responses=error_responses(
+        503, e503="not ready: loading, or the engine loop does not answer"))
     async def ready(self, runtime: Runtime) -> Health:
         """200 once the model and start-up adapters are loaded and the engine loop answers;
         503 otherwise (a readiness and startup probe)."""

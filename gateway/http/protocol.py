@@ -1,24 +1,40 @@
-"""The OpenAI (and vLLM-extension) request and response bodies, as msgspec Structs.
+"""The OpenAI (and vLLM-extension) request bodies, as msgspec Structs (the response bodies:
+gateway/http/response_bodies.py).
 
 Requests keep unknown fields out of the way (ignored), so clients that send newer OpenAI fields
 still work; fields we accept but do not implement yet are refused by the handlers with a 400.
-Ranges live in the types (`Meta`), so the OpenAPI schema states them and decoding enforces them.
+Ranges live in the types (`Meta`), so the OpenAPI schema states them and decoding enforces them
+(`bounds`: restated for the document); `openapi` documents what a handler or the engine checks
+(with a message naming the key) where a type cannot (gateway/http/openapi_docs.py).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-import msgspec
 from msgspec import Meta, Struct
+
+from gateway.http.openapi_docs import TOKEN_ID, bounds, openapi
 
 MAX_N = 128  # choices per request, as OpenAI
 MAX_LOGPROBS = 20
+INT64_MAX = 2**63 - 1  # the engine process gets requests as msgpack: 64-bit integers
 
-PositiveInt = Annotated[int, Meta(ge=1)]
+PositiveInt = Annotated[int, Meta(ge=1, le=INT64_MAX)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1 - MAX_N)]  # seed + i stays an int64
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-TokenId = Annotated[int, Meta(ge=0)]
+TokenId = Annotated[int, Meta(ge=0, le=INT64_MAX)]  # the engine checks the vocabulary
+TokenIds = Annotated[list[TokenId], Meta(extra_json_schema=openapi(items=TOKEN_ID))]
+# Alternatives per token: at most the server's --max-logprobs (MAX_LOGPROBS by default), which
+# the engine checks (its 400 names the parameter); documented at the default.
+Logprobs = Annotated[int, Meta(ge=0, extra_json_schema=openapi(minimum=0, maximum=MAX_LOGPROBS))]
+_PROMPT = openapi(one_of=[
+    {"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "string"}},
+    {"type": "array", "minItems": 1, "items": TOKEN_ID},
+    {"type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1,
+                                                "items": TOKEN_ID}}])
+_LOGIT_BIAS = openapi(property_names={"pattern": "^[0-9]{1,18}$"},
+                      additional_properties={"type": "number", "minimum": -100, "maximum": 100})
 
 
 # ---- requests ------------------------------------------------------------------------------
@@ -27,7 +43,7 @@ class StreamOptions(Struct):
 
 
 class ResponseFormat(Struct):
-    type: str
+    type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
 
 
@@ -36,40 +52,49 @@ class SamplingRequest(Struct, kw_only=True):
 
     model: str
     max_tokens: PositiveInt | None = None  # default: the rest of the context window
-    temperature: Annotated[float, Meta(ge=0.0)] | None = None
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    temperature: Annotated[float, bounds(ge=0.0)] | None = None
+    # 0 (as OpenAI allows): only the most likely token, i.e. top_k=1 (request_params)
+    top_p: Annotated[float, bounds(ge=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, bounds(ge=-1, le=INT64_MAX)] | None = None
+    min_p: Annotated[float, bounds(ge=0.0, le=1.0)] | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    repetition_penalty: Annotated[float, bounds(gt=0.0)] | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     # {"token id": bias in [-100, 100]}, added to the logits; checked by SamplingParams, whose
     # 400 names the key (a Meta range here could only say `logit_bias[...]`)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], Meta(extra_json_schema=_LOGIT_BIAS)] | None = None
     ignore_eos: bool = False  # vLLM extensions, from here to allowed_token_ids
-    stop_token_ids: list[TokenId] | None = None
-    min_tokens: Annotated[int, Meta(ge=0)] = 0  # no EOS, stop token or stop string before
+    stop_token_ids: TokenIds | None = None
+    # no EOS, stop token or stop string before; at most max_tokens (SamplingParams)
+    min_tokens: Annotated[int, bounds(ge=0, le=INT64_MAX)] = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    allowed_token_ids: Annotated[list[TokenId], Meta(min_length=1)] | None = None
+    allowed_token_ids: Annotated[list[TokenId], Meta(
+        min_length=1, extra_json_schema=openapi(items=TOKEN_ID))] | None = None
     response_format: ResponseFormat | None = None  # text, json_object, json_schema
     guided_json: dict[str, Any] | str | None = None  # vLLM extensions: structured output
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Annotated[list[str], Meta(extra_json_schema=openapi(
+        min_items=1, items={"type": "string", "minLength": 1}))] | None = None
+    # vLLM's: the prompt tokens' logprobs with this many alternatives (the response's
+    # `prompt_logprobs`); not with n > 1
+    prompt_logprobs: Logprobs | None = None
     user: str | None = None  # accepted, ignored
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):
     # str | list[str] | list[int] | list[list[int]]; msgspec allows one array type per union,
     # so list items are a union and the handler checks the list is homogeneous.
-    prompt: str | list[str | TokenId | list[TokenId]]
-    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False  # prepend the prompt's text to each choice's (not with logprobs)
+    prompt: Annotated[str | list[str | TokenId | list[TokenId]], Meta(extra_json_schema=_PROMPT)]
+    # 0 only with echo: the prompt's text (and with logprobs its tokens' logprobs), no output
+    max_tokens: Annotated[int, bounds(ge=0, le=INT64_MAX)] | None = None
+    logprobs: Logprobs | None = None
+    echo: bool = False  # prepend the prompt's text (with logprobs: and its tokens' logprobs)
     suffix: str | None = None  # not supported
     best_of: int | None = None  # only None or n
 
@@ -91,7 +116,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None  # wins over max_tokens
     logprobs: bool = False
-    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Logprobs | None = None
     tools: list[dict[str, Any]] | None = None  # [{"type": "function", "function": {...}}]
     tool_choice: str | dict[str, Any] | None = None  # none, auto, required, or a named function
     parallel_tool_calls: bool | None = None
@@ -106,169 +131,3 @@ class LoadLoRAAdapterRequest(Struct):
 class UnloadLoRAAdapterRequest(Struct):
     lora_name: str
     lora_int_id: int | None = None  # vLLM sends it; ignored
-
-
-# ---- responses -----------------------------------------------------------------------------
-class PromptTokensDetails(Struct):
-    cached_tokens: int  # prompt tokens served from the prefix cache
-
-
-class Usage(Struct):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class CompletionLogprobs(Struct):
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
-
-
-class CompletionChoice(Struct):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None
-    finish_reason: str | None
-
-
-class CompletionResponse(Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None
-    object: str = "text_completion"
-
-
-class TopLogprob(Struct):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprobOut(Struct):
-    token: str
-    logprob: float
-    bytes: list[int]
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(Struct):
-    content: list[TokenLogprobOut]
-
-
-class FunctionCall(Struct, omit_defaults=True):
-    name: str | None = None
-    arguments: str | None = None  # a JSON object, as a string
-
-
-class ToolCall(Struct, omit_defaults=True):
-    id: str
-    type: str  # "function"
-    function: FunctionCall
-
-
-class ToolCallChunk(Struct, omit_defaults=True):
-    """A stream delta's piece of call `index`: the first has id, type and the name, the rest
-    only argument text (clients concatenate them)."""
-
-    index: int
-    id: str | None = None
-    type: str | None = None
-    function: FunctionCall | None = None
-
-
-class AssistantMessage(Struct):
-    content: str | None
-    role: str = "assistant"
-    tool_calls: list[ToolCall] | None = None
-
-
-class ChatChoice(Struct):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None
-    finish_reason: str | None
-
-
-class ChatCompletionResponse(Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    object: str = "chat.completion"
-
-
-class Delta(Struct, omit_defaults=True):
-    role: str | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallChunk] | None = None
-
-
-class ChatChunkChoice(Struct):
-    index: int
-    delta: Delta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(Struct):
-    id: str
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    object: str = "chat.completion.chunk"
-
-
-class ModelCard(Struct):
-    id: str
-    created: int
-    owned_by: str
-    root: str
-    parent: str | None
-    # extensions: where the weights are on this replica now ("remote": in the fleet's
-    # catalog, fetched on first use), and for adapters their catalog version, sha256 and the
-    # replicas that hold them in a device slot
-    residency: Literal["device", "host", "disk", "remote"]
-    max_model_len: int
-    object: str = "model"
-    version: int | None = None
-    sha256: str | None = None
-    resident_on: list[str] | None = None
-
-
-class ModelList(Struct):
-    data: list[ModelCard]
-    object: str = "list"
-
-
-class ErrorBody(Struct):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(Struct):
-    error: ErrorBody
-
-
-class Health(Struct, omit_defaults=True):
-    status: str
-    detail: str | None = None
-
-
-_encoder = msgspec.json.Encoder()
-
-
-def sse(payload: Struct) -> bytes:
-    """One server-sent event carrying `payload` as JSON."""
-    return b"data: " + _encoder.encode(payload) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"

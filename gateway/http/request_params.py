@@ -8,24 +8,46 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import msgspec
+
 from engine.sampling_params import InvalidParam, SamplingParams
 from engine.structured import GuidedDecoding
 from gateway.errors import APIError
 from gateway.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from gateway.http.tool_calls import tool_call_schema
 
+MAX_TOKEN_ID_DIGITS = 18  # a logit_bias key longer than this is no token id (nor an int64)
+
 
 def check_completion_options(data: CompletionRequest) -> None:
-    """Refuse the /v1/completions options this server does not implement."""
-    if data.echo and data.logprobs is not None:
-        raise APIError.bad_request("echo with logprobs is not supported: it needs the "
-                                   "prompt's logprobs, which this server does not compute; "
-                                   "drop echo or logprobs", param="echo",
-                                   code="unsupported_parameter")
+    """Refuse the /v1/completions options this server does not implement, or that cannot go
+    together."""
+    if data.max_tokens == 0 and not data.echo:
+        raise APIError.bad_request("max_tokens 0 returns nothing without echo; ask for at "
+                                   "least 1 token, or echo the prompt (with logprobs: its "
+                                   "tokens' logprobs)", param="max_tokens")
     if data.suffix:
         raise APIError.not_supported("suffix", "suffix")
     if data.best_of not in (None, 1, data.n):
         raise APIError.not_supported("best_of other than n", "best_of")
+
+
+def check_prompt_logprobs(data: SamplingRequest) -> None:
+    """vLLM's prompt_logprobs are one prompt's, so one choice's: not with n or best_of."""
+    if data.prompt_logprobs is None:
+        return
+    best_of = getattr(data, "best_of", None) or 1
+    if data.n > 1 or best_of > 1:
+        raise APIError.bad_request("prompt_logprobs are given for one choice; ask with n=1 (and "
+                                   "no best_of)", param="prompt_logprobs")
+
+
+def completion_prompt_logprobs(data: CompletionRequest) -> int | None:
+    """The prompt logprobs a completion needs: vLLM's prompt_logprobs, and echo with logprobs
+    (the legacy API's prompt logprobs), whichever asks for more alternatives."""
+    asked = [n for n in (data.prompt_logprobs, data.logprobs if data.echo else None)
+             if n is not None]
+    return max(asked) if asked else None
 
 
 def chat_logprobs(data: ChatCompletionRequest) -> int | None:
@@ -67,46 +89,59 @@ def guided_decoding(data: SamplingRequest, names: list[str] | None) -> GuidedDec
     guided_*, or a forced tool call of one of `names`, the request's `tool_names`), or None."""
     asked: list[tuple[str, GuidedDecoding]] = []
     fmt = data.response_format
-    try:
+    param = "response_format"
+    try:  # `param`: the field being read, which a refusal names
         if fmt is not None and fmt.type == "json_object":
-            asked.append(("response_format", GuidedDecoding("json_object")))
+            asked.append((param, GuidedDecoding("json_object")))
         elif fmt is not None and fmt.type == "json_schema":
             schema = (fmt.json_schema or {}).get("schema")
             if schema is None:
                 raise ValueError("response_format json_schema needs json_schema.schema")
-            asked.append(("response_format", GuidedDecoding("json_schema", schema)))
+            asked.append((param, GuidedDecoding("json_schema", schema)))
         elif fmt is not None and fmt.type != "text":
             raise ValueError(f"response_format type must be text, json_object or json_schema, "
                              f"got {fmt.type!r}")
-        if data.guided_json is not None:
-            asked.append(("guided_json", GuidedDecoding("json_schema", data.guided_json)))
-        if data.guided_regex is not None:
-            asked.append(("guided_regex", GuidedDecoding("regex", data.guided_regex)))
-        if data.guided_choice is not None:
-            asked.append(("guided_choice", GuidedDecoding("choice", data.guided_choice)))
+        for param, kind, spec in (("guided_json", "json_schema", data.guided_json),
+                                  ("guided_regex", "regex", data.guided_regex),
+                                  ("guided_choice", "choice", data.guided_choice)):
+            if spec is not None:
+                asked.append((param, GuidedDecoding(kind, spec)))
         if names is not None and data.tool_choice not in (None, "auto"):
-            asked.append(("tool_choice",
-                          GuidedDecoding("json_schema", tool_call_schema(data.tools, names))))
+            param = "tool_choice"
+            asked.append((param, GuidedDecoding("json_schema",
+                                                tool_call_schema(data.tools, names))))
     except ValueError as exc:
-        raise APIError.bad_request(str(exc), param="response_format") from None
+        raise APIError.bad_request(str(exc), param=param) from None
     if len(asked) > 1:
         raise APIError.bad_request(f"only one structured-output constraint per request, got "
                                    f"{', '.join(name for name, _ in asked)}",
                                    param=asked[1][0])
-    return asked[0][1] if asked else None
+    if not asked:
+        return None
+    param, guided = asked[0]
+    try:  # what the engine process gets as msgpack, whose integers are 64-bit
+        msgspec.msgpack.encode(guided.spec)
+    except OverflowError:
+        raise APIError.bad_request(f"{param}: the schema holds an integer outside the 64-bit "
+                                   "range", param=param) from None
+    return guided
 
 
 def sampling_params(data: SamplingRequest, logprobs: int | None,
-                    guided: GuidedDecoding | None = None) -> SamplingParams:
+                    guided: GuidedDecoding | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The engine parameters of a request's first choice (choice_params makes the others).
-    max_tokens left out is None: the rest of the context window, as the engine resolves it."""
+    max_tokens left out is None: the rest of the context window, as the engine resolves it;
+    0 (echo only) is 1, whose token the format leaves out."""
     stop = [data.stop] if isinstance(data.stop, str) else list(data.stop or [])
     try:
         return SamplingParams(
-            max_tokens=getattr(data, "max_completion_tokens", None) or data.max_tokens,
+            max_tokens=(getattr(data, "max_completion_tokens", None) or data.max_tokens
+                        if data.max_tokens != 0 else 1),
             temperature=1.0 if data.temperature is None else data.temperature,
-            top_p=1.0 if data.top_p is None else data.top_p,
-            top_k=data.top_k or 0, min_p=data.min_p or 0.0, seed=data.seed,
+            # top_p 0 (OpenAI's range includes it): only the most likely token, i.e. top_k 1
+            top_p=data.top_p or 1.0, top_k=1 if data.top_p == 0 else data.top_k or 0,
+            min_p=data.min_p or 0.0, seed=data.seed,
             repetition_penalty=data.repetition_penalty or 1.0,
             frequency_penalty=data.frequency_penalty or 0.0,
             presence_penalty=data.presence_penalty or 0.0, stop=stop,
@@ -114,7 +149,8 @@ def sampling_params(data: SamplingRequest, logprobs: int | None,
             min_tokens=data.min_tokens, logit_bias=logit_bias(data.logit_bias),
             allowed_token_ids=data.allowed_token_ids,
             include_stop_str_in_output=data.include_stop_str_in_output,
-            skip_special_tokens=data.skip_special_tokens, logprobs=logprobs, guided=guided)
+            skip_special_tokens=data.skip_special_tokens, logprobs=logprobs, guided=guided,
+            prompt_logprobs=prompt_logprobs)
     except InvalidParam as exc:
         raise APIError.from_engine(exc) from None
 
@@ -133,7 +169,7 @@ def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
     (Token ids past the vocabulary are refused at admission, where the vocabulary is known.)"""
     bias = {}
     for key, value in (raw or {}).items():
-        if not (key.isascii() and key.isdigit()):
+        if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS):
             raise APIError.bad_request(f"logit_bias key {key!r} is not a token id; keys are "
                                        "token ids written as strings, e.g. {\"1234\": -100}",
                                        param="logit_bias")

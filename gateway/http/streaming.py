@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from engine.sequence import RequestOutput
 from gateway.errors import APIError
 from gateway.http.formats import Format
-from gateway.http.protocol import SSE_DONE, ErrorBody, ErrorResponse, sse
 from gateway.jobs import Choice, GenerationJob
 
 logger = logging.getLogger(__name__)
@@ -55,13 +54,14 @@ async def collect(job: GenerationJob, fmt: Format, disconnected: asyncio.Future 
 
 async def stream_sse(job: GenerationJob, fmt: Format,
                      include_usage: bool) -> AsyncIterator[bytes]:
-    """`data: {chunk}` events, a finish chunk per choice, optional usage, then [DONE]. What has
-    arrived by the time the client takes the next bytes goes out as one write: a client (or a
-    step of n choices) that falls behind gets its events coalesced, not one send each."""
+    """`data: {chunk}` events, a finish chunk per choice, optional usage, then [DONE] (the
+    Format's framing: `encode`, `failure`, `end`). What has arrived by the time the client
+    takes the next bytes goes out as one write: a client (or a step of n choices) that falls
+    behind gets its events coalesced, not one send each."""
     queue: asyncio.Queue = asyncio.Queue()
     try:
         for chunk in fmt.head(job.choices):
-            yield sse(chunk)
+            yield fmt.encode(chunk)
         pending = job.num_unfinished
         job.start(lambda choice, out: queue.put_nowait((choice, out)))
         while pending:
@@ -75,20 +75,19 @@ async def stream_sse(job: GenerationJob, fmt: Format,
                     break
                 delta = fmt.delta(choice, out)
                 if delta is not None:
-                    frames.append(sse(delta))
+                    frames.append(fmt.encode(delta))
                 if out.finished:
                     pending -= 1
-                    frames.append(sse(fmt.finish(choice)))
+                    frames.append(fmt.encode(fmt.finish(choice)))
             if frames:
                 yield b"".join(frames)
             if failure is not None:
                 raise failure
         if include_usage:
-            yield sse(fmt.usage_chunk(job.counts))
+            yield fmt.encode(fmt.usage_chunk(job.counts))
     except Exception as exc:  # headers are gone: report in-band, as OpenAI and vLLM do
         logger.exception("stream failed")
-        yield sse(ErrorResponse(ErrorBody(message=f"generation failed: {exc}",
-                                          type="server_error", code="internal_error")))
+        yield fmt.encode(fmt.failure(f"generation failed: {exc}"))
     finally:
         job.close()
-    yield SSE_DONE
+    yield fmt.end()

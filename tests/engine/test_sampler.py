@@ -176,7 +176,8 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     ({"max_tokens": 0}, "max_tokens must be at least 1"),
     ({"top_k": -2}, "top_k"),
     ({"min_p": 1.5}, "min_p"),
-    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"),  # the cap (--max-logprobs) is the engine's: test_engine.py
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
 ])
 def test_invalid_sampling_params_raise_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):

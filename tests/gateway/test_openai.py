@@ -322,11 +322,11 @@ def test_echo_prepends_the_prompt_streamed_or_not(client, offline):
         assert "".join(texts) == prompts[index] + generated[index]
 
 
-def test_echo_with_logprobs_is_a_clear_400(client):
+def test_max_tokens_0_without_echo_is_a_clear_400(client):
+    """(echo with logprobs, refused before prompt logprobs existed: test_prompt_logprobs_api.py)"""
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=BASE, prompt="hi", max_tokens=2, echo=True, logprobs=1)
-    assert "echo with logprobs is not supported" in err.value.body["message"]
-    assert err.value.body["param"] == "echo"
+        client.completions.create(model=BASE, prompt="hi", max_tokens=0)
+    assert "echo" in err.value.body["message"] and err.value.body["param"] == "max_tokens"
 
 
 def test_min_tokens_holds_off_eos_on_both_routes(client, offline):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -122,7 +123,8 @@ def test_trivial_values_of_unimplemented_fields_are_accepted(http):
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
     assert http.post("/v1/chat/completions", json=body).status_code == 200
     echo = {"model": BASE, "prompt": "hi", **SMALL, "echo": True, "logprobs": 1}
-    assert_openai_error(http.post("/v1/completions", json=echo), 400)  # no prompt logprobs
+    logprobs = http.post("/v1/completions", json=echo).json()["choices"][0]["logprobs"]
+    assert logprobs["token_logprobs"][0] is None  # the prompt's (test_prompt_logprobs_api.py)
 
 
 async def test_keys_guard_v1_and_admin_routes_but_not_probes(server, server_config):
@@ -196,6 +198,9 @@ def test_a_client_disconnecting_mid_stream_frees_its_sequences(server, http, wai
     runtime, adapter = server.runtime, "lora-6"
     finished = metric(http, "loragw_e2e_request_latency_seconds_count", adapter=adapter)
     generated = metric(http, "loragw_completion_tokens_total", adapter=adapter)
+    counted = {status: (metric(http, "loragw_requests_total", adapter=adapter, status=status),
+                        metric(http, "loragw_http_requests_total", route="/v1/completions",
+                               status=status)) for status in ("200", "499")}
     body = {"model": adapter, "prompt": "tell me a long story", "max_tokens": LONG,
             "temperature": 0, "ignore_eos": True, "stream": True, "n": n}
     with httpx.Client(base_url=server.url, timeout=60) as c:
@@ -212,6 +217,17 @@ def test_a_client_disconnecting_mid_stream_frees_its_sequences(server, http, wai
     assert snap.slots_in_use == 0 and runtime.inflight == 0
     assert metric(http, "loragw_e2e_request_latency_seconds_count", adapter=adapter) == finished
     assert metric(http, "loragw_completion_tokens_total", adapter=adapter) - generated < n * LONG
+    # counted as abandoned (499, as a whole response given up), not as the 200 its headers said
+    deadline = time.monotonic() + 10
+    while metric(http, "loragw_requests_total", adapter=adapter, status="499") == \
+            counted["499"][0]:
+        assert time.monotonic() < deadline, "the abandoned stream was never counted"
+        time.sleep(0.05)
+    assert (metric(http, "loragw_requests_total", adapter=adapter, status="499"),
+            metric(http, "loragw_http_requests_total", route="/v1/completions", status="499")) \
+        == (counted["499"][0] + 1, counted["499"][1] + 1)
+    assert metric(http, "loragw_requests_total", adapter=adapter, status="200") == \
+        counted["200"][0]
 
 
 def test_a_client_giving_up_on_a_whole_response_frees_its_sequence(server, http, wait_idle):
@@ -290,6 +306,7 @@ FUZZ_CASES = 200
 # Values drawn for these keys whatever the schema says: mostly valid, and every generation short.
 BOUNDED = {"max_tokens": [1, 2, 3, 4] * 3 + [0, -1, 10**9, "x"],
            "max_completion_tokens": [1, 2, 3, 0, 10**9], "n": [1] * 6 + [2, 3, 0, 10**6],
+           "max_output_tokens": [1, 2, 3, 4] * 3 + [0, -1, 10**9, "x"],  # /v1/responses
            "model": [BASE, ADAPTER, "lora-1", "unknown/model"], "stream": [True, False],
            # never an adapter the other tests use, never a path that exists, never the Hub
            # (a Hub source the server cannot reach is an honest 502)
@@ -297,7 +314,8 @@ BOUNDED = {"max_tokens": [1, 2, 3, 4] * 3 + [0, -1, 10**9, "x"],
            "lora_path": ["/nonexistent", "", "/etc/passwd", "./relative", "file:///nope"]}
 
 
-ALWAYS = {"max_tokens"}  # an absent max_tokens means "the rest of the context": too slow here
+# an absent max_tokens means "the rest of the context": too slow here
+ALWAYS = {"max_tokens", "max_output_tokens"}
 
 
 class SchemaFuzzer:

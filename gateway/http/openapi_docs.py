@@ -1,0 +1,94 @@
+"""What the OpenAPI document (GET /schema/openapi.json) says beyond what Litestar derives from
+the types: ranges that include 0, list items' ranges, checks a handler makes (`openapi`), the
+generation routes' second media type (server-sent events) and the adapter upload's multipart
+body. The errors every route answers are `error_handlers.error_responses`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from litestar.openapi.spec import (
+    OpenAPIFormat,
+    OpenAPIMediaType,
+    OpenAPIType,
+    Operation,
+    RequestBody,
+    Schema,
+)
+
+_SCHEMA_NAMES = {"ge": "minimum", "gt": "exclusive_minimum", "le": "maximum",
+                 "lt": "exclusive_maximum"}
+# protocol.TokenId inside a list (whose items Litestar documents without their bounds)
+TOKEN_ID = {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}
+
+
+def openapi(**schema: Any) -> dict[str, Any]:
+    """`Meta(extra_json_schema=...)` that Litestar copies into the field's OpenAPI schema
+    (Schema attribute names: `one_of`, `additional_properties`, ...)."""
+    return {"extra": schema}
+
+
+def bounds(**limits: float) -> msgspec.Meta:
+    """A range that decoding enforces and the OpenAPI document states: restated as schema
+    extra, since Litestar drops a bound of 0 (it tests the bound's truth)."""
+    return msgspec.Meta(**limits, extra_json_schema=openapi(
+        **{_SCHEMA_NAMES[k]: v for k, v in limits.items()}))
+
+
+def inlined(struct: type) -> dict[str, Any]:
+    """msgspec's JSON schema of `struct`, each `$ref` replaced by its definition (these Structs
+    do not recurse): self-contained, for a schema Litestar does not register."""
+    schema = msgspec.json.schema(struct)
+    defs = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return resolve(defs[node["$ref"].rpartition("/")[2]])
+            return {key: resolve(value) for key, value in node.items()}
+        return [resolve(item) for item in node] if isinstance(node, list) else node
+
+    return resolve(schema)
+
+
+def streamed(*payloads: type, done: bool = True) -> type[Operation]:
+    """The operation of a route whose 200 is JSON, or with stream=true server-sent events,
+    each event's data one of `payloads` as JSON (an error, too, once the headers are gone) and,
+    with `done`, the last one `[DONE]`. It documents both media types."""
+    data = Schema(type=OpenAPIType.STRING, content_media_type="application/json",
+                  content_schema={"anyOf": [inlined(p) for p in payloads]})
+    if done:
+        data = Schema(any_of=[Schema(type=OpenAPIType.STRING, const="[DONE]"), data])
+    event = Schema(type=OpenAPIType.OBJECT, required=["data"], properties={"data": data})
+    names = " | ".join(p.__name__ for p in payloads)
+
+    @dataclass
+    class Streamed(Operation):
+        def __post_init__(self) -> None:
+            ok = self.responses["200"]
+            ok.description += (f"; with stream=true, `data: {{{names}}}` events"
+                               + (", then `data: [DONE]`" if done else ""))
+            ok.content["text/event-stream"] = OpenAPIMediaType(schema=event)
+
+    return Streamed
+
+
+@dataclass
+class MultipartUpload(Operation):
+    """The adapter upload's multipart body, which its handler reads itself (size first)."""
+
+    def __post_init__(self) -> None:
+        def part(what: str, binary: bool = False) -> Schema:
+            return Schema(type=OpenAPIType.STRING, description=what,
+                          format=OpenAPIFormat.BINARY if binary else None)
+
+        form = Schema(type=OpenAPIType.OBJECT, properties={
+            "adapter_id": part("the new adapter's id: NAME or ORG/NAME"),
+            "adapter_config": part("adapter_config.json", binary=True),
+            "adapter_model": part("adapter_model.safetensors", binary=True),
+            "replace": part("true to replace an adapter of this id")},
+            required=["adapter_id", "adapter_config", "adapter_model"])
+        self.request_body = RequestBody(required=True, content={
+            "multipart/form-data": OpenAPIMediaType(schema=form)})
