@@ -1,6 +1,8 @@
 """PEFT LoRA adapters: validate adapter_config.json and adapter_model.safetensors against the
 served base model, and return float32 host tensors per (layer, target), plus the full module
-copies of modules_to_save (adapters.saved_modules) in the dtype they were saved in.
+copies of modules_to_save (adapters.saved_modules) in the dtype they were saved in. Every
+tensor must be finite, and stay finite once cast to the dtype the engine serves in
+(BaseModelSpec.dtype): under --dtype float16 a weight past 65504 is refused, not served as inf.
 
 Everything is checked before anything is returned: the config (adapters.lora_config), then the
 safetensors header (adapters.safetensors_check) and every key, shape, rank and dtype in it
@@ -104,8 +106,7 @@ def load_adapter_bytes(config_raw: bytes, weights_raw: bytes, spec: BaseModelSpe
         a = tensors[a_key].to(torch.float32).contiguous()  # [r, in]
         b = tensors[b_key].to(torch.float32).contiguous()  # [out, r]
         for key, t in ((a_key, a), (b_key, b)):
-            if not bool(torch.isfinite(t).all()):
-                raise AdapterError(f"tensor {_show(key)} contains NaN or infinite values")
+            _check_finite(key, t, spec)
         modules[(layer, target)] = LoraModuleWeights(
             layer, target, a, b, config.scaling(module_name)
         )
@@ -113,8 +114,7 @@ def load_adapter_bytes(config_raw: bytes, weights_raw: bytes, spec: BaseModelSpe
         _check_tied_head(modules)
     saved = {target: tensors[key].contiguous() for target, key in saved_keys.items()}
     for target, key in saved_keys.items():
-        if not bool(torch.isfinite(saved[target]).all()):
-            raise AdapterError(f"tensor {_show(key)} contains NaN or infinite values")
+        _check_finite(key, saved[target], spec)
     if tied_to_embedding(config, spec):
         if not torch.equal(saved[LM_HEAD], saved[EMBED_TOKENS]):
             raise AdapterError(
@@ -134,6 +134,24 @@ def load_adapter_bytes(config_raw: bytes, weights_raw: bytes, spec: BaseModelSpe
         saved_modules=saved,
         warnings=warnings,
     )
+
+
+def _check_finite(key: str, t: torch.Tensor, spec: BaseModelSpec) -> None:
+    """Refuse a tensor holding NaN / inf, or values that become inf once cast to the served
+    dtype (spec.dtype; past float16's 65504, say): the engine would serve infs."""
+    if not bool(torch.isfinite(t).all()):
+        raise AdapterError(f"tensor {_show(key)} contains NaN or infinite values")
+    served = getattr(torch, spec.dtype)
+    peak = t.abs().max() if t.numel() else t.new_zeros(())  # its largest magnitude, exactly
+    if bool(torch.isinf(peak.to(served))):  # rounding is monotone: the largest overflows first
+        wider = [f"--dtype {name}" for name in ("bfloat16", "float32") if name != spec.dtype
+                 and not torch.isinf(peak.to(getattr(torch, name)))]
+        raise AdapterError(
+            f"tensor {_show(key)} holds values up to {peak.item():.4g} in magnitude, past"
+            f" {spec.dtype}'s largest ({torch.finfo(served).max:.6g}), the dtype this server runs"
+            " in, so it would be served as inf; use an adapter with smaller weights"
+            + (f", or a server started with {' or '.join(wider)}" if wider else "")
+        )
 
 
 def _check_base_model_class(config: LoraConfig, spec: BaseModelSpec) -> None:

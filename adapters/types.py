@@ -79,12 +79,16 @@ class BaseModelSpec:
     # basename, then config.json's _name_or_path); None / () when unknown, which checks nothing
     architecture: str | None = None
     model_names: tuple[str, ...] = ()
+    # the dtype the engine serves in ("float32", "bfloat16", "float16"): every adapter weight
+    # must be finite once cast to it (adapters.format)
+    dtype: str = "float32"
 
     @classmethod
     def from_hf_config(cls, hf_config: dict, max_lora_rank: int, max_full_module_slots: int = 0,
-                       model_path: str | os.PathLike | None = None) -> BaseModelSpec:
+                       model_path: str | os.PathLike | None = None,
+                       dtype: str = "float32") -> BaseModelSpec:
         """From a Llama / Mistral / Qwen2 / Qwen3 config.json (as a dict); model_path is the
-        served model's directory, for its name."""
+        served model's directory, for its name; dtype the served dtype."""
         cfg = hf_config
         if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
             cfg = cfg["text_config"]
@@ -117,7 +121,7 @@ class BaseModelSpec:
             names.append(hf_config["_name_or_path"])
         names = tuple(dict.fromkeys(n for n in names if base_name(n)))  # distinct, in order
         return cls(cfg["num_hidden_layers"], shapes, max_lora_rank, tied, max_full_module_slots,
-                   arch or None, names)
+                   arch or None, names, dtype)
 
 
 # -- the adapter's config ---------------------------------------------------------------------

@@ -20,11 +20,21 @@ unset TRITON_INTERPRET
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.cuda.is_available())"
 } 2>&1 | tee "$OUT/machine.txt"
 
-# Every test marked gpu: compiled Triton kernels, CUDA graphs, bf16.
-timeout 240 $PY -m pytest tests/kernels -m gpu -q -p no:cacheprovider \
+# The engine on the GPU first: CUDA-graph replay vs eager token for token, graphs vs PEFT in
+# float32, bf16/fp16 vs PEFT on the same GPU (tests/engine: test_cuda_graphs, test_dtype_parity).
+timeout 170 $PY -m pytest tests/engine/test_cuda_graphs.py tests/engine/test_dtype_parity.py \
+  -m gpu -q -p no:cacheprovider -o log_cli=true --log-cli-level=INFO \
+  --junitxml="$OUT/gpu_engine_tests.xml" 2>&1 | tail -60 | tee "$OUT/gpu_engine_tests.txt"
+
+# Then every kernel test marked gpu: compiled Triton kernels at Llama-3-8B shapes.
+timeout 120 $PY -m pytest tests/kernels -m gpu -q -p no:cacheprovider \
   --junitxml="$OUT/gpu_tests.xml" 2>&1 | tail -40 | tee "$OUT/gpu_tests.txt"
 
+# Host overhead per decode step on the GPU, eager and with CUDA graphs.
+timeout 60 $PY -m benchmarks.bench_step_overhead --device cuda --out "$OUT/step_overhead.md" \
+  2>&1 | tail -30 | tee "$OUT/step_overhead.txt"
+
 # LoRA shrink/expand and decode attention tables (markdown), ~3 minutes on an H200.
-timeout 240 $PY -m benchmarks.bench_kernels_gpu --out "$OUT/bench_kernels.md" \
+timeout 150 $PY -m benchmarks.bench_kernels_gpu --out "$OUT/bench_kernels.md" \
   --kernels lora,attention 2>&1 | tail -60 | tee "$OUT/bench_kernels.txt"
 echo "done: $(ls "$OUT")"

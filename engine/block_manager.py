@@ -90,12 +90,29 @@ class BlockManager:
             assert not cached, "a running sequence matched its prefix again"
         for _ in range(self.num_missing_blocks(seq, num_tokens)):
             seq.block_table.append(self._take().block_id)
-        if self.enable_prefix_caching:  # the blocks this step's tokens will fill
-            first_unfilled = seq.num_computed_tokens // self.block_size
-            for i in range(first_unfilled, num_tokens // self.block_size):
-                block = self.blocks[seq.block_table[i]]
-                if self.cache.register(block, self._hash(seq, i)):
-                    self.registered_this_step.append(block)
+        if self.enable_prefix_caching:
+            self._register_filled(seq, num_tokens)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """can_allocate + allocate for a running sequence (no prefix to share), in one pass:
+        False, changing nothing, when the free blocks do not cover it. Every running sequence
+        takes this path every step, most often needing no block at all."""
+        missing = self.blocks_for(num_tokens) - len(seq.block_table)
+        if missing > 0:
+            if missing > self.num_free_blocks:
+                return False
+            for _ in range(missing):
+                seq.block_table.append(self._take().block_id)
+        if self.enable_prefix_caching:
+            self._register_filled(seq, num_tokens)
+        return True
+
+    def _register_filled(self, seq: Sequence, num_tokens: int) -> None:
+        """Put the blocks this step's tokens will fill in the prefix cache (module docstring)."""
+        for i in range(seq.num_computed_tokens // self.block_size, num_tokens // self.block_size):
+            block = self.blocks[seq.block_table[i]]
+            if self.cache.register(block, self._hash(seq, i)):
+                self.registered_this_step.append(block)
 
     def _share(self, seq: Sequence, cached: Ids[int]) -> None:
         for block_id in cached:

@@ -78,6 +78,10 @@ class EngineOptions:
     max_full_module_slots: int = option(
         0, "adapters with PEFT modules_to_save (their own full lm_head and/or embed_tokens) "
         "held on the device at once, each also taking one --max-loras slot; 0 refuses them")
+    # vLLM's flag: graphs cost start-up time and some memory, and hide kernels from profilers.
+    enforce_eager: bool = option(False, "never capture CUDA graphs: every decode step launches "
+                                 "its kernels from Python (CUDA graphs are CUDA-only, so on "
+                                 "the CPU this changes nothing)")
     seed: int = option(0, "seed of the sampler's generator (requests without a seed)")
     max_logprobs: int = option(20, "most alternatives a request may ask for per token "
                                "(logprobs, top_logprobs, prompt_logprobs)")
@@ -149,7 +153,8 @@ class Config(EngineOptions):
     def adapter_spec(self) -> BaseModelSpec:
         """What this base model offers adapters: every adapter is checked against it."""
         return BaseModelSpec.from_hf_config(self.hf_config, self.max_lora_rank,
-                                            self.max_full_module_slots, self.model)
+                                            self.max_full_module_slots, self.model,
+                                            str(self.torch_dtype).removeprefix("torch."))
 
     @property
     def max_host_loras(self) -> int:

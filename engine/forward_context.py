@@ -54,12 +54,16 @@ class LoRAStep:
     """Which adapter slot each row of one step uses. Built by LoRAManager.prepare, only when
     some row has an adapter; its rows are in the model runner's order."""
 
-    tokens: LoRAMeta  # every new token: the projections (and embed_tokens)
+    token_slots: list[int]  # every new token's slot, -1 = none
+    num_slots: int
     embed: bool  # some token's slot has an embed_tokens LoRA (else that module skips LoRA)
     # the logit rows only (what lm_head sees: ScheduledBatch.logit_range), in batch order; None
     # when no such row's slot has an lm_head LoRA
     sample: LoRAMeta | None = None
     full: FullModuleStep | None = None  # None when no row's adapter has a saved module
+    # token_slots grouped for the kernels (the projections, embed_tokens): made by the model
+    # runner, which alone knows where the step's tensors live and how many rows it pads to
+    tokens: LoRAMeta | None = None
 
 
 @dataclass(slots=True)

@@ -2,7 +2,9 @@
 
 The model is built on the meta device, materialised empty on the target device, then every
 parameter is filled from the checkpoint (merged projections slice by slice). A parameter the
-checkpoint does not fill is an error, not a silently random weight.
+checkpoint does not fill is an error, not a silently random weight; so is a tensor that is not
+finite once cast to the served dtype (NaN / inf in the checkpoint, or values past float16's
+range under --dtype float16), named with what to do instead of serving infs.
 """
 
 from __future__ import annotations
@@ -93,3 +95,22 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, "
                          f"the model expects {tuple(dst.shape)}")
     dst.copy_(src)
+    if not bool(torch.isfinite(dst).all()):
+        raise _not_finite(name, src, dst.dtype)
+
+
+def _not_finite(name: str, src: torch.Tensor, dtype: torch.dtype) -> ValueError:
+    """Why checkpoint tensor `name` (`src`, as stored) is not finite once cast to `dtype`."""
+    finite = torch.isfinite(src)
+    if not bool(finite.all()):
+        return ValueError(f"checkpoint tensor {name!r} holds {int((~finite).sum())} NaN or "
+                          "infinite values: the checkpoint is corrupt; download or export it again")
+    peak = src.abs().max().item()
+    served = str(dtype).removeprefix("torch.")
+    fits = [f"--dtype {n}" for n, d in (("bfloat16", torch.bfloat16), ("float32", torch.float32))
+            if d != dtype and peak <= torch.finfo(d).max]
+    instead = (f"serve this checkpoint with {' or '.join(fits)}" if fits
+               else "no served dtype holds it")
+    return ValueError(f"checkpoint tensor {name!r} holds values up to {peak:.4g} in magnitude, "
+                      f"past {served}'s largest ({torch.finfo(dtype).max:.6g}), so it would load "
+                      f"as inf; {instead}")

@@ -149,21 +149,22 @@ class SlotPool:
         without adapters pay nothing for LoRA)."""
         if not any(seq.adapter for seq in batch.seqs):
             return None
-        token_slots: list[int] = []
-        sample_slots: list[int] = []  # the logit rows (ScheduledBatch.logit_range), in order
-        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            assert seq.adapter is None or seq.lora_slot >= 0, "running adapter without a slot"
-            slot = seq.lora_slot if seq.adapter else -1
-            token_slots.extend([slot] * num_new)
-            sample_slots.extend([slot] * len(batch.logit_range(i)))
-        as_meta = lambda slots: make_lora_meta(  # noqa: E731
-            torch.tensor(slots, dtype=torch.int32, device=self.device), self.num_slots)
+        row_slots = [seq.lora_slot if seq.adapter else -1 for seq in batch.seqs]
+        assert all(seq.adapter is None or seq.lora_slot >= 0 for seq in batch.seqs), (
+            "running adapter without a slot")
+        if batch.num_decode == len(batch.seqs):
+            token_slots = row_slots  # one token a row
+        else:
+            token_slots = [slot for slot, n in zip(row_slots, batch.num_new_tokens) for _ in range(n)]
+        # the logit rows (ScheduledBatch.logit_rows), in order
+        sample_slots = [token_slots[r] for r in batch.logit_rows.rows]
         used = {seq.lora_slot for seq in batch.seqs if seq.adapter}
         embed = not self.embed_slots.isdisjoint(used)
-        sample = as_meta(sample_slots) if not self.head_slots.isdisjoint(sample_slots) else None
+        sample = (make_lora_meta(sample_slots, self.num_slots, device=self.device)
+                  if not self.head_slots.isdisjoint(sample_slots) else None)
         full = (self.full.step(token_slots, sample_slots)
                 if not self.full.held.keys().isdisjoint(used) else None)
-        return LoRAStep(tokens=as_meta(token_slots), embed=embed, sample=sample, full=full)
+        return LoRAStep(token_slots, self.num_slots, embed=embed, sample=sample, full=full)
 
 
 def _copy_linear(lora: LoRABuffers, i: int, index: int, rows: slice, weights) -> None:

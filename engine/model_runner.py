@@ -1,37 +1,30 @@
 """Owns the model and its KV cache; turns a scheduled batch into logits.
 
-Per step it builds the flat token batch (decode rows first, then prefill chunks), the KV
-slot of every new token and the block tables attention reads, then runs one forward pass and
-computes logits only for rows that sample. With LoRA the adapter manager's LoRAStep gives the
-slot of every token and, for lm_head, of every sampling row (in the order built here).
+Per step, `prepare` builds the step's inputs (engine/step_inputs.py): the flat token batch
+(decode rows first, then prefill chunks), the KV slot of every new token, the block tables
+attention reads, and the LoRA meta of the adapter manager's LoRAStep; `forward` runs one
+forward pass (a CUDA graph replay for decode-only steps when graphs are on:
+engine/cuda_graphs.py) and computes logits only for the rows that need them.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 
 from engine.backends import AttentionShape, resolve_backends
 from engine.config import Config
+from engine.cuda_graphs import DecodeGraphs, GraphKey, graph_buckets, graphs_off_reason
 from engine.forward_context import AttentionMetadata, ForwardContext, LoRAStep, forward_context
 from engine.loader import load_model
-from engine.scheduler import ScheduledBatch
+from engine.scheduler import LogitRows, PromptRows, ScheduledBatch
+from engine.step_inputs import DecodeBuffers, DecodeViews, StepInputs, decode_metadata
+from kernels import LoRAMeta, make_lora_meta
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class PromptRows:
-    """Logit rows of one sequence that give prompt logprobs: rows [first, first + count) of
-    StepLogits.logits hold positions [position, position + count), each the logprob of the
-    prompt token after it."""
-
-    batch_row: int  # the sequence's index in the batch
-    first: int
-    position: int
-    count: int
 
 
 @dataclass(slots=True)
@@ -49,16 +42,27 @@ class ModelRunner:
         self.model = load_model(config.model, config.hf_config, self.dtype, self.device)
         self.args = self.model.args
         self.num_kv_blocks = config.num_kv_blocks or self._size_kv_cache(config)
-        shape = (self.num_kv_blocks, self.block_size, self.args.num_kv_heads, self.args.head_dim)
+        # One block more than the block manager hands out: graph padding rows write there.
+        shape = (self.num_kv_blocks + 1, self.block_size, self.args.num_kv_heads, self.args.head_dim)
         for attn in self.model.attention_layers():
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.model.model.rotary_emb.reserve(config.max_model_len)
         self.backends = resolve_backends(
             config.lora_backend, config.attention_backend, self.device, self.dtype,
             AttentionShape(self.args.num_heads, self.args.num_kv_heads, self.args.head_dim))
+        self.max_blocks = -(-config.max_model_len // self.block_size)  # of one sequence
+        self.decode_buffers = DecodeBuffers(config.max_num_seqs, self.max_blocks, self.block_size,
+                                            pad_block=self.num_kv_blocks, device=self.device)
+        self._metas: dict[tuple[int, int], LoRAMeta] = {}  # (rows, slots) -> decode LoRA meta
+        off = graphs_off_reason(self.device, config.enforce_eager, self.backends)
+        self.graphs = DecodeGraphs(graph_buckets(config.max_num_seqs)) if off is None else None
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB); LoRA on %s, decode attention "
-                    "on %s", self.num_kv_blocks, self.block_size, self.kv_cache_bytes / 2**20,
-                    self.backends.lora, self.backends.attention)
+                    "on %s; decode %s", self.num_kv_blocks, self.block_size,
+                    self.kv_cache_bytes / 2**20, self.backends.lora, self.backends.attention,
+                    f"eager ({off})" if off else "in CUDA graphs")
+        if self.graphs is not None:
+            self.capture_graphs()
 
     @property
     def bytes_per_block(self) -> int:
@@ -88,85 +92,105 @@ class ModelRunner:
                              "max_model_len or set num_kv_blocks")
         return blocks
 
-    def _decode_addressing(self, tables: list[list[int]], context_lens: list[int]):
-        """The decode rows' KV addressing, built once per step and shared by all layers:
-        (block_tables [B, max_blocks] int32, context_lens [B] int32) for the Triton kernel, and
-        (block_ids [B * max_blocks] int64, mask [B, 1, 1, L = max_blocks * block_size] bool) for
-        the torch path, or None, None when decode attention runs on Triton."""
-        blocks = _pad(tables, self.device)  # [B, max_blocks] int32
-        lens = torch.tensor(context_lens, dtype=torch.int32, device=self.device)  # [B]
-        if self.backends.attention != "torch":
-            return blocks, lens, None, None
-        positions = torch.arange(blocks.shape[1] * self.block_size, device=self.device)
-        mask = (positions[None, :] < lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
-        return blocks, lens, blocks.flatten().long(), mask
-
+    # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, lora: LoRAStep | None = None) -> StepLogits:
-        """Forward one batch; the logits of its logit rows (batch.logit_range: the rows that
+        """Forward one batch; the logits of its logit rows (batch.logit_rows: the rows that
         sample, and those whose prompt logprobs were asked for). `lora`: LoRAManager.prepare
         (batch), None when no row has an adapter."""
-        input_ids, positions, slots, logit_rows, sampling, prompt = [], [], [], [], [], []
+        return self.forward(self.prepare(batch, lora))
+
+    def prepare(self, batch: ScheduledBatch, lora: LoRAStep | None = None) -> StepInputs:
+        logits = batch.logit_rows
+        if batch.num_decode == len(batch.seqs):
+            return self._prepare_decode(batch, lora, logits)
+        input_ids, positions, slots = [], [], []
         prefill_starts, prefill_lens, prefill_ctx, prefill_tables = [], [], [], []
-        decode_tables, decode_ctx = [], []
-        row = 0
+        decode = batch.seqs[:batch.num_decode]
         for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             end = start + num_new
+            if i >= batch.num_decode:
+                prefill_starts.append(len(input_ids))
+                prefill_lens.append(num_new)
+                prefill_ctx.append(end)
+                prefill_tables.append(torch.tensor(seq.block_table, dtype=torch.long,
+                                                   device=self.device))
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size
                          for p in range(start, end))
-            if i < batch.num_decode:
-                decode_tables.append(table)
-                decode_ctx.append(end)
-            else:
-                prefill_starts.append(row)
-                prefill_lens.append(num_new)
-                prefill_ctx.append(end)
-                prefill_tables.append(torch.tensor(table, dtype=torch.long, device=self.device))
-            wanted = batch.logit_range(i)
-            if wanted:
-                if seq.needs_prompt_logprobs:  # every wanted row but a sampling one
-                    count = len(wanted) - batch.samples(i)
-                    prompt.append(PromptRows(i, len(logit_rows), start + wanted.start, count))
-                logit_rows.extend(row + o for o in wanted)
-                if batch.samples(i):
-                    sampling.append(len(logit_rows) - 1)
-            row += num_new
-
-        to_device = lambda values: torch.tensor(values, dtype=torch.long, device=self.device)
-        block_tables, context_lens, block_ids, mask = (
-            self._decode_addressing(decode_tables, decode_ctx) if decode_tables
-            else (None, None, None, None))
+        rows = torch.tensor([input_ids, positions, slots], dtype=torch.long, device=self.device)
         attn = AttentionMetadata(
-            slot_mapping=to_device(slots),
-            num_decode_tokens=batch.num_decode,
-            decode_block_tables=block_tables,
-            decode_context_lens=context_lens,
-            decode_block_ids=block_ids,
-            decode_mask=mask,
-            prefill_query_starts=prefill_starts,
-            prefill_query_lens=prefill_lens,
-            prefill_context_lens=prefill_ctx,
-            prefill_block_tables=prefill_tables,
-        )
-        ctx = ForwardContext(attn=attn, lora=lora, backends=self.backends)
-        with forward_context(ctx):
-            hidden = self.model(to_device(input_ids), to_device(positions))  # [T, hidden]
-            if not logit_rows:
-                return StepLogits(hidden.new_empty((0, self.args.vocab_size),
-                                                   dtype=torch.float32), [], [])
-            if len(logit_rows) < len(input_ids):  # else every row: no gather
-                hidden = hidden[to_device(logit_rows)]
-            return StepLogits(self.model.compute_logits(hidden), sampling, prompt)  # [L, V]
+            slot_mapping=rows[2], num_decode_tokens=batch.num_decode, decode_block_tables=None,
+            decode_context_lens=None, decode_block_ids=None, decode_mask=None,
+            prefill_query_starts=prefill_starts, prefill_query_lens=prefill_lens,
+            prefill_context_lens=prefill_ctx, prefill_block_tables=prefill_tables)
+        if decode:  # the decode rows' addressing, in the decode buffers
+            views = self.decode_buffers.fill(decode, len(decode))
+            meta = decode_metadata(views, self.backends.attention, self.block_size)
+            attn.decode_block_tables, attn.decode_context_lens = meta.decode_block_tables, meta.decode_context_lens
+            attn.decode_block_ids, attn.decode_mask = meta.decode_block_ids, meta.decode_mask
+        if lora is not None:
+            lora.tokens = make_lora_meta(lora.token_slots, lora.num_slots, device=self.device)
+        return StepInputs(rows[0], rows[1], attn, lora, logits)
 
+    def _prepare_decode(self, batch: ScheduledBatch, lora: LoRAStep | None,
+                        logits: LogitRows) -> StepInputs:
+        """A decode-only step, in the decode buffers (padded to its graph's rows)."""
+        real = len(batch.seqs)
+        key = self.graphs.key_for(real, lora) if self.graphs is not None else None
+        rows, width = (key.rows, self.max_blocks) if key else (real, None)
+        views = self.decode_buffers.fill(batch.seqs, rows, width)
+        if lora is not None:
+            lora.tokens = make_lora_meta(lora.token_slots + [-1] * (rows - real), lora.num_slots,
+                                         out=self._decode_meta(rows, lora.num_slots))
+        attn = None if key else decode_metadata(views, self.backends.attention, self.block_size)
+        return StepInputs(views.input_ids, views.positions, attn, lora, logits, views, key)
 
-def _pad(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max(len(t) for t in tables)
-    padded = [t + [0] * (width - len(t)) for t in tables]
-    return torch.tensor(padded, dtype=torch.int32, device=device)  # [B, max_blocks]
+    def _decode_meta(self, rows: int, num_slots: int) -> LoRAMeta:
+        """The LoRA meta of decode steps of `rows` rows, refilled in place every step."""
+        key = (rows, num_slots)
+        if key not in self._metas:
+            self._metas[key] = LoRAMeta.empty(rows, num_slots, self.device)
+        return self._metas[key]
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> StepLogits:
+        ctx = ForwardContext(attn=inputs.attn, lora=inputs.lora, backends=self.backends)
+        if inputs.graph is not None:
+            hidden = self.graphs.run(inputs.graph, lambda: self._decode_forward(inputs.decode,
+                                                                                inputs.lora))
+            hidden = hidden[:inputs.decode.real]
+        else:
+            with forward_context(ctx):
+                hidden = self.model(inputs.input_ids, inputs.positions)  # [T, hidden]
+        wanted = inputs.logits
+        if not wanted.rows:
+            return StepLogits(hidden.new_empty((0, self.args.vocab_size), dtype=torch.float32),
+                              [], [])
+        if len(wanted.rows) < hidden.shape[0]:  # else every row: no gather
+            hidden = hidden[torch.tensor(wanted.rows, device=self.device)]
+        with forward_context(ctx):  # lm_head's LoRA and saved copies read the step's rows
+            return StepLogits(self.model.compute_logits(hidden), wanted.sampling, wanted.prompt)
+
+    def _decode_forward(self, views: DecodeViews, lora: LoRAStep | None) -> torch.Tensor:
+        """The forward pass of a decode step from its buffers alone: what a graph captures."""
+        attn = decode_metadata(views, self.backends.attention, self.block_size)
+        with forward_context(ForwardContext(attn=attn, lora=lora, backends=self.backends)):
+            return self.model(views.input_ids, views.positions)  # [rows, hidden]
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """The decode graphs without LoRA, largest first (the smaller reuse its memory)."""
+        started = time.perf_counter()
+        for rows in reversed(self.graphs.buckets):
+            views = self.decode_buffers.fill([], rows, self.max_blocks)  # padding rows only
+            self.graphs.capture(GraphKey(rows, False), lambda v=views: self._decode_forward(v, None))
+        logger.info("captured %d decode graphs (1 to %d rows) in %.1f s",
+                    len(self.graphs.buckets), self.graphs.buckets[-1],
+                    time.perf_counter() - started)
 
 
 def _available_host_memory() -> int:

@@ -45,11 +45,33 @@ class SlotPolicy(Protocol):
         a sequence of `adapter` refused a slot in `waited` steps; None while no slot need drain."""
 
 
+@dataclass(frozen=True, slots=True)
+class PromptRows:
+    """Logit rows of one sequence that give prompt logprobs: rows [first, first + count) of
+    the step's logits hold positions [position, position + count), each the logprob of the
+    prompt token after it."""
+
+    batch_row: int  # the sequence's index in the batch
+    first: int
+    position: int
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class LogitRows:
+    """Which rows of the step's flat token batch become logits, and what each is for."""
+
+    rows: list[int]  # token rows of the step (decode rows first), in batch order
+    sampling: list[int]  # indices into `rows` that sample, one per sampling sequence
+    prompt: list[PromptRows]
+
+
 @dataclass(slots=True)
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)  # decode rows first, then prefill rows
     num_new_tokens: list[int] = field(default_factory=list)
     num_decode: int = 0  # leading rows with exactly one new token
+    _logit_rows: LogitRows | None = None
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -74,6 +96,35 @@ class ScheduledBatch:
             if first < min(seq.num_computed_tokens + n, seq.num_prompt_tokens - 1):
                 start = min(start, first - seq.num_computed_tokens)
         return range(start, n)
+
+    @property
+    def logit_rows(self) -> LogitRows:
+        """Every row's logit_range, as rows of the step's flat token batch; made once per step
+        (the LoRA pool picks lm_head's slots by it, the model runner its logits)."""
+        if self._logit_rows is None:
+            self._logit_rows = self._find_logit_rows()
+        return self._logit_rows
+
+    def _find_logit_rows(self) -> LogitRows:
+        seqs = self.seqs
+        if self.num_decode == len(seqs) and not any(
+                s.needs_prompt_logprobs or s.num_computed_tokens + 1 != s.num_tokens for s in seqs):
+            every = list(range(len(seqs)))  # decoding: every row samples, nothing else
+            return LogitRows(every, every, [])
+        rows, sampling, prompt = [], [], []
+        row = 0
+        for i, (seq, num_new) in enumerate(zip(seqs, self.num_new_tokens)):
+            wanted = self.logit_range(i)
+            if wanted:
+                if seq.needs_prompt_logprobs:  # every wanted row but a sampling one
+                    count = len(wanted) - self.samples(i)
+                    prompt.append(PromptRows(i, len(rows),
+                                             seq.num_computed_tokens + wanted.start, count))
+                rows.extend(row + o for o in wanted)
+                if self.samples(i):
+                    sampling.append(len(rows) - 1)
+            row += num_new
+        return LogitRows(rows, sampling, prompt)
 
 
 class Scheduler:
@@ -109,14 +160,13 @@ class Scheduler:
         while i < len(running) and budget > 0:
             seq = running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + num_new):
+            while not self.block_manager.grow(seq, seq.num_computed_tokens + num_new):
                 victim = running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             else:
-                self.block_manager.allocate(seq, seq.num_computed_tokens + num_new)
                 scheduled.append((seq, num_new))
                 budget -= num_new
                 i += 1
@@ -172,13 +222,11 @@ class Scheduler:
 
     @staticmethod
     def _order(scheduled: list[tuple[Sequence, int]]) -> ScheduledBatch:
-        decode = [(s, n) for s, n in scheduled if n == 1]
-        prefill = [(s, n) for s, n in scheduled if n != 1]
-        batch = ScheduledBatch(num_decode=len(decode))
-        for seq, num_new in decode + prefill:
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
-        return batch
+        """Decode rows (one new token) first, then the rest, each in scheduling order."""
+        decode = [s for s, n in scheduled if n == 1]
+        rest = [(s, n) for s, n in scheduled if n != 1]
+        return ScheduledBatch(decode + [s for s, _ in rest], [1] * len(decode) + [n for _, n in rest],
+                              num_decode=len(decode))
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

@@ -9,7 +9,7 @@ not pointer tables, so the same code runs under the Triton interpreter.
 Grid (fixed: it depends only on T, S, n_slices, R, the widths and the block sizes, never on
 which slots the tokens use, so a step can be captured in a CUDA graph and replayed with new
 metadata):
-    shrink: (NT * cdiv(R, BLOCK_R), SPLIT_K, n_slices)
+    shrink: (NT * cdiv(R, BLOCK_R), split_k, n_slices)
     expand: (NT, cdiv(max slice width, BLOCK_N), n_slices)
     NT = num_tiles_bound(T, S, BLOCK_M) = cdiv(T + min(S, T) * (BLOCK_M - 1), BLOCK_M)
 Programs whose tile is empty, whose slot has rank 0 for their slice, whose rank block starts
@@ -32,11 +32,14 @@ instead of `tl.dot`), so the choice can be revisited with numbers: a switch woul
 rule beside `tile_m_for` in kernels/meta.py.
 
 Split-K: decode shrink has few tiles (T=1: one) and a long reduction (H = 4096..14336), so
-the H loop is split across SPLIT_K programs that atomically add fp32 partials into y (which
-the caller zeroes). Accumulation is fp32 throughout.
+the H loop is split across split_k programs that atomically add fp32 partials into y (which
+the caller zeroes); split_k is a runtime count (ATOMIC: whether it is > 1), like every other
+per-step argument (SHRINK_RUNTIME_ARGS), so one binary serves every step. Accumulation is fp32
+throughout.
 
 CUDA graphs: call once before capturing (compiles the kernels and caches the slice-offset
-tensor), capture with a static LoRAMeta, then `static_meta.copy_(make_lora_meta(...))` per step. Under TRITON_INTERPRET=1 operands are cast
+tensor), capture with a static LoRAMeta, then `make_lora_meta(..., out=static_meta)` per step
+(engine/model_runner.py does). Under TRITON_INTERPRET=1 operands are cast
 to fp32 before `tl.dot` (the interpreter's bf16 dot returns garbage).
 """
 
@@ -56,13 +59,19 @@ from kernels.meta import DECODE_BLOCK_M, LoRAMeta
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as @triton.jit does
 SHRINK_TARGET_PROGRAMS = 512   # ~4 waves of an H100/H200's 132 SMs
 MAX_SPLIT_K = 16
+# Arguments whose value changes with the step (token count, the packed meta's offsets, the
+# split count) or the config (slots): never specialized (== 1, 16-divisible), so one binary
+# serves every step instead of a JIT compile mid-serving when a step first hits another class.
+_META_ARGS = ("T", "S", "sorted_ids_ptr", "tile_slots_ptr", "tile_starts_ptr", "tile_lens_ptr")
+SHRINK_RUNTIME_ARGS = (*_META_ARGS, "split_k")
+EXPAND_RUNTIME_ARGS = _META_ARGS
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SHRINK_RUNTIME_ARGS)
 def _shrink_kernel(x_ptr, a_ptr, y_ptr, ranks_ptr, sorted_ids_ptr, tile_slots_ptr,
-                   tile_starts_ptr, tile_lens_ptr, T, H, S, R, stride_xt, stride_xh,
+                   tile_starts_ptr, tile_lens_ptr, T, H, S, R, stride_xt, stride_xh, split_k,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SPLIT_K: tl.constexpr, NUM_R_BLOCKS: tl.constexpr, CAST_FP32: tl.constexpr,
+                   ATOMIC: tl.constexpr, NUM_R_BLOCKS: tl.constexpr, CAST_FP32: tl.constexpr,
                    PRECISION: tl.constexpr, USE_DOT: tl.constexpr):
     """y[i, t, :r] (+)= x[t] @ lora_a[i, slot(t), :r].T for the tokens of one tile.
 
@@ -89,7 +98,7 @@ def _shrink_kernel(x_ptr, a_ptr, y_ptr, ranks_ptr, sorted_ids_ptr, tile_slots_pt
     r_mask = offs_r < rank
     a_base = a_ptr + (sl * S + slot).to(tl.int64) * R * H
 
-    k_span = tl.cdiv(H, SPLIT_K * BLOCK_K) * BLOCK_K
+    k_span = tl.cdiv(H, split_k * BLOCK_K) * BLOCK_K
     k_lo = pid_k * k_span
     k_hi = tl.minimum(k_lo + k_span, H)
     acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
@@ -109,13 +118,13 @@ def _shrink_kernel(x_ptr, a_ptr, y_ptr, ranks_ptr, sorted_ids_ptr, tile_slots_pt
 
     y_ptrs = y_ptr + sl * T * R + tok[:, None] * R + offs_r[None, :]
     mask = m_mask[:, None] & r_mask[None, :]
-    if SPLIT_K == 1:
+    if not ATOMIC:  # split_k == 1: the only writer
         tl.store(y_ptrs, acc, mask=mask)
     else:
         tl.atomic_add(y_ptrs, acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=EXPAND_RUNTIME_ARGS)
 def _expand_kernel(y_ptr, b_ptr, out_ptr, ranks_ptr, scales_ptr, offsets_ptr, sorted_ids_ptr,
                    tile_slots_ptr, tile_starts_ptr, tile_lens_ptr, T, S, R, O_total, stride_ot,
                    stride_oo, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -207,11 +216,14 @@ def shrink_config(num_tiles: int, n_slices: int, max_rank: int, hidden: int, blo
 
 def expand_config(max_width: int, max_rank: int, block_m: int,
                   interpret: bool = INTERPRET) -> ExpandConfig:
-    """128-wide output blocks; rank steps of 16 for decode tiles, up to 64 for prefill tiles."""
+    """128-wide output blocks; rank steps of 16 for decode tiles, up to 64 for prefill tiles.
+    Prefill tiles take 8 warps: a 64 x 128 tile on 4 warps spills on sm_80 and sm_90
+    (benchmarks/compile_targets.md)."""
     if interpret:
         return ExpandConfig(block_n=_pow2(max_width, 16, 1024), block_r=_pow2(max_rank, 16, 128))
-    block_r = 16 if block_m <= DECODE_BLOCK_M else _pow2(max_rank, 16, 64)
-    return ExpandConfig(block_n=128, block_r=block_r)
+    decode = block_m <= DECODE_BLOCK_M
+    block_r = 16 if decode else _pow2(max_rank, 16, 64)
+    return ExpandConfig(block_n=128, block_r=block_r, num_warps=4 if decode else 8)
 
 
 def shrink_grid(num_tiles: int, n_slices: int, max_rank: int, cfg: ShrinkConfig) -> tuple[int, int, int]:
@@ -245,8 +257,8 @@ def lora_shrink(x: Tensor, lora_a: Tensor, ranks: Tensor, meta: LoRAMeta, y: Ten
     cfg = config or shrink_config(nt, n, R, H, meta.block_m)
     _shrink_kernel[shrink_grid(nt, n, R, cfg)](
         x, lora_a, y, ranks, meta.sorted_token_ids, meta.tile_slots, meta.tile_starts,
-        meta.tile_lens, T, H, S, R, x.stride(0), x.stride(1),
-        BLOCK_M=meta.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        meta.tile_lens, T, H, S, R, x.stride(0), x.stride(1), cfg.split_k,
+        BLOCK_M=meta.block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k, ATOMIC=cfg.split_k > 1,
         NUM_R_BLOCKS=triton.cdiv(R, cfg.block_r), CAST_FP32=INTERPRET,
         PRECISION=_precision(x.dtype), USE_DOT=meta.block_m >= 16, num_warps=cfg.num_warps)
 

@@ -5,12 +5,19 @@ step. Tokens are grouped by slot through `sorted_token_ids` (an index, so x neve
 each slot's group is cut into tiles of `block_m` tokens for the Triton kernels. The tile
 arrays have a length that depends only on (T, S, block_m), so a kernel grid built from them
 is fixed for a given batch size and can be captured in a CUDA graph.
+
+The grouping is planned on the host (the slots come from the scheduler, a host list) in NumPy
+and lands on the device in one copy: every int32 field is a view of one packed tensor,
+    packed = [token_slots T | sorted_token_ids T | slot_counts S | slot_starts S |
+              tile_slots NT | tile_starts NT | tile_lens NT]
+so refilling a captured meta in place (`make_lora_meta(..., out=meta)`) is one copy too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -19,6 +26,8 @@ from torch import Tensor
 DECODE_MAX_TOKENS = 256
 DECODE_BLOCK_M = 16
 PREFILL_BLOCK_M = 64
+FIELDS = ("token_slots", "sorted_token_ids", "slot_counts", "slot_starts", "tile_slots",
+          "tile_starts", "tile_lens")
 
 
 def tile_m_for(num_tokens: int) -> int:
@@ -31,6 +40,20 @@ def num_tiles_bound(num_tokens: int, num_slots: int, block_m: int) -> int:
     at most min(S, T) counts are non-zero and they sum to at most T."""
     busy = min(num_slots, num_tokens)
     return -(-(num_tokens + busy * (block_m - 1)) // block_m)
+
+
+def _lengths(T: int, S: int, NT: int) -> tuple[int, ...]:
+    return (T, T, S, S, NT, NT, NT)
+
+
+def _views(packed, T: int, S: int, NT: int) -> list:
+    """The seven fields of `packed` (an array or a tensor), by slicing: np.split and
+    torch.split cost more than the planning itself at decode sizes."""
+    views, start = [], 0
+    for n in _lengths(T, S, NT):
+        views.append(packed[start:start + n])
+        start += n
+    return views
 
 
 @dataclass(slots=True)
@@ -49,81 +72,85 @@ class LoRAMeta:
     tile_slots: Tensor         # [NT] int32: slot of each tile, -1 = empty tile (program exits)
     tile_starts: Tensor        # [NT] int32: offset of the tile's first token in sorted_token_ids
     tile_lens: Tensor          # [NT] int32: tokens in the tile, 1..block_m (0 when empty)
+    packed: Tensor             # [2T + 2S + 3NT] int32: the storage of every field above
 
     @property
     def num_tokens(self) -> int:
         return self.token_slots.shape[0]
 
+    @classmethod
+    def empty(cls, num_tokens: int, num_slots: int, device: torch.device | str = "cpu",
+              block_m: int | None = None) -> LoRAMeta:
+        """A meta of T tokens, all without an adapter: the static buffers a CUDA graph reads,
+        refilled each step by make_lora_meta(..., out=meta)."""
+        return make_lora_meta([-1] * num_tokens, num_slots, block_m=block_m, device=device)
+
     def copy_(self, other: LoRAMeta) -> LoRAMeta:
         """Copy `other` into this meta's tensors in place (static buffers of a CUDA graph)."""
-        assert other.num_slots == self.num_slots and other.block_m == self.block_m, (
+        assert (other.num_slots, other.block_m) == (self.num_slots, self.block_m), (
             "a captured meta can only take a step with the same pool size and tile size")
-        for name in ("token_slots", "sorted_token_ids", "slot_counts", "slot_starts",
-                     "tile_slots", "tile_starts", "tile_lens"):
-            dst, src = getattr(self, name), getattr(other, name)
-            assert dst.shape == src.shape, f"{name}: captured {tuple(dst.shape)}, got {tuple(src.shape)}"
-            dst.copy_(src, non_blocking=True)
+        assert other.packed.shape == self.packed.shape, (
+            f"captured {self.num_tokens} tokens, got {other.num_tokens}")
+        self.packed.copy_(other.packed, non_blocking=True)
         self.max_tokens_per_slot = other.max_tokens_per_slot
         self.has_lora = other.has_lora
         self.segments = other.segments
         return self
 
 
-def make_lora_meta(token_slots: Tensor, num_slots: int, *, block_m: int | None = None) -> LoRAMeta:
-    """Group tokens by adapter slot. token_slots: [T] int (any device), values in [-1, S).
-
-    One device-to-host copy (the slot counts) fills the CPU-side fields.
-    """
-    assert token_slots.dim() == 1, f"token_slots must be [T], got shape {tuple(token_slots.shape)}"
+def make_lora_meta(token_slots: Tensor | list[int] | np.ndarray, num_slots: int, *,
+                   block_m: int | None = None, device: torch.device | str | None = None,
+                   out: LoRAMeta | None = None) -> LoRAMeta:
+    """Group tokens by adapter slot. token_slots: [T] int (a tensor, list or array), values in
+    [-1, S). The meta lands on `device` (default: the tensor's, else the CPU); with `out`, in
+    `out`'s tensors (same T, S and block_m), which is returned."""
+    if isinstance(token_slots, Tensor):
+        assert token_slots.dim() == 1, f"token_slots must be [T], got shape {tuple(token_slots.shape)}"
+        device = token_slots.device if device is None else device
+        token_slots = token_slots.cpu().numpy()
+    slots = np.asarray(token_slots, dtype=np.int64)
+    assert slots.ndim == 1, f"token_slots must be [T], got shape {slots.shape}"
     assert num_slots >= 1, f"num_slots must be >= 1, got {num_slots}"
-    S, T, device = num_slots, token_slots.shape[0], token_slots.device
+    S, T = num_slots, slots.shape[0]
     block_m = tile_m_for(T) if block_m is None else block_m
     assert block_m >= 1 and block_m & (block_m - 1) == 0, f"block_m must be a power of 2, got {block_m}"
+    if T and (slots.min() < -1 or slots.max() >= S):
+        bad = (slots < -1) | (slots >= S)
+        raise ValueError(f"token_slots holds slots {np.unique(slots[bad])[:8].tolist()} outside "
+                         f"[-1, {S}); the adapter pool has {S} slots")
 
-    slots = token_slots.to(torch.int64)
-    bad = (slots < -1) | (slots >= S)
-    key = torch.where(slots == -1, S, slots)                      # [T] -1 sorts after every slot
-    key = torch.where(bad, S + 1, key)
-    sorted_ids = torch.sort(key, stable=True).indices             # [T]
-    counts_all = torch.bincount(key, minlength=S + 2)             # [S+2]: slots, none, invalid
-    counts = counts_all[:S]                                       # [S]
-    starts = torch.cumsum(counts, 0) - counts                     # [S] exclusive prefix sum
-
-    counts_cpu = counts_all.tolist()                              # the one sync
-    if counts_cpu[S + 1]:
-        bad_values = token_slots[bad].unique().tolist()[:8]
-        raise ValueError(f"token_slots holds slots {bad_values} outside [-1, {S}); "
-                         f"the adapter pool has {S} slots")
-    segments, start = [], 0
-    for slot, count in enumerate(counts_cpu[:S]):
-        if count:
-            segments.append((slot, start, count))
-        start += count
-
-    # Tile j belongs to the slot whose cumulative tile count first exceeds j.
+    key = np.where(slots == -1, S, slots)                         # [T] -1 sorts after every slot
+    counts = np.bincount(key, minlength=S + 1)[:S]                # [S]
+    starts = np.cumsum(counts) - counts                           # [S] exclusive prefix sum
     nt = num_tiles_bound(T, S, block_m)
-    tiles_per_slot = (counts + block_m - 1) // block_m            # [S]
-    tile_end = torch.cumsum(tiles_per_slot, 0)                    # [S] inclusive
-    j = torch.arange(nt, device=device)                           # [NT]
-    tile_slot = torch.searchsorted(tile_end, j, right=True)       # [NT] in [0, S]; S = empty
-    owner = tile_slot.clamp(max=S - 1)
-    local = j - (tile_end - tiles_per_slot)[owner]                # tile index within its slot
-    tile_start = starts[owner] + local * block_m
-    tile_len = (counts[owner] - local * block_m).clamp(0, block_m)
-    empty = tile_slot >= S
+    tiles = -(-counts // block_m)                                 # [S] tiles per slot
+    owner = np.repeat(np.arange(S), tiles)                        # [used] slot of each tile
+    local = np.arange(owner.shape[0]) - np.repeat(np.cumsum(tiles) - tiles, tiles)
 
-    i32 = torch.int32
-    return LoRAMeta(
-        token_slots=token_slots.to(i32, copy=True),          # never aliases the caller's buffer
-        sorted_token_ids=sorted_ids.to(i32),
-        slot_counts=counts.to(i32),
-        slot_starts=starts.to(i32),
-        num_slots=S,
-        max_tokens_per_slot=max(counts_cpu[:S], default=0),
-        has_lora=bool(segments),
-        segments=tuple(segments),
-        block_m=block_m,
-        tile_slots=torch.where(empty, -1, tile_slot).to(i32),
-        tile_starts=torch.where(empty, 0, tile_start).to(i32),
-        tile_lens=torch.where(empty, 0, tile_len).to(i32),
-    )
+    packed = np.zeros(2 * T + 2 * S + 3 * nt, dtype=np.int32)
+    token, sorted_ids, cnt, st, tile_slot, tile_start, tile_len = _views(packed, T, S, nt)
+    token[:] = slots
+    sorted_ids[:] = np.argsort(key, kind="stable")
+    cnt[:], st[:] = counts, starts
+    used = owner.shape[0]
+    tile_slot[:used], tile_slot[used:] = owner, -1                # empty tiles: slot -1, len 0
+    tile_start[:used] = starts[owner] + local * block_m
+    tile_len[:used] = np.minimum(counts[owner] - local * block_m, block_m)
+
+    segments = tuple((int(s), int(starts[s]), int(counts[s])) for s in np.flatnonzero(counts))
+    host = torch.from_numpy(packed)
+    if out is not None:
+        assert (out.num_slots, out.block_m, out.num_tokens) == (S, block_m, T), (
+            f"out holds {out.num_tokens} tokens x {out.num_slots} slots (tiles of "
+            f"{out.block_m}); got {T} x {S} ({block_m})")
+        out.packed.copy_(host, non_blocking=True)
+        out.max_tokens_per_slot = int(counts.max(initial=0))
+        out.has_lora, out.segments = bool(segments), segments
+        return out
+    device = torch.device("cpu") if device is None else torch.device(device)
+    # A fresh array: on the CPU the meta may own it; elsewhere one host-to-device copy.
+    stored = host if device.type == "cpu" else host.to(device)
+    views = _views(stored, T, S, nt)
+    return LoRAMeta(**dict(zip(FIELDS, views, strict=True)), num_slots=S,
+                    max_tokens_per_slot=int(counts.max(initial=0)), has_lora=bool(segments),
+                    segments=segments, block_m=block_m, packed=stored)

@@ -25,11 +25,10 @@ padding rows are wasted FLOPs, but decode attention is memory-bound). Why (seq, 
 (seq, q_head) as vLLM's v1 kernel: with G = 4 (Llama-3-8B) a per-query-head grid reads every
 K/V byte four times. Why a split axis: B * n_kv_heads is small (8 programs per sequence for
 Llama-3-8B), so at small batches and long contexts the GPU would idle; flash-decoding splits each
-sequence's context into NUM_SPLITS contiguous ranges of whole tiles, computed in the kernel from
-that sequence's own length (split s of a context of n tiles covers tiles
-[s * ceil(n / S), (s + 1) * ceil(n / S))): a fixed count, not vLLM v2's fixed partition size,
-so the grid does not grow with the longest context. Splits past a short context exit at once and
-leave an empty partial (m = -inf, l = 0). `decode_config` picks NUM_SPLITS from the batch size,
+sequence's context into NUM_SPLITS interleaved sets of whole tiles (split s of n tiles takes
+tiles s, s + S, ... < n: no division by the runtime split count, which ptxas makes a call; the
+KV blocks are scattered anyway): a fixed count, not vLLM v2's fixed partition size, so the grid
+does not grow with the longest context. Splits past a short context leave an empty partial. `decode_config` picks NUM_SPLITS from the batch size,
 kv heads and SM count (a named rule, `num_splits_for`).
 
 Softmax: online, in fp32, in the log2 domain (scores scaled by scale * log2(e), exp2). Each
@@ -67,27 +66,32 @@ DECODE_TARGET_PROGRAMS = 1024
 MAX_SPLITS = 32
 
 
-@triton.jit
+# Per-step arguments (the tables' width and offset in the engine's packed buffer, the split
+# count) are never specialized: one binary per head shape serves every step.
+DECODE_RUNTIME_ARGS = ("tables_ptr", "stride_tb", "num_splits")
+REDUCE_RUNTIME_ARGS = ("num_splits",)
+
+
+@triton.jit(do_not_specialize=DECODE_RUNTIME_ARGS)
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_ptr,
                    part_acc_ptr, part_m_ptr, part_l_ptr, scale_log2,
                    stride_qb, stride_qh, stride_cb, stride_ct, stride_ch, stride_tb,
-                   stride_ob, stride_oh,
+                   stride_ob, stride_oh, num_splits,
                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, CAST_FP32: tl.constexpr, PRECISION: tl.constexpr):
+                   SPLIT: tl.constexpr, CAST_FP32: tl.constexpr, PRECISION: tl.constexpr):
     """The G query heads of kv head `kvh` of sequence `b` over split `split` of its context.
 
     q: [B, n_heads, D]   k_cache, v_cache: [N, block_size, n_kv, D] (q.dtype, same strides)
-    tables: [B, W] int32   lens: [B] int32   out: [B, n_heads, D] (q.dtype), NUM_SPLITS == 1
-    part_acc: [B, n_heads, NUM_SPLITS, D] fp32   part_m, part_l: [B, n_heads, NUM_SPLITS] fp32
+    tables: [B, W] int32   lens: [B] int32   out: [B, n_heads, D] (q.dtype), num_splits == 1
+    part_acc: [B, n_heads, num_splits, D] fp32   part_m, part_l: [B, n_heads, num_splits] fp32
+    SPLIT: num_splits > 1 (then the partials are written, for the reduce kernel)
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(lens_ptr + b)
-    tiles_per_split = tl.cdiv(tl.cdiv(ctx, BLOCK_N), NUM_SPLITS)
-    lo = split * tiles_per_split * BLOCK_N
-    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, ctx)
+    num_tiles = tl.cdiv(ctx, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_H)
     g_mask = offs_g < GROUP
@@ -105,9 +109,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):  # every tile holds >= 1 token of the context
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
+    for tile in range(split, num_tiles, num_splits):  # every tile holds >= 1 context token
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < ctx
         block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         row = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + head_offset  # [BN]
         kv_mask = n_mask[:, None] & d_mask[None, :]
@@ -127,31 +131,31 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)   # [BH, BD]
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
                  + offs_d[None, :], result.to(out_ptr.dtype.element_ty), mask=hd_mask)
     else:
-        row_s = (b.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * NUM_SPLITS + split  # [BH]
+        row_s = (b.to(tl.int64) * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [BH]
         tl.store(part_acc_ptr + row_s[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=hd_mask)
         tl.store(part_m_ptr + row_s, m_i, mask=g_mask)
         tl.store(part_l_ptr + row_s, l_i, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=REDUCE_RUNTIME_ARGS)
 def _reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, stride_oh,
-                   HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                   num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
                    BLOCK_D: tl.constexpr):
     """out[b, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits of (b, h).
 
-    part_acc: [B, n_heads, NUM_SPLITS, D] fp32   part_m, part_l: [B, n_heads, NUM_SPLITS] fp32
+    part_acc: [B, n_heads, num_splits, D] fp32   part_m, part_l: [B, n_heads, num_splits] fp32
     out: [B, n_heads, D]
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
-    row = (b.to(tl.int64) * tl.num_programs(1) + h) * NUM_SPLITS
+    row = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
     offs_s = tl.arange(0, BLOCK_S)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     m_s = tl.load(part_m_ptr + row + offs_s, mask=s_mask, other=float("-inf"))  # [BS]
@@ -253,15 +257,15 @@ def paged_attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     _decode_kernel[decode_grid(B, n_kv, cfg)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l,
         scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), cfg.num_splits,
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=D,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-        NUM_SPLITS=cfg.num_splits, CAST_FP32=INTERPRET, PRECISION=_precision(q.dtype),
+        SPLIT=split, CAST_FP32=INTERPRET, PRECISION=_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split:
         _reduce_kernel[(B, n_heads)](
-            part_acc, part_m, part_l, out, out.stride(0), out.stride(1), HEAD_DIM=D,
-            NUM_SPLITS=cfg.num_splits, BLOCK_S=max(2, triton.next_power_of_2(cfg.num_splits)),
+            part_acc, part_m, part_l, out, out.stride(0), out.stride(1), cfg.num_splits,
+            HEAD_DIM=D, BLOCK_S=max(2, triton.next_power_of_2(cfg.num_splits)),
             BLOCK_D=block_d, num_warps=4)
     return out
 

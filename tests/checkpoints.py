@@ -33,6 +33,9 @@ Other architecture-specific keys: qwen2 has q/k/v biases in the weights ("attent
 not a Qwen2 config key) and "use_sliding_window": false, "sliding_window": null; qwen3 has
 "attention_bias": false and q_norm/k_norm weights; mistral has "sliding_window": null (as
 Mistral-7B-v0.2 and later).
+
+`with_weight(src_dir, out_dir, name, index, value)` copies a checkpoint with one weight changed
+(past float16's range, NaN), for the loader's checks.
 """
 
 from __future__ import annotations
@@ -98,6 +101,22 @@ def make_tiny_checkpoint(out_dir: str, arch: str, *, sharded: bool = False,
         _write_json(os.path.join(out_dir, "config.json"), hub)
     transformers.GenerationConfig(bos_token_id=bos, eos_token_id=[im_end, eot], pad_token_id=eot,
                                   do_sample=False).save_pretrained(out_dir)
+    return out_dir
+
+
+def with_weight(src_dir: str, out_dir: str, name: str, index: tuple[int, ...],
+                value: float) -> str:
+    """A copy of the single-file checkpoint `src_dir` in out_dir, with element `index` of tensor
+    `name` set to `value` (1e5: past float16's range; nan); returns out_dir."""
+    import shutil
+
+    import safetensors.torch
+
+    shutil.copytree(src_dir, out_dir, dirs_exist_ok=True)
+    path = os.path.join(out_dir, "model.safetensors")
+    weights = safetensors.torch.load_file(path)
+    weights[name][index] = value
+    safetensors.torch.save_file(weights, path, metadata={"format": "pt"})
     return out_dir
 
 

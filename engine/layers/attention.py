@@ -40,8 +40,8 @@ class PagedAttention(nn.Module):
         num_blocks, block_size = self.k_cache.shape[:2]
         k_flat = self.k_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
         v_flat = self.v_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
-        k_flat[meta.slot_mapping] = k
-        v_flat[meta.slot_mapping] = v
+        k_flat.index_copy_(0, meta.slot_mapping, k)  # no host sync: a CUDA graph captures it
+        v_flat.index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty_like(q)
         decoded = meta.num_decode_tokens

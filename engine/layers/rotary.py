@@ -51,25 +51,32 @@ def inverse_frequencies(head_dim: int, params: dict, max_position_embeddings: in
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, hf_config: dict):
         super().__init__()
-        max_positions = hf_config.get("max_position_embeddings", 4096)
         self.head_dim = head_dim
-        self.inv_freq = inverse_frequencies(head_dim, rope_parameters(hf_config), max_positions)
-        self.cos: torch.Tensor | None = None  # [P, head_dim], built lazily on the model's device
-        self.sin: torch.Tensor | None = None
+        self.max_positions = hf_config.get("max_position_embeddings", 4096)
+        self.inv_freq = inverse_frequencies(head_dim, rope_parameters(hf_config), self.max_positions)
+        # (device, dtype, cos, sin) with cos, sin: [max_positions, head_dim], built on first use
+        self._table: tuple[torch.device, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
-    def _build(self, num_positions: int, device: torch.device) -> None:
-        positions = torch.arange(num_positions, device=device, dtype=torch.float)
+    def reserve(self, num_positions: int) -> None:
+        """Positions the table must cover (the engine's max_model_len): built once, so a step
+        never checks its positions on the host (a sync, and no CUDA graph could replay it)."""
+        if num_positions > self.max_positions:
+            self.max_positions, self._table = num_positions, None
+
+    def _build(self, device: torch.device, dtype: torch.dtype) -> None:
+        positions = torch.arange(self.max_positions, device=device, dtype=torch.float)
         freqs = positions[:, None] * self.inv_freq.to(device)[None, :]  # [P, head_dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos(), emb.sin()
+        # Computed in float32 and cast once, as Hugging Face casts them per call.
+        self._table = (device, dtype, emb.cos().to(dtype), emb.sin().to(dtype))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos, sin for these positions: [T, 1, head_dim] each, computed once per step."""
-        needed = int(positions.max()) + 1 if positions.numel() else 1
-        if self.cos is None or self.cos.shape[0] < needed or self.cos.device != positions.device:
-            current = 0 if self.cos is None else self.cos.shape[0]
-            self._build(max(needed, 2 * current, 4096), positions.device)
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        """cos, sin for these positions (each < max_positions): [T, 1, head_dim] each."""
+        table = self._table
+        if table is None or table[0] != positions.device or table[1] != dtype:
+            self._build(positions.device, dtype)
+            table = self._table
+        return table[2][positions][:, None, :], table[3][positions][:, None, :]
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

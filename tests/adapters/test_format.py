@@ -529,3 +529,21 @@ def test_rank_must_match_config(made, spec):
 def test_layers_outside_layers_to_transform_are_refused(made, spec):
     with pytest.raises(AdapterError, match="does not target .* layers_to_transform=\\(1,\\)"):
         _edit(made, spec, lambda t: None, {"layers_to_transform": [1]})
+
+
+def test_weights_past_the_served_dtype_are_refused(made, spec):
+    """Under --dtype float16 a LoRA weight past 65504 would be served as inf: refused, naming
+    the tensor and the dtypes that hold it; the same file loads for a bfloat16 server."""
+    import dataclasses
+
+    config, weights = files(made)
+    t = tensors_of(weights)
+    key = next(k for k in t if k.endswith("lora_B.weight"))
+    t[key][0, 0] = 1e5
+    big = safetensors.torch.save(t)
+    half = dataclasses.replace(spec, dtype="float16")
+    with pytest.raises(AdapterError, match=r"values up to 1e\+05 in magnitude, past float16's "
+                                           r"largest \(65504\).*--dtype bfloat16 or --dtype float32"):
+        load_adapter_bytes(config, big, half)
+    adapter = load_adapter_bytes(config, big, dataclasses.replace(spec, dtype="bfloat16"))
+    assert max(m.lora_b.abs().max().item() for m in adapter.modules.values()) == 1e5

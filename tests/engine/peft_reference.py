@@ -1,6 +1,7 @@
 """PEFT (and transformers) as the reference for the engine's parity tests: a tiny random Llama,
-adapters made and saved by PEFT itself, PEFT's greedy tokens per request (float32, CPU), and
-`World`, which puts them together for a test module.
+adapters made and saved by PEFT itself, PEFT's greedy tokens per request (float32, CPU), its
+logits over given tokens in any dtype (`World.peft_logits`), and `World`, which puts them
+together for a test module.
 
 Heavy imports (transformers, peft, the engine) stay inside the functions.
 """
@@ -8,6 +9,7 @@ Heavy imports (transformers, peft, the engine) stay inside the functions.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -67,6 +69,17 @@ def save_peft_adapters(base: str, out_dir: str, specs: dict[str, dict], seed: in
     return {name: os.path.join(out_dir, name) for name in specs}
 
 
+@contextmanager
+def active(model, adapter: str | None):
+    """`model` (a PeftModel) answering as `adapter`, or as the base model (None)."""
+    if adapter is None:
+        with model.disable_adapter():
+            yield model
+    else:
+        model.set_adapter(adapter)
+        yield model
+
+
 def peft_greedy(model, prompts: list[list[int]], adapters: list[str | None],
                 max_tokens: int = MAX_TOKENS) -> list[list[int]]:
     outputs = []
@@ -75,26 +88,36 @@ def peft_greedy(model, prompts: list[list[int]], adapters: list[str | None],
         # An explicit mask: without one, generate masks every prompt token equal to pad_token_id.
         kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                       do_sample=False, pad_token_id=0)
-        if adapter is None:
-            with model.disable_adapter():
-                out = model.generate(input_ids=ids, **kwargs)
-        else:
-            model.set_adapter(adapter)
+        with active(model, adapter):
             out = model.generate(input_ids=ids, **kwargs)
         outputs.append(out[0, len(prompt):].tolist())
     return outputs
 
 
-def load_peft(base: str, dirs: dict[str, str]):
+def peft_forced_logits(model, prompt: list[int], tokens: list[int],
+                       adapter: str | None) -> torch.Tensor:
+    """PEFT's logits behind each of `tokens` after `prompt`, from one forward over prompt +
+    tokens (teacher forcing): [len(tokens), V] float32, row j the logits that predict tokens[j]."""
+    ids = torch.tensor([prompt + tokens], device=model.device)
+    with active(model, adapter):
+        logits = model(input_ids=ids).logits[0]  # [P + N, V], the model's dtype
+    return logits[len(prompt) - 1:-1].float()
+
+
+def load_peft(base: str, dirs: dict[str, str], dtype: torch.dtype = torch.float32,
+              device: str = "cpu"):
+    """A PeftModel on `base` in `dtype` on `device` holding every adapter of `dirs` (name ->
+    dir). PEFT's default autocast_adapter_dtype keeps LoRA weights float32 on a bf16 / fp16
+    base."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
     names = list(dirs)
     model = PeftModel.from_pretrained(hf, dirs[names[0]], adapter_name=names[0])
     for name in names[1:]:
         model.load_adapter(dirs[name], adapter_name=name)
-    return model.eval()
+    return model.to(device).eval()
 
 
 def hf_greedy(path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -173,18 +196,24 @@ class World:
         g = torch.Generator().manual_seed(prompt_seed)
         self.prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist()
                         for n in LENGTHS[:len(self.requests)]]
-        self._ask_peft([{name: path} for name, path in self.dirs.items()] if apart
-                       else [self.dirs])
+        # The dirs each answering PeftModel loads.
+        self.oracles = ([{name: path} for name, path in self.dirs.items()] if apart
+                        else [self.dirs])
+        self._ask_peft()
 
-    def _ask_peft(self, oracles: list[dict[str, str]]) -> None:
-        """`expected` and `expected_base`, from one PeftModel per entry of `oracles` (the dirs it
-        loads); the base model's own requests go to the last one, its adapters disabled."""
+    def _oracle_rows(self, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        """Each PeftModel of `oracles`, in `dtype`, with the requests it answers (indices); the
+        base model's own requests go to the last one, its adapters disabled."""
+        for k, dirs in enumerate(self.oracles):
+            last = k == len(self.oracles) - 1
+            yield load_peft(self.base, dirs, dtype, device), [
+                i for i, a in enumerate(self.requests) if a in dirs or (last and a is None)]
+
+    def _ask_peft(self) -> None:
+        """`expected` and `expected_base`, from the PeftModels of `oracles`."""
         self.expected: list[list[int]] = [[] for _ in self.requests]
         self.expected_base: list[list[int]] = [[] for _ in self.requests]
-        for k, dirs in enumerate(oracles):
-            oracle = load_peft(self.base, dirs)
-            last = k == len(oracles) - 1
-            rows = [i for i, a in enumerate(self.requests) if a in dirs or (last and a is None)]
+        for oracle, rows in self._oracle_rows():
             prompts = [self.prompts[i] for i in rows]
             with torch.inference_mode():
                 tokens = peft_greedy(oracle, prompts, [self.requests[i] for i in rows])
@@ -194,6 +223,21 @@ class World:
         for want, plain, adapter in zip(self.expected, self.expected_base, self.requests,
                                         strict=True):
             assert (want != plain) == (adapter is not None), f"adapter {adapter} changes nothing"
+
+    def peft_logits(self, outputs: list[list[int]], dtype: torch.dtype,
+                    device: str = "cpu") -> list[torch.Tensor]:
+        """PEFT's logits behind every token of `outputs` (one token list per request, in
+        request order) after that request's prompt, teacher-forced (peft_forced_logits) by the
+        PeftModels of `oracles` in `dtype` on `device`: [len(outputs[i]), V] float32 per
+        request, on the CPU."""
+        logits: list[torch.Tensor] = [torch.empty(0)] * len(self.requests)
+        assert len(outputs) == len(self.requests), "one output per request"
+        for oracle, rows in self._oracle_rows(dtype, device):
+            with torch.inference_mode():
+                for i in rows:
+                    logits[i] = peft_forced_logits(oracle, self.prompts[i], outputs[i],
+                                                   self.requests[i]).cpu()
+        return logits
 
     def rows(self, adapter: str | None) -> list[int]:
         """The indices of the requests for `adapter` (None: the base model's)."""

@@ -1,0 +1,114 @@
+"""The tensors one forward pass reads, built by the model runner once per step.
+
+A decode-only step (every row one new token: the steady state of serving) is written into
+`DecodeBuffers`: host arrays preallocated for `max_num_seqs` rows and filled in place, copied
+to their device twins in two copies (none on the CPU, where host and device are one tensor).
+The forward pass reads only views of those buffers and what it derives from them on the
+device, so the same code is what a CUDA graph captures and replays (engine/cuda_graphs.py).
+Steps with prefill rows build fresh tensors: they are compute-bound, and their shapes vary.
+
+Decode buffers, N = max_num_seqs rows, W = blocks of a max_model_len sequence:
+    ids64   [3, N] int64: token id, position, KV slot of each row
+    ids32   [N + N * W] int32: context length of each row, then the block tables, packed as
+            [rows, width] (width: the step's longest table, or W under a graph)
+Rows past a step's own (graph padding) decode one dummy token into the padding block, a KV
+block the block manager never hands out, so they never touch a sequence's cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.cuda_graphs import GraphKey
+from engine.forward_context import AttentionMetadata, LoRAStep
+from engine.scheduler import LogitRows
+from engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class DecodeViews:
+    """Views of DecodeBuffers for one decode-only step of `rows` rows (`real` of them a
+    sequence's, the rest graph padding)."""
+
+    input_ids: Tensor  # [rows] int64
+    positions: Tensor  # [rows] int64
+    slot_mapping: Tensor  # [rows] int64
+    context_lens: Tensor  # [rows] int32: tokens in cache after this step
+    block_tables: Tensor  # [rows, width] int32, padded with 0 (never read)
+    real: int
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: Tensor  # [T] int64
+    positions: Tensor  # [T] int64
+    attn: AttentionMetadata | None  # None when a graph derives it from `decode` on replay
+    lora: LoRAStep | None
+    logits: LogitRows  # ScheduledBatch.logit_rows
+    decode: DecodeViews | None = None  # a decode-only step: what attn is derived from
+    graph: GraphKey | None = None  # the CUDA graph that runs the step, if one does
+
+
+def decode_metadata(views: DecodeViews, attention_backend: str, block_size: int) -> AttentionMetadata:
+    """The attention metadata of a decode-only step, derived on the device from its buffers
+    (no host data: a captured graph recomputes it on replay)."""
+    rows, width = views.block_tables.shape
+    block_ids = mask = None
+    if attention_backend == "torch":  # the batched SDPA path gathers whole blocks under a mask
+        block_ids = views.block_tables.reshape(-1).long()  # [rows * width]
+        positions = torch.arange(width * block_size, device=block_ids.device)  # [L]
+        mask = (positions[None, :] < views.context_lens[:, None])[:, None, None, :]  # [rows, 1, 1, L]
+    return AttentionMetadata(
+        slot_mapping=views.slot_mapping, num_decode_tokens=rows,
+        decode_block_tables=views.block_tables, decode_context_lens=views.context_lens,
+        decode_block_ids=block_ids, decode_mask=mask, prefill_query_starts=[],
+        prefill_query_lens=[], prefill_context_lens=[], prefill_block_tables=[])
+
+
+class DecodeBuffers:
+    def __init__(self, max_rows: int, max_blocks: int, block_size: int, pad_block: int,
+                 device: torch.device):
+        self.max_rows, self.max_blocks, self.block_size = max_rows, max_blocks, block_size
+        self.pad_block = pad_block
+        pinned = device.type == "cuda"  # so the copies run asynchronously
+        self.host64 = torch.zeros(3, max_rows, dtype=torch.int64, pin_memory=pinned)
+        self.host32 = torch.zeros(max_rows * (1 + max_blocks), dtype=torch.int32, pin_memory=pinned)
+        self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
+        same = device.type == "cpu"
+        self.dev64 = self.host64 if same else torch.zeros_like(self.host64, device=device)
+        self.dev32 = self.host32 if same else torch.zeros_like(self.host32, device=device)
+
+    def fill(self, seqs: list[Sequence], rows: int, width: int | None = None) -> DecodeViews:
+        """Write the decode rows of `seqs` (one new token each), padded to `rows` rows, with
+        block tables `width` wide (default: the longest table). Returns the device views."""
+        real, size, N = len(seqs), self.block_size, self.max_rows
+        assert real <= rows <= N, f"{real} sequences in a step of {rows} rows (at most {N})"
+        tables = [seq.block_table for seq in seqs]
+        width = width or max(len(t) for t in tables)
+        ids, positions, slots, lens, flat = [], [], [], [], []
+        for seq, table in zip(seqs, tables):
+            pos = seq.num_computed_tokens
+            ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(table[pos // size] * size + pos % size)
+            lens.append(pos + 1)
+            flat += table
+            flat += [0] * (width - len(table))
+        pad = rows - real
+        ids += [0] * pad
+        positions += [0] * pad
+        slots += [self.pad_block * size] * pad
+        lens += [1] * pad
+        flat += ([self.pad_block] + [0] * (width - 1)) * pad
+        self.np64[0, :rows], self.np64[1, :rows], self.np64[2, :rows] = ids, positions, slots
+        self.np32[:rows] = lens
+        self.np32[N:N + rows * width] = flat
+        if self.dev64 is not self.host64:
+            self.dev64[:, :rows].copy_(self.host64[:, :rows], non_blocking=True)
+            self.dev32[:N + rows * width].copy_(self.host32[:N + rows * width], non_blocking=True)
+        return DecodeViews(self.dev64[0, :rows], self.dev64[1, :rows], self.dev64[2, :rows],
+                           self.dev32[:rows], self.dev32[N:N + rows * width].view(rows, width),
+                           real)

@@ -1,0 +1,260 @@
+"""Every Triton kernel binary the engine can launch for the shipped model shapes, as data.
+
+A variant is what Triton compiles one binary for: the kernel, each argument's type (pointers
+and scalars; an int equal to 1 becomes a constexpr), which arguments Triton marks 16-divisible
+(tt.divisibility), the constexprs, num_warps and num_stages. The builders mirror the launch
+sites in kernels/lora_triton.py and kernels/paged_attention.py argument for argument, with the
+block configs from their own shrink_config / expand_config / decode_config (interpret=False:
+the GPU configs). kernels/aot_compile.py compiles each for sm_80 / sm_90 without a GPU;
+tests/kernels/test_compile_targets.py intercepts the real launches and checks them against
+these builders, so the list cannot drift from the code.
+
+    variants = all_variants()        # every distinct binary (x 2 targets; cached after one run)
+
+Only classes of values reach a binary: an int is 1 (a constexpr), a multiple of 16 (aligned)
+or neither, so the model widths collapse onto a few variants. The arguments whose class would
+change from step to step (tokens T, slots S, the LoRAMeta fields and block tables, which are
+views at offsets into one packed int32 buffer, the table width W, the split counts) are
+`do_not_specialize` in the kernels themselves (runtime_args): one binary serves every step,
+and the list needs no "== 1" or aligned copies of them.
+Importing this module does not import Triton (compile workers must import it themselves).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("fp16", "bf16")
+RANKS = (8, 16, 32, 64, 128, 256)    # --max-lora-rank: the pool's R
+KV_BLOCK_SIZE = 16                   # --block-size (default): a constexpr of the decode kernel
+MAX_BATCH = 1024                     # decode batches enumerated for decode_config's split count
+ArgValue = str | int | float | None  # "*bf16" pointer | int (None: neither 1 nor aligned) | float
+# The kernel modules own which arguments are never specialized (their do_not_specialize).
+_RUNTIME_LISTS = {"_shrink_kernel": ("kernels.lora_triton", "SHRINK_RUNTIME_ARGS"),
+                  "_expand_kernel": ("kernels.lora_triton", "EXPAND_RUNTIME_ARGS"),
+                  "_decode_kernel": ("kernels.paged_attention", "DECODE_RUNTIME_ARGS"),
+                  "_reduce_kernel": ("kernels.paged_attention", "REDUCE_RUNTIME_ARGS")}
+
+
+def runtime_args(kernel: str) -> frozenset[str]:
+    """The arguments of `kernel` Triton never specializes (imports the kernel's module)."""
+    import importlib
+
+    module, name = _RUNTIME_LISTS[kernel]
+    return frozenset(getattr(importlib.import_module(module), name))
+
+
+_LABEL_SKIP = {"CAST_FP32", "PRECISION", "USE_DOT", "BLOCK_SIZE", "stride_xh", "stride_oo"}
+
+
+@dataclass(frozen=True)
+class Projection:
+    name: str
+    hidden: int                # input features H
+    widths: tuple[int, ...]    # output slices (n_slices = len)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    projections: tuple[Projection, ...]
+    attention: tuple[int, int, int]   # (n_heads, n_kv_heads, head_dim) as one GPU sees them
+
+
+def _llama_like(name: str, hidden: int, q: int, kv: int, inter: int, row_in: int, vocab: int,
+                heads: tuple[int, int, int]) -> ModelShape:
+    """embed_tokens' LoRA is an expand of width `hidden` over one slice: o_proj's variant."""
+    return ModelShape(name, (
+        Projection("qkv_proj", hidden, (q, kv, kv)),
+        Projection("o_proj", row_in, (hidden,)),
+        Projection("gate_up_proj", hidden, (inter, inter)),
+        Projection("down_proj", inter, (hidden,)),
+        Projection("lm_head", hidden, (vocab,)),
+    ), heads)
+
+
+SHIPPED_MODELS = (
+    _llama_like("Llama-3-8B", 4096, 4096, 1024, 14336, 4096, 128256, (32, 8, 128)),
+    _llama_like("Qwen2.5-7B", 3584, 3584, 512, 18944, 3584, 152064, (28, 4, 128)),
+    # tp=8 shard: column-parallel outputs and row-parallel inputs divided by 8.
+    _llama_like("Llama-3-70B tp8", 8192, 1024, 128, 3584, 1024, 16032, (8, 1, 128)),
+    _llama_like("Qwen2.5-1.5B (helm default)", 1536, 1536, 256, 8960, 1536, 151936, (12, 2, 128)),
+)
+# Decode attention beyond the shipped models: (n_heads, n_kv_heads, head_dim), GQA 1..8.
+ATTENTION_GRID = tuple((8 * g, 8, d) for d in (64, 128) for g in range(1, 9))
+
+
+@dataclass(frozen=True)
+class Variant:
+    kernel: str                                 # function name in kernels.lora_triton / paged_attention
+    signature: tuple[tuple[str, str], ...]      # (arg, "*bf16" | "i32" | "fp32" | "constexpr")
+    constexprs: tuple[tuple[str, object], ...]  # (arg, value), ints specialized to 1 included
+    aligned: tuple[str, ...]                    # args Triton marks tt.divisibility=16
+    num_warps: int
+    num_stages: int | None                      # None: the launch passes none (backend default)
+
+    @property
+    def label(self) -> str:
+        """Kernel, dtype, the constexprs that vary, and fixed ints that are not 16-aligned."""
+        parts = [self.kernel.strip("_").removesuffix("_kernel"), self.dtype]
+        parts += [f"{k}={v}" for k, v in self.constexprs if k not in _LABEL_SKIP]
+        runtime = runtime_args(self.kernel)
+        parts += [f"{name}%16!=0" for name, ty in self.signature if ty == "i32"
+                  and name not in self.aligned and name not in runtime]
+        return " ".join(parts)
+
+    @property
+    def family(self) -> str:
+        """Kernel and tile kind: what a summary row groups."""
+        consts = dict(self.constexprs)
+        kind = {16: " decode tiles", 64: " prefill tiles"}.get(consts.get("BLOCK_M"), "")
+        return f"{self.kernel.strip('_').removesuffix('_kernel')}{kind} {self.dtype}"
+
+    @property
+    def dtype(self) -> str:
+        """The activation dtype: the element type of x (shrink) or out (the others)."""
+        args = dict(self.signature)
+        return args.get("out_ptr", args.get("x_ptr", "")).removeprefix("*")
+
+
+def specialize(kernel: str, args: dict[str, ArgValue], constexprs: dict[str, object],
+               num_warps: int, num_stages: int | None = None) -> Variant:
+    """A launch's variant, by Triton's rules: pointers (torch allocations, 16-byte aligned) and
+    ints divisible by 16 are marked aligned, an int equal to 1 is a constexpr, floats are fp32;
+    the kernel's runtime_args are none of these (their values do not matter here)."""
+    runtime = runtime_args(kernel)
+    signature, aligned, consts = [], [], dict(constexprs)
+    for name, value in args.items():
+        if isinstance(value, str):
+            signature.append((name, value))
+            if name not in runtime:
+                aligned.append(name)
+        elif isinstance(value, float):
+            signature.append((name, "fp32"))
+        elif name in runtime:
+            signature.append((name, "i32"))
+        elif value == 1:
+            signature.append((name, "constexpr"))
+            consts[name] = 1
+        else:
+            signature.append((name, "i32"))
+            if value is not None and value % 16 == 0:
+                aligned.append(name)
+    signature += [(name, "constexpr") for name in constexprs]
+    return Variant(kernel, tuple(signature), tuple(consts.items()), tuple(aligned), num_warps,
+                   num_stages)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def shrink_variant(dtype: str, hidden: int, rank: int, block_m: int, cfg) -> Variant:
+    """lora_triton.lora_shrink's launch. x: [T, H] contiguous   lora_a: [n, S, R, H]"""
+    p = f"*{dtype}"
+    args = dict(x_ptr=p, a_ptr=p, y_ptr="*fp32", ranks_ptr="*i32", sorted_ids_ptr="*i32",
+                tile_slots_ptr="*i32", tile_starts_ptr="*i32", tile_lens_ptr="*i32",
+                T=None, H=hidden, S=None, R=rank, stride_xt=hidden, stride_xh=1,
+                split_k=cfg.split_k)
+    consts = dict(BLOCK_M=block_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
+                  ATOMIC=cfg.split_k > 1,
+                  NUM_R_BLOCKS=_cdiv(rank, cfg.block_r), CAST_FP32=False, PRECISION="tf32",
+                  USE_DOT=block_m >= 16)
+    return specialize("_shrink_kernel", args, consts, cfg.num_warps)
+
+
+def expand_variant(dtype: str, out_width: int, rank: int, block_m: int, cfg) -> Variant:
+    """lora_triton.lora_expand's launch. out: [T, O] contiguous   lora_b: [S, O, R]"""
+    p = f"*{dtype}"
+    args = dict(y_ptr="*fp32", b_ptr=p, out_ptr=p, ranks_ptr="*i32", scales_ptr="*fp32",
+                offsets_ptr="*i32", sorted_ids_ptr="*i32", tile_slots_ptr="*i32",
+                tile_starts_ptr="*i32", tile_lens_ptr="*i32", T=None, S=None, R=rank,
+                O_total=out_width, stride_ot=out_width, stride_oo=1)
+    consts = dict(BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, PRECISION="tf32",
+                  USE_DOT=block_m >= 16)
+    return specialize("_expand_kernel", args, consts, cfg.num_warps)
+
+
+def decode_variants(dtype: str, n_heads: int, n_kv: int, head_dim: int, block_size: int,
+                    cfg) -> list[Variant]:
+    """paged_attention_decode's launches: the decode kernel, and the reduce when it splits.
+    q, out: [B, n_heads, D] (rows may be strided: q is a view of qkv)   caches: [N, block_size,
+    n_kv, D]   tables: [B, W]. Every stride but W is a multiple of 16 for the shipped shapes."""
+    p, group, block_d = f"*{dtype}", n_heads // n_kv, max(16, _pow2_at_least(head_dim))
+    args = dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, tables_ptr="*i32", lens_ptr="*i32",
+                out_ptr=p, part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32",
+                scale_log2=0.5, stride_qb=n_heads * head_dim, stride_qh=head_dim,
+                stride_cb=block_size * n_kv * head_dim, stride_ct=n_kv * head_dim,
+                stride_ch=head_dim, stride_tb=None, stride_ob=n_heads * head_dim,
+                stride_oh=head_dim, num_splits=cfg.num_splits)
+    consts = dict(GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+                  BLOCK_H=max(16, _pow2_at_least(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+                  SPLIT=cfg.num_splits > 1, CAST_FP32=False, PRECISION="tf32")
+    out = [specialize("_decode_kernel", args, consts, cfg.num_warps, cfg.num_stages)]
+    if cfg.num_splits > 1:
+        args = dict(part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", out_ptr=p,
+                    stride_ob=n_heads * head_dim, stride_oh=head_dim, num_splits=cfg.num_splits)
+        consts = dict(HEAD_DIM=head_dim,
+                      BLOCK_S=max(2, _pow2_at_least(cfg.num_splits)), BLOCK_D=block_d)
+        out.append(specialize("_reduce_kernel", args, consts, 4))
+    return out
+
+
+def tile_counts(block_m: int) -> range:
+    """Tile counts NT a step with this tile size can have (meta.num_tiles_bound): decode-sized
+    steps (<= DECODE_MAX_TOKENS tokens) use DECODE_BLOCK_M; past SHRINK_TARGET_PROGRAMS tiles
+    shrink_config no longer splits K, so larger counts add no variant."""
+    from kernels.lora_triton import SHRINK_TARGET_PROGRAMS
+    from kernels.meta import DECODE_BLOCK_M, DECODE_MAX_TOKENS, PREFILL_BLOCK_M, num_tiles_bound
+
+    if block_m == DECODE_BLOCK_M:
+        return range(1, num_tiles_bound(DECODE_MAX_TOKENS, DECODE_MAX_TOKENS, block_m) + 1)
+    assert block_m == PREFILL_BLOCK_M, block_m
+    return range(num_tiles_bound(DECODE_MAX_TOKENS + 1, 1, block_m), SHRINK_TARGET_PROGRAMS + 1)
+
+
+def lora_variants(models=SHIPPED_MODELS, ranks=RANKS, dtypes=DTYPES) -> list[Variant]:
+    """Shrink and expand for every projection x rank x tile size x dtype, for every block
+    config shrink_config picks over the tile counts a step can have."""
+    from kernels.lora_triton import expand_config, shrink_config
+    from kernels.meta import DECODE_BLOCK_M, PREFILL_BLOCK_M
+
+    found: dict[Variant, None] = {}   # insertion-ordered set
+    for model in models:
+        for proj in model.projections:
+            n, width, out_width = len(proj.widths), max(proj.widths), sum(proj.widths)
+            for rank in ranks:
+                for block_m in (DECODE_BLOCK_M, PREFILL_BLOCK_M):
+                    shrinks = sorted({shrink_config(nt, n, rank, proj.hidden, block_m,
+                                                    interpret=False)
+                                      for nt in tile_counts(block_m)}, key=lambda c: c.split_k)
+                    expand = expand_config(width, rank, block_m, interpret=False)
+                    for dtype in dtypes:
+                        for cfg in shrinks:
+                            found[shrink_variant(dtype, proj.hidden, rank, block_m, cfg)] = None
+                        found[expand_variant(dtype, out_width, rank, block_m, expand)] = None
+    return list(found)
+
+
+def attention_variants(models=SHIPPED_MODELS, grid=ATTENTION_GRID, dtypes=DTYPES,
+                       block_size=KV_BLOCK_SIZE) -> list[Variant]:
+    """Decode (and reduce) for every head shape x block config decode_config picks x dtype."""
+    from kernels.paged_attention import decode_config
+
+    found: dict[Variant, None] = {}
+    for n_heads, n_kv, head_dim in (*grid, *(m.attention for m in models)):
+        configs = sorted({decode_config(batch, n_kv, head_dim, interpret=False)
+                          for batch in range(1, MAX_BATCH + 1)}, key=lambda c: c.num_splits)
+        for dtype in dtypes:
+            for cfg in configs:
+                for variant in decode_variants(dtype, n_heads, n_kv, head_dim, block_size, cfg):
+                    found[variant] = None
+    return list(found)
+
+
+def all_variants() -> list[Variant]:
+    return lora_variants() + attention_variants()
