@@ -82,6 +82,8 @@ class EngineOptions:
     enforce_eager: bool = option(False, "never capture CUDA graphs: every decode step launches "
                                  "its kernels from Python (CUDA graphs are CUDA-only, so on "
                                  "the CPU this changes nothing)")
+    tensor_parallel_size: int = option(1, "ranks the model is split across (one process and "
+                                       "device each; gloo on the CPU, NCCL on CUDA)")
     seed: int = option(0, "seed of the sampler's generator (requests without a seed)")
     max_logprobs: int = option(20, "most alternatives a request may ask for per token "
                                "(logprobs, top_logprobs, prompt_logprobs)")
@@ -99,7 +101,7 @@ class EngineOptions:
                                  f"{getattr(self, name)!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras",
                      "max_lora_rank", "num_kv_blocks", "max_model_len", "max_cpu_loras",
-                     "lora_starvation_steps"):
+                     "lora_starvation_steps", "tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 off = " (or None to disable aging)" if name == "lora_starvation_steps" else ""
@@ -113,6 +115,10 @@ class EngineOptions:
             raise ValueError(f"{n('max_full_module_slots')} must be in [0, {n('max_loras')}="
                              f"{self.max_loras}] (each adapter with saved modules also holds a "
                              f"LoRA slot), got {self.max_full_module_slots}")
+        if self.tensor_parallel_size > 1 and self.max_full_module_slots:
+            raise ValueError(f"{n('max_full_module_slots')} must be 0 with "
+                             f"{n('tensor_parallel_size')} > 1: saved modules are not split "
+                             "across ranks yet")
 
     def engine_options(self) -> dict[str, Any]:
         """The engine knobs alone, as keyword arguments for Config."""

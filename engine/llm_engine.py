@@ -51,11 +51,18 @@ class LLMEngine:
         self.config = config
         started = time.perf_counter()
         self.tokenizer = try_load_tokenizer(config.model)
-        self.runner = ModelRunner(config)
+        if config.tensor_parallel_size > 1:
+            from engine.parallel.runner import ParallelRunner  # spawns the other ranks
+
+            self.runner = ParallelRunner(config)
+        else:
+            self.runner = ModelRunner(config)
         self.vocab_size = self.runner.args.vocab_size
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.lora = LoRAManager(config, self.runner.model, self.runner.device, self.runner.dtype)
+        if config.tensor_parallel_size > 1:
+            self.runner.mirror(self.lora.pool)  # every rank fills its slots in this order
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                    self.block_manager, slots=self.lora)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)

@@ -17,8 +17,10 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from engine.layers.embedding import VocabShard
 from engine.layers.linear import Linear
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel.shard import ONE, Shard
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +43,12 @@ def checkpoint_files(model_dir: str) -> list[str]:
     raise ValueError(f"{model_dir} has no model.safetensors or model.safetensors.index.json")
 
 
-def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype,
-               device: torch.device) -> LlamaForCausalLM:
+def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype, device: torch.device,
+               shard: Shard = ONE) -> LlamaForCausalLM:
+    """The model, or under tensor parallelism this rank's part of every layer (each tensor
+    read whole, cut by the module it fills)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config)
+        model = LlamaForCausalLM(hf_config, shard)
     model.to_empty(device=device)
     model.to(dtype)
     params = dict(model.named_parameters())
@@ -82,12 +86,24 @@ def _assign(model: LlamaForCausalLM, params: dict, name: str, tensor: torch.Tens
         if f".{fragment}." in name:
             merged_name = name.replace(f".{fragment}.", f".{merged}.")
             owner = model.get_submodule(merged_name.rsplit(".", 1)[0])
-            _copy(params[merged_name][owner.slice_rows(slice_name)], tensor, name)
+            _copy(params[merged_name][owner.slice_rows(slice_name)],
+                  _local(owner, slice_name, tensor), name)
             return f"{merged_name}:{slice_name}"
     if name not in params:
         raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-    _copy(params[name], tensor, name)
+    owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    _copy(params[name], _local(owner, None, tensor), name)
     return name
+
+
+def _local(owner, slice_name: str | None, tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a checkpoint tensor this rank's `owner` module holds (all of it on one)."""
+    if isinstance(owner, Linear):
+        return owner.local(slice_name or owner.slice_names[0], tensor,
+                           1 if owner.row_parallel else 0)
+    if isinstance(owner, VocabShard):
+        return owner.local(tensor)
+    return tensor
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

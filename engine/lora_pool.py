@@ -85,7 +85,7 @@ class SlotPool:
                 scales=torch.zeros(1, S, dtype=torch.float32, device=self.device))
             allocated.append(EMBED_TOKENS)
         if HEAD in adapter.modules and self.head.lora is None:
-            self.head.lora = self._linear_pool(1, self.head.hidden_size, self.head.vocab_size)
+            self.head.lora = self._linear_pool(1, self.head.hidden_size, self.head.local_vocab)
             allocated.append(LM_HEAD)
         if allocated:
             sizes = self.num_bytes
@@ -112,9 +112,13 @@ class SlotPool:
             for i, target in enumerate(linear.slice_names):
                 weights = adapter.modules.get((layer_index, target))
                 if weights is not None:
-                    _copy_linear(linear.lora, i, index, linear.slice_rows(target), weights)
+                    # this rank's part (engine/layers/linear.py): A by input columns, B by rows
+                    _copy_linear(linear.lora, i, index, linear.slice_rows(target),
+                                 linear.local(target, weights.lora_a, 1),
+                                 linear.local(target, weights.lora_b, 0), weights)
         if (weights := adapter.modules.get(HEAD)) is not None:
-            _copy_linear(self.head.lora, 0, index, slice(None), weights)
+            _copy_linear(self.head.lora, 0, index, slice(None), weights.lora_a,
+                         self.head.local(weights.lora_b), weights)  # B by vocabulary rows
             self.head_slots.add(index)
         if (weights := adapter.modules.get(EMBED)) is not None:
             self.embed_slots.add(index)
@@ -167,10 +171,12 @@ class SlotPool:
         return LoRAStep(token_slots, self.num_slots, embed=embed, sample=sample, full=full)
 
 
-def _copy_linear(lora: LoRABuffers, i: int, index: int, rows: slice, weights) -> None:
-    """Slice i of slot `index`: lora_a [r, in] and lora_b [out, r] of one adapted module."""
+def _copy_linear(lora: LoRABuffers, i: int, index: int, rows: slice, lora_a: torch.Tensor,
+                 lora_b: torch.Tensor, weights) -> None:
+    """Slice i of slot `index`: lora_a [r, in] and lora_b [out, r] of one adapted module (this
+    rank's parts of `weights`' factors)."""
     rank = weights.rank
-    lora.lora_a[i, index, :rank].copy_(weights.lora_a, non_blocking=True)
-    lora.lora_b[index, rows, :rank].copy_(weights.lora_b, non_blocking=True)
+    lora.lora_a[i, index, :rank].copy_(lora_a, non_blocking=True)
+    lora.lora_b[index, rows, :rank].copy_(lora_b, non_blocking=True)
     lora.ranks[i, index] = rank
     lora.scales[i, index] = weights.scaling

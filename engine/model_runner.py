@@ -20,6 +20,7 @@ from engine.config import Config
 from engine.cuda_graphs import DecodeGraphs, GraphKey, graph_buckets, graphs_off_reason
 from engine.forward_context import AttentionMetadata, ForwardContext, LoRAStep, forward_context
 from engine.loader import load_model
+from engine.parallel.shard import ONE, Shard
 from engine.scheduler import LogitRows, PromptRows, ScheduledBatch
 from engine.step_inputs import DecodeBuffers, DecodeViews, StepInputs, decode_metadata
 from kernels import LoRAMeta, make_lora_meta
@@ -35,22 +36,25 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, shard: Shard = ONE):
+        """shard: this rank's part of the model under tensor parallelism (engine/parallel)."""
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
-        self.model = load_model(config.model, config.hf_config, self.dtype, self.device)
+        self.model = load_model(config.model, config.hf_config, self.dtype, self.device, shard)
         self.args = self.model.args
+        attn = self.model.attention_layers()[0]
+        self.heads = AttentionShape(attn.num_heads, attn.num_kv_heads, attn.head_dim)  # this rank's
         self.num_kv_blocks = config.num_kv_blocks or self._size_kv_cache(config)
         # One block more than the block manager hands out: graph padding rows write there.
-        shape = (self.num_kv_blocks + 1, self.block_size, self.args.num_kv_heads, self.args.head_dim)
+        shape = (self.num_kv_blocks + 1, self.block_size, attn.num_kv_heads, attn.head_dim)
         for attn in self.model.attention_layers():
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.model.model.rotary_emb.reserve(config.max_model_len)
         self.backends = resolve_backends(
             config.lora_backend, config.attention_backend, self.device, self.dtype,
-            AttentionShape(self.args.num_heads, self.args.num_kv_heads, self.args.head_dim))
+            self.heads)
         self.max_blocks = -(-config.max_model_len // self.block_size)  # of one sequence
         self.decode_buffers = DecodeBuffers(config.max_num_seqs, self.max_blocks, self.block_size,
                                             pad_block=self.num_kv_blocks, device=self.device)
@@ -68,7 +72,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         a = self.args
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * a.num_layers * self.block_size * a.num_kv_heads * a.head_dim * element
+        return 2 * a.num_layers * self.block_size * self.heads.num_kv_heads * a.head_dim * element
 
     @property
     def kv_cache_bytes(self) -> int:

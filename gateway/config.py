@@ -70,6 +70,9 @@ class ServerConfig(EngineOptions):
             raise ValueError(f"--max-upload-mb must be at least 1, got {self.max_upload_mb}")
         if self.max_waiting < 0:
             raise ValueError(f"--max-waiting must be at least 0, got {self.max_waiting}")
+        if self.tensor_parallel_size > 1 and not self.engine_process:
+            raise ValueError("--tensor-parallel-size > 1 runs the engine in a process of its "
+                             "own: drop --no-engine-process")
         if self.adapter_store_url is not None and not self.adapter_store_url.startswith("s3://"):
             raise ValueError(f"--adapter-store-url must be s3://BUCKET[/PREFIX], got "
                              f"{self.adapter_store_url!r}")

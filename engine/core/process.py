@@ -36,6 +36,7 @@ from engine.core.messages import (
     error_info,
 )
 from engine.llm_engine import LLMEngine
+from engine.parallel.runner import RankLost
 from engine.snapshot import engine_info, take_snapshot
 
 logger = logging.getLogger("engine.core")
@@ -146,6 +147,9 @@ class EngineCore:
                 self.engine.abort(request_id)
             self.engine.drain_aborted()
             self.send(Failed(ids, f"engine step failed: {exc}"))
+            if isinstance(exc, RankLost):  # no step can run again: end the process
+                logger.error("%s; the engine process exits", exc)
+                raise
             return []
 
 

@@ -11,6 +11,13 @@ where no row's slot adapts the module, nothing is computed for it.
 An adapter may instead replace either module outright with its own saved copy (PEFT's
 modules_to_save; engine/full_modules.py): LoRAStep.full names those rows, which then use the
 copy in place of the base weight (never both: PEFT saves no LoRA beside a saved copy).
+
+Under tensor parallelism both are vocab-parallel (engine/parallel/shard.py): a rank holds rows
+[vocab_start, vocab_start + local_vocab) of the weight (the last rank's tail is padding).
+embed_tokens looks up the ids in its range, the ranks' rows are summed (all-reduce), and the
+embedding LoRA and saved rows are applied to the full result, identically on every rank (their
+pools are whole). lm_head computes its rows' logits, its LoRA with B split by vocabulary rows
+like the weight, and the ranks' logits are gathered.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from torch import nn
 from engine.forward_context import get_forward_context
 from engine.full_modules import embed_full_rows, head_logits
 from engine.layers.linear import LoRABuffers
+from engine.parallel import group
+from engine.parallel.shard import ONE, Shard
 from kernels import embedding_lora
 
 
@@ -42,16 +51,40 @@ class EmbeddingLoRABuffers:
                    for t in (self.lora_a, self.lora_b, self.ranks, self.scales))
 
 
-class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int):
-        super().__init__()
-        self.vocab_size, self.hidden_size = vocab_size, hidden_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+class VocabShard:
+    """The vocabulary rows [vocab_start, vocab_start + local_vocab) a rank holds, `real` of
+    them real (the rest pad the last rank)."""
+
+    def __init__(self, vocab_size: int, shard: Shard):
+        self.vocab_size, self.shard = vocab_size, shard
+        self.vocab_start, self.local_vocab, self.real = shard.padded_split(vocab_size)
+
+    def local(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a [vocab, ...] tensor, zero-padded to local_vocab rows."""
+        if self.shard.size == 1:
+            return full
+        part = full.new_zeros((self.local_vocab, *full.shape[1:]))
+        part[:self.real] = full[self.vocab_start:self.vocab_start + self.real]
+        return part
+
+
+class VocabEmbedding(nn.Module, VocabShard):
+    def __init__(self, vocab_size: int, hidden_size: int, shard: Shard = ONE):
+        nn.Module.__init__(self)
+        VocabShard.__init__(self, vocab_size, shard)
+        self.hidden_size = hidden_size
+        self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden_size), requires_grad=False)
         self.lora: EmbeddingLoRABuffers | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # ids: [T] -> y: [T, H]
-        y = F.embedding(ids, self.weight)
+        if self.shard.size == 1:
+            y = F.embedding(ids, self.weight)
+        else:
+            local = ids - self.vocab_start
+            mine = (local >= 0) & (local < self.real)  # [T]
+            y = F.embedding(torch.where(mine, local, 0), self.weight) * mine[:, None]
+            group.all_reduce(y)
         ctx = get_forward_context()
         if ctx.lora is None:
             return y
@@ -64,13 +97,16 @@ class VocabEmbedding(nn.Module):
         return y
 
 
-class LMHead(nn.Module):
-    def __init__(self, hidden_size: int, vocab_size: int, tied_to: VocabEmbedding | None = None):
-        super().__init__()
-        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+class LMHead(nn.Module, VocabShard):
+    def __init__(self, hidden_size: int, vocab_size: int, shard: Shard = ONE,
+                 tied_to: VocabEmbedding | None = None):
+        nn.Module.__init__(self)
+        VocabShard.__init__(self, vocab_size, shard)
+        self.hidden_size = hidden_size
         self._tied_to = (tied_to,) if tied_to is not None else ()  # a tuple: not a submodule
         if tied_to is None:
-            self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+            self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden_size),
+                                       requires_grad=False)
         self.lora: LoRABuffers | None = None  # one slice: lora_a [1, S, R, H], lora_b [S, V, R]
 
     @property
@@ -91,5 +127,7 @@ class LMHead(nn.Module):
             assert meta.num_tokens == hidden.shape[0], (
                 f"lm_head LoRA metadata has {meta.num_tokens} rows, the step samples "
                 f"{hidden.shape[0]}")
-            self.lora.apply(logits, hidden, (0, self.vocab_size), meta, ctx.backends.lora)
+            self.lora.apply(logits, hidden, (0, self.local_vocab), meta, ctx.backends.lora)
+        if self.shard.size > 1:
+            logits = group.all_gather(logits)[:, :self.vocab_size]
         return logits.float()

@@ -3,6 +3,13 @@
 One `Linear` may hold several output slices stacked along its rows (q|k|v, gate|up), loaded
 from separately named checkpoint tensors. LoRA attaches by slice name: the adapter manager
 sets `lora` to the projection's slot-pool buffers, and forward adds each token's own delta.
+
+Under tensor parallelism (engine/parallel/shard.py) a Linear holds its rank's part: `sources`
+names where each of its slices starts in the checkpoint's full tensor, along the output rows
+(column-parallel) or the input columns (row_parallel). A row-parallel projection's partial
+outputs are all-reduced; its LoRA delta is added before that, with A split by input columns
+like the weight and B whole: the sum over ranks of (x_r A_r^T) B^T is x A^T B^T, so the delta
+needs no collective of its own. The bias is added once, after the reduction.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_context import get_forward_context
+from engine.parallel import group
 from kernels import apply_lora
 
 
@@ -39,8 +47,14 @@ class LoRABuffers:
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, slices: dict[str, int], bias: bool = False):
+    def __init__(self, in_features: int, slices: dict[str, int], bias: bool = False, *,
+                 sources: dict[str, int] | None = None, row_parallel: bool = False):
+        """slices: this rank's output width of each slice; sources: where each starts in the
+        checkpoint's tensor (column-parallel: its rows; row_parallel: {"*": first input
+        column}); None: the whole tensor (one rank, or replicated)."""
         super().__init__()
+        self.sources = sources
+        self.row_parallel = row_parallel
         self.in_features = in_features
         self.slice_names = tuple(slices)
         offsets = [0]
@@ -57,12 +71,27 @@ class Linear(nn.Module):
         i = self.slice_names.index(name)
         return slice(self.slice_offsets[i], self.slice_offsets[i + 1])
 
+    def local(self, name: str, full: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's part of slice `name`'s checkpoint-shaped tensor `full` (a weight, a bias
+        or a LoRA factor), cut along `dim` if that is the dimension this Linear splits."""
+        if self.sources is None or dim != (1 if self.row_parallel else 0) or full.dim() <= dim:
+            return full
+        if self.row_parallel:
+            return full.narrow(dim, self.sources["*"], self.in_features)
+        rows = self.slice_rows(name)
+        return full.narrow(dim, self.sources[name], rows.stop - rows.start)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> y: [T, O_total]
-        y = F.linear(x, self.weight, self.bias)
+        bias = None if self.row_parallel else self.bias
+        y = F.linear(x, self.weight, bias)
         if self.lora is not None:
             ctx = get_forward_context()
             if ctx.lora is not None and ctx.lora.tokens.has_lora:
                 self.lora.apply(y, x, self.slice_offsets, ctx.lora.tokens,
                                 ctx.backends.lora)
+        if self.row_parallel:
+            group.all_reduce(y)
+            if self.bias is not None:
+                y += self.bias
         return y

@@ -19,6 +19,7 @@ from engine.layers.embedding import LMHead, VocabEmbedding
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.parallel.shard import ONE, Shard
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM")
@@ -64,19 +65,24 @@ class ModelArgs:
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, shard: Shard):
         super().__init__()
         d = args.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, d
-        self.qkv_proj = Linear(args.hidden_size, {"q_proj": args.num_heads * d,
-                                                  "k_proj": args.num_kv_heads * d,
-                                                  "v_proj": args.num_kv_heads * d},
-                               bias=args.attention_bias)
-        self.o_proj = Linear(args.num_heads * d, {"o_proj": args.hidden_size})
+        q0, heads = shard.split(args.num_heads, "num_attention_heads")
+        kv0, kv_heads = shard.kv_heads(args.num_heads, args.num_kv_heads)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, d
+        tp = shard.size > 1
+        self.qkv_proj = Linear(args.hidden_size, {"q_proj": heads * d, "k_proj": kv_heads * d,
+                                                  "v_proj": kv_heads * d},
+                               bias=args.attention_bias,
+                               sources=dict(q_proj=q0 * d, k_proj=kv0 * d, v_proj=kv0 * d)
+                               if tp else None)
+        self.o_proj = Linear(heads * d, {"o_proj": args.hidden_size},
+                             sources={"*": q0 * d} if tp else None, row_parallel=tp)
         if args.qk_norm:
             self.q_norm = RMSNorm(d, args.rms_norm_eps)
             self.k_norm = RMSNorm(d, args.rms_norm_eps)
-        self.attn = PagedAttention(args.num_heads, args.num_kv_heads, d, scale=d ** -0.5)
+        self.attn = PagedAttention(heads, kv_heads, d, scale=d ** -0.5)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]  rope: (cos, sin) [T, 1, D] each
@@ -92,11 +98,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, shard: Shard):
         super().__init__()
-        self.gate_up_proj = Linear(args.hidden_size, {"gate_proj": args.intermediate_size,
-                                                      "up_proj": args.intermediate_size})
-        self.down_proj = Linear(args.intermediate_size, {"down_proj": args.hidden_size})
+        i0, inter = shard.split(args.intermediate_size, "intermediate_size")
+        tp = shard.size > 1
+        self.gate_up_proj = Linear(args.hidden_size, {"gate_proj": inter, "up_proj": inter},
+                                   sources=dict(gate_proj=i0, up_proj=i0) if tp else None)
+        self.down_proj = Linear(inter, {"down_proj": args.hidden_size},
+                                sources={"*": i0} if tp else None, row_parallel=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
@@ -104,12 +113,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, shard: Shard):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, shard)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.mlp = MLP(args, shard)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(rope, self.input_layernorm(x))
@@ -117,10 +126,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: ModelArgs, hf_config: dict):
+    def __init__(self, args: ModelArgs, hf_config: dict, shard: Shard):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size, shard)
+        self.layers = nn.ModuleList(DecoderLayer(args, shard) for _ in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.head_dim, hf_config)  # shared by every layer
 
@@ -138,12 +147,13 @@ class LlamaForCausalLM(nn.Module):
                           "v_proj": ("qkv_proj", "v_proj"), "gate_proj": ("gate_up_proj", "gate_proj"),
                           "up_proj": ("gate_up_proj", "up_proj")}
 
-    def __init__(self, hf_config: dict):
+    def __init__(self, hf_config: dict, shard: Shard = ONE):
         super().__init__()
         self.args = ModelArgs.from_hf_config(hf_config)
-        self.model = LlamaModel(self.args, hf_config)
+        self.shard = shard
+        self.model = LlamaModel(self.args, hf_config, shard)
         # tied: no weight of its own ("lm_head.weight" is not a parameter), only its LoRA pool
-        self.lm_head = LMHead(self.args.hidden_size, self.args.vocab_size,
+        self.lm_head = LMHead(self.args.hidden_size, self.args.vocab_size, shard,
                               tied_to=self.model.embed_tokens if self.args.tie_word_embeddings
                               else None)
 

@@ -127,11 +127,20 @@ The Redis URL passed as --redis-url: the in-chart Redis's Service, or redis.exte
 {{- end }}
 {{- end }}
 
+{{/* GPUs per replica: gpu.count, or engine.tensorParallelSize (one GPU per rank) when unset. */}}
+{{- define "lora-gateway.gpuCount" -}}
+{{- if kindIs "invalid" .Values.gpu.count }}
+{{- .Values.engine.tensorParallelSize | default 1 | int }}
+{{- else }}
+{{- .Values.gpu.count | int }}
+{{- end }}
+{{- end }}
+
 {{/* The device flag: gpu.count > 0 means cuda, else cpu, unless engine.device says otherwise. */}}
 {{- define "lora-gateway.device" -}}
 {{- if .Values.engine.device }}
 {{- .Values.engine.device }}
-{{- else if gt (int .Values.gpu.count) 0 }}
+{{- else if gt (int (include "lora-gateway.gpuCount" .)) 0 }}
 {{- "cuda" }}
 {{- else }}
 {{- "cpu" }}
@@ -153,12 +162,13 @@ gpu.resourceName added to both requests and limits (extended resources must matc
 */}}
 {{- define "lora-gateway.resources" -}}
 {{- $res := deepCopy (.Values.resources | default dict) }}
-{{- if gt (int .Values.gpu.count) 0 }}
+{{- $gpus := int (include "lora-gateway.gpuCount" .) }}
+{{- if gt $gpus 0 }}
 {{- $limits := get $res "limits" | default dict }}
-{{- $_ := set $limits .Values.gpu.resourceName (int .Values.gpu.count) }}
+{{- $_ := set $limits .Values.gpu.resourceName $gpus }}
 {{- $_ := set $res "limits" $limits }}
 {{- $requests := get $res "requests" | default dict }}
-{{- $_ := set $requests .Values.gpu.resourceName (int .Values.gpu.count) }}
+{{- $_ := set $requests .Values.gpu.resourceName $gpus }}
 {{- $_ := set $res "requests" $requests }}
 {{- end }}
 {{- toYaml $res }}

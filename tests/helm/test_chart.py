@@ -292,7 +292,19 @@ def test_gpu_count_reaches_the_container_resources():
 
 
 def test_the_default_replica_asks_for_one_gpu():
-    assert gateway(render())["resources"]["limits"]["nvidia.com/gpu"] == 1
+    container = gateway(render())
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert flag(container, "--tensor-parallel-size") == []
+
+
+def test_tensor_parallel_size_sets_the_flag_and_the_gpu_count_unless_given():
+    container = gateway(render({"engine": {"tensorParallelSize": 4}}))
+    assert flag(container, "--tensor-parallel-size") == ["4"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == 4
+    given = gateway(render({"engine": {"tensorParallelSize": 4}, "gpu": {"count": 8}}))
+    assert given["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert flag(gateway(render(load_set("multi-gpu"))), "--tensor-parallel-size") == ["2"]
 
 
 def test_gpu_count_zero_requests_no_gpu_and_serves_on_cpu():
