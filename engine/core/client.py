@@ -62,6 +62,7 @@ class EngineProcess:
         self.info: EngineInfo | None = None
         self.died: EngineDied | None = None
         self._stopping = False  # shutdown() asked: the socket closing is no death
+        self._last_failure = ""  # a fatal step failure's message, for EngineDied
         self._calls: dict[int, asyncio.Future] = {}  # each on its caller's loop
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._send_lock = threading.Lock()  # frames from several loops never interleave
@@ -99,8 +100,9 @@ class EngineProcess:
             if self._stopping:
                 self._loop.remove_reader(self.conn.fileno())
                 return
+            why = f": {self._last_failure}" if self._last_failure else ""
             self._fail(EngineDied(f"the engine process exited (status "
-                                  f"{self.proc.wait()}); see its log above"))
+                                  f"{self.proc.wait()}){why}; see its log above"))
             return
         if isinstance(message, Outputs):
             for out in message.items:
@@ -113,6 +115,8 @@ class EngineProcess:
                 outcome = _error(message) if message.error is not None else message.value
                 _on_its_loop(self._loop, future, _settle, future, outcome)
         elif isinstance(message, Failed):
+            if message.fatal:  # why the process is about to exit
+                self._last_failure = message.message
             for request_id in message.request_ids:
                 self._put(request_id, RuntimeError(message.message))
         elif isinstance(message, Ready):

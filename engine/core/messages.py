@@ -53,6 +53,7 @@ class Outputs(msgspec.Struct, tag=True):
 class Failed(msgspec.Struct, tag=True):
     request_ids: list[str]
     message: str
+    fatal: bool = False  # the engine process exits next (a tensor-parallel rank is gone)
 
 
 class ErrorInfo(msgspec.Struct):

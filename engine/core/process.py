@@ -146,8 +146,9 @@ class EngineCore:
             for request_id in ids:
                 self.engine.abort(request_id)
             self.engine.drain_aborted()
-            self.send(Failed(ids, f"engine step failed: {exc}"))
-            if isinstance(exc, RankLost):  # no step can run again: end the process
+            fatal = isinstance(exc, RankLost)
+            self.send(Failed(ids, f"engine step failed: {exc}", fatal))
+            if fatal:  # no step can run again: end the process
                 logger.error("%s; the engine process exits", exc)
                 raise
             return []

@@ -19,6 +19,7 @@ VOCAB_LORAS = {
     "head-all": dict(r=4, lora_alpha=4, use_rslora=True,
                      target_modules=["lm_head", "q_proj", "k_proj", "v_proj", "o_proj",
                                      "gate_proj", "up_proj", "down_proj"]),
+    "mlp-r32": dict(r=32, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"]),
 }
 
 
@@ -42,8 +43,8 @@ def test_mixed_adapters_match_peft_under_chunked_prefill_and_preemption(lora_wor
     assert_ranks_agree(llm)
 
 
-def test_vocabulary_loras_match_peft(vocab_world: World):
-    llm = vocab_world.llm(tensor_parallel_size=2)
+def test_vocabulary_loras_and_rank_32_match_peft(vocab_world: World):
+    llm = vocab_world.llm(tensor_parallel_size=2, max_lora_rank=32)
     outputs = llm.generate(vocab_world.prompts, GREEDY, adapters=vocab_world.requests)
     vocab_world.check(outputs, "tp=2 embed_tokens / lm_head LoRA")
     assert_ranks_agree(llm)

@@ -91,7 +91,9 @@ def test_tp2_serves_uploads_and_dies_cleanly_with_a_rank(model_dir, adapter_dirs
         assert "tensor-parallel rank 1 exited" in error["message"], error
         assert server.wait(timeout=30) != 0
         assert time.monotonic() - killed < 30
-        assert "tensor-parallel rank 1 exited" in (tmp_path / "server.log").read_text()
+        log = (tmp_path / "server.log").read_text()
+        assert "the engine process exited (status 1): engine step failed: tensor-parallel " \
+               "rank 1 exited (exit code -9)" in log, log[-2000:]
     finally:
         if server.poll() is None:
             server.kill()
