@@ -51,6 +51,7 @@ class Runtime:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.ready = False
         self.status = "starting"
+        self.engine_death: str | None = None  # why the engine process exited, once it has
         self.started_at = int(time.time())
         self.inflight = 0  # sequences admitted and not yet closed
         self.jobs: set[GenerationJob] = set()
@@ -111,6 +112,7 @@ class Runtime:
     def _engine_died(self, exc: EngineDied) -> None:
         """The engine process is gone: not ready any more, and the server should exit."""
         self.ready, self.status = False, str(exc)
+        self.engine_death = str(exc)
         if self.on_fatal is not None:
             self.on_fatal(exc)
 

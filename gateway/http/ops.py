@@ -5,7 +5,7 @@ from __future__ import annotations
 from litestar import Controller, Response, get
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway.http.error_handlers import error_responses
+from gateway.http.error_handlers import error_response, error_responses
 from gateway.http.response_bodies import Health
 from gateway.runtime import Runtime
 
@@ -14,10 +14,15 @@ class OpsController(Controller):
     path = "/"
     tags = ["Operations"]
 
-    @get("/health")
-    async def health(self) -> Health:
-        """The process is alive (a liveness probe); says nothing about the model."""
-        return Health(status="ok")
+    @get("/health", responses=error_responses(
+        503, e503="the engine is gone (its process, or a tensor-parallel rank, died): the message "
+                  "says which; the server is exiting"))
+    async def health(self, runtime: Runtime) -> Response[Health]:
+        """The process is alive (a liveness probe); says nothing about the model, unless the
+        engine has died (503, with the reason: a tensor-parallel rank names itself)."""
+        if runtime.engine_death is not None:
+            return error_response(503, runtime.engine_death, code="engine_exited")
+        return Response(Health(status="ok"))
 
     @get("/ready", responses=error_responses(
         503, e503="not ready: loading, or the engine loop does not answer"))

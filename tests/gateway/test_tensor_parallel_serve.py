@@ -89,6 +89,13 @@ def test_tp2_serves_uploads_and_dies_cleanly_with_a_rank(model_dir, adapter_dirs
         assert events[-1] == "[DONE]", events[-3:]
         error = json.loads(events[-2])["error"]
         assert "tensor-parallel rank 1 exited" in error["message"], error
+        try:  # once the engine process is gone /health says why, while the server still answers
+            while (health := httpx.get(url + "/health")).status_code == 200:
+                time.sleep(0.05)
+            assert health.status_code == 503
+            assert "tensor-parallel rank 1 exited" in health.json()["error"]["message"]
+        except httpx.TransportError:
+            pass
         assert server.wait(timeout=30) != 0
         assert time.monotonic() - killed < 30
         log = (tmp_path / "server.log").read_text()
