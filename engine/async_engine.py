@@ -16,7 +16,7 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import replace
 
@@ -73,21 +73,13 @@ class AsyncEngine:
             raise
         return [self._stream(r.request_id, queue) for r, queue in zip(requests, queues)]
 
-    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                await self.abort(request_id)
+    def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        return read_stream(queue, lambda finished: self._closed(request_id, finished))
+
+    async def _closed(self, request_id: str, finished: bool) -> None:
+        self._streams.pop(request_id, None)
+        if not finished:  # the caller stopped reading: free the request's blocks and slot
+            await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
         await self.call(self.engine.abort, request_id)
@@ -171,6 +163,25 @@ class AsyncEngine:
         if target is not None:
             loop, queue = target
             loop.call_soon_threadsafe(queue.put_nowait, item)
+
+
+async def read_stream(queue: asyncio.Queue, closed: Callable[[bool], Awaitable[None]]
+                      ) -> AsyncIterator[RequestOutput]:
+    """One request's outputs from its queue, up to the finished one; an exception put on the
+    queue is raised. `closed(finished)` runs however the reading ends (both engine fronts,
+    this thread engine and engine.core.client's process, read their streams this way)."""
+    finished = False
+    try:
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                finished = True
+                return
+    finally:
+        await closed(finished)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

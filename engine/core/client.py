@@ -29,6 +29,7 @@ import msgspec
 
 from adapters.format import LoraAdapter
 from adapters.types import BaseModelSpec
+from engine.async_engine import read_stream
 from engine.config import Config
 from engine.core.messages import (
     Abort,
@@ -186,21 +187,13 @@ class EngineProcess:
             raise
         return [self._stream(r.request_id, queue) for r, queue in zip(requests, queues)]
 
-    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished and self.died is None:
-                await self.abort(request_id)
+    def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        return read_stream(queue, lambda finished: self._closed(request_id, finished))
+
+    async def _closed(self, request_id: str, finished: bool) -> None:
+        self._streams.pop(request_id, None)
+        if not finished and self.died is None:  # abandoned while the process still runs
+            await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
         if self.died is None:

@@ -66,16 +66,14 @@ class Row:
     token_ids: _Tail
 
 
-def _rows(batch: ScheduledBatch) -> tuple[list[Row], list[int], int, LogitRows]:
-    rows = []
-    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-        start = seq.num_computed_tokens
-        rows.append(Row(start, list(seq.block_table), _Tail(start, seq.token_ids[start:start + n])))
-    return rows, list(batch.num_new_tokens), batch.num_decode, batch.logit_rows
-
-
-def _batch(rows, num_new, num_decode, logit_rows) -> ScheduledBatch:
-    return ScheduledBatch(rows, num_new, num_decode, logit_rows)
+def _rows(batch: ScheduledBatch) -> ScheduledBatch:
+    """`batch` with each Sequence cut down to its Row (pickled at once by the broadcast, so
+    nothing is copied here), its logit rows found once on rank 0."""
+    rows = [Row(seq.num_computed_tokens, seq.block_table,
+                _Tail(seq.num_computed_tokens,
+                      seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n]))
+            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
+    return ScheduledBatch(rows, batch.num_new_tokens, batch.num_decode, batch.logit_rows)
 
 
 def _lora(lora: LoRAStep | None):
@@ -94,11 +92,6 @@ def _lora_step(wire, logit_rows: LogitRows, device) -> LoRAStep | None:
     return LoRAStep(token_slots, num_slots, embed=embed, sample=sample)
 
 
-def _pool_args(config: Config, runner: ModelRunner):
-    return (runner.model, config.max_loras, config.max_lora_rank, runner.device, runner.dtype,
-            config.max_full_module_slots)
-
-
 def worker_main(config: Config, rank: int, init_method: str) -> None:
     """Rank `rank`: join the group, build this rank's part, apply rank 0's messages."""
     from engine.lora_pool import SlotPool
@@ -107,13 +100,14 @@ def worker_main(config: Config, rank: int, init_method: str) -> None:
     group.init(shard, init_method, config.torch_device, TIMEOUT_S)
     (num_kv_blocks,) = group.broadcast()
     runner = ModelRunner(dataclasses.replace(config, num_kv_blocks=num_kv_blocks), shard)
-    pool = SlotPool(*_pool_args(config, runner))
+    # as LoRAManager builds rank 0's
+    pool = SlotPool(runner.model, config.max_loras, config.max_lora_rank, runner.device,
+                    runner.dtype, config.max_full_module_slots)
     while True:
         op, *args = group.broadcast()
         if op == "run":
-            (rows, num_new, num_decode, logit_rows), lora = args
-            runner.run(_batch(rows, num_new, num_decode, logit_rows),
-                       _lora_step(lora, logit_rows, runner.device))
+            batch, lora = args
+            runner.run(batch, _lora_step(lora, batch.logit_rows, runner.device))
         elif op == "tables":
             group.gather(slot_table(pool))
         elif op == "stop":
