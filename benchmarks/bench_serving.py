@@ -3,6 +3,7 @@ on the same requests, in one run (and vLLM's OpenAI server when its CPU build is
 
     python benchmarks/bench_serving.py [--requests 96] [--concurrency 32] [--rounds 2]
                                        [--vllm-python /path/to/vllm-venv/bin/python]
+                                       [--engine-cpus 0]
 
 Workload (issue 17): the 25M random Llama with the demo tokenizer, 32 distinct rank-16
 all-linear adapters, --max-loras 32 --max-num-seqs 32; 96 requests, 32 at a time, 32-token
@@ -11,7 +12,9 @@ HTTP: an external streaming httpx client in this process (the server is a subpro
 offline: `LLM.generate` in a subprocess of its own. Reported per mode: output tok/s, TTFT and
 TPOT p50/p99 (TPOT = (e2e - TTFT) / (tokens - 1) per request), server CPU seconds per output
 token (utime + stime of the server's processes), and for offline the median step time at batch
-32. Rounds alternate the modes; the best round of each is kept.
+32. Rounds alternate the modes; the best round of each is kept. With --engine-cpus the server
+pins its engine process there and its HTTP process elsewhere, the offline engine runs on the
+same CPUs, and this client on the others: the engine's CPUs are its own in both modes.
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ from gateway.bench.server import free_port  # noqa: E402
 logger = logging.getLogger("bench_serving")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NUM_ADAPTERS, PROMPT_LEN, MAX_TOKENS = 32, 32, 64
+ALL_CPUS = os.sched_getaffinity(0)
+
+
+def every_cpu() -> None:
+    """In a server or offline child: start from every CPU (this client may be pinned)."""
+    os.sched_setaffinity(0, ALL_CPUS)
 
 
 @dataclass
@@ -68,7 +77,12 @@ OFFLINE = r"""
 import json, statistics, sys, time
 from engine import LLM, SamplingParams
 from engine.llm_engine import EngineRequest
-model, adapters, prompts = json.loads(sys.stdin.read())
+model, adapters, prompts, cpus = json.loads(sys.stdin.read())
+if cpus:  # the CPUs `loragw serve --engine-cpus` gives its engine process
+    import torch
+    from engine.core import pin_threads
+    pin_threads(set(cpus))
+    torch.set_num_threads(len(cpus))
 llm = LLM(model, device="cpu", dtype="float32", max_loras=32, max_num_seqs=32, max_lora_rank=16)
 for i, path in enumerate(adapters):
     llm.add_adapter(f"a{i:02d}", path)
@@ -98,9 +112,11 @@ print(json.dumps({"wall": wall, "tokens": sum(counts.values()),
 """
 
 
-def run_offline(model: str, adapters: list[str], requests: list[list[int]]) -> Run:
+def run_offline(model: str, adapters: list[str], requests: list[list[int]],
+                cpus: list[int]) -> Run:
     out = subprocess.run([sys.executable, "-c", OFFLINE], cwd=ROOT, capture_output=True,
-                         text=True, input=json.dumps([model, adapters, requests]), check=True)
+                         text=True, input=json.dumps([model, adapters, requests, cpus]),
+                         check=True, preexec_fn=every_cpu)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     return Run("offline LLM.generate", r["wall"], r["tokens"], r["ttft"], r["tpot"],
                step_ms=r["step_ms"])
@@ -167,7 +183,7 @@ def run_http(command: list[str], ready_path: str, port: int, names, requests, co
              mode: str, env: dict | None = None) -> Run:
     log = tempfile.NamedTemporaryFile(prefix="bench-serving-", suffix=".log", delete=False)
     proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **(env or {})}, preexec_fn=every_cpu)
     try:
         url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 600
         while True:
@@ -188,8 +204,10 @@ def run_http(command: list[str], ready_path: str, port: int, names, requests, co
             proc.kill()
 
 
-def loragw(model: str, adapters: list[str], port: int) -> list[str]:
+def loragw(model: str, adapters: list[str], port: int, engine_cpus: str | None) -> list[str]:
     flags = [a for i, path in enumerate(adapters) for a in ("--adapter", f"a{i:02d}={path}")]
+    if engine_cpus:
+        flags += ["--engine-cpus", engine_cpus]
     return [sys.executable, "-m", "gateway.server", "--model", model, "--device", "cpu",
             "--max-loras", "32", "--max-num-seqs", "32", "--max-lora-rank", "16",
             "--port", str(port), "--adapter-dir", tempfile.mkdtemp(prefix="bench-store-"),
@@ -229,6 +247,8 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--vllm-python", help="python of a venv with vLLM's CPU build")
+    parser.add_argument("--engine-cpus", help="CPU list for `loragw serve --engine-cpus` and "
+                        "the offline engine; the HTTP server and this client run on the others")
     parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "bench-serving"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -240,11 +260,17 @@ def main() -> int:
                               NUM_ADAPTERS, seed=0)
     requests = prompts(args.requests, hf_config.vocab_size)
     names = [f"a{i % NUM_ADAPTERS:02d}" for i in range(args.requests)]
+    cpus: list[int] = []
+    if args.engine_cpus:
+        from gateway.config import parse_cpu_list
+
+        cpus = sorted(parse_cpu_list(args.engine_cpus))
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - set(cpus))  # the client's CPUs
     best: dict[str, Run] = {}
     for round_ in range(args.rounds):
         port = free_port()
-        candidates = [run_offline(model, adapters, requests),
-                      run_http(loragw(model, adapters, port), "/ready", port, names, requests,
+        candidates = [run_offline(model, adapters, requests, cpus),
+                      run_http(loragw(model, adapters, port, args.engine_cpus), "/ready", port, names, requests,
                                args.concurrency, "loragw serve (HTTP)")]
         if args.vllm_python:
             port = free_port()

@@ -54,6 +54,10 @@ class ServerConfig(EngineOptions):
     engine_process: bool = option(True, "run the engine loop in a process of its own, so the "
                                   "HTTP server never shares a GIL with it (--no-engine-process: "
                                   "a thread of the server's)")
+    engine_cpus: str | None = option(
+        None, "CPUs (e.g. 0-13 or 0,2,4) the engine process and its torch threads run on, the "
+        "HTTP server on the others, as vLLM's CPU build binds its threads (default: all CPUs, "
+        "shared)")
 
     def option_name(self, name: str) -> str:
         return "--" + name.replace("_", "-")
@@ -73,6 +77,11 @@ class ServerConfig(EngineOptions):
         if self.tensor_parallel_size > 1 and not self.engine_process:
             raise ValueError("--tensor-parallel-size > 1 runs the engine in a process of its "
                              "own: drop --no-engine-process")
+        if self.engine_cpus is not None:
+            if not self.engine_process:
+                raise ValueError("--engine-cpus pins the engine process: drop "
+                                 "--no-engine-process")
+            self.engine_cpu_set()  # well-formed, and CPUs this process may use
         if self.adapter_store_url is not None and not self.adapter_store_url.startswith("s3://"):
             raise ValueError(f"--adapter-store-url must be s3://BUCKET[/PREFIX], got "
                              f"{self.adapter_store_url!r}")
@@ -92,6 +101,18 @@ class ServerConfig(EngineOptions):
                                  "--adapter pirate=/models/pirate-lora")
             pairs.append((name.strip(), source.strip()))
         return pairs
+
+    def engine_cpu_set(self) -> frozenset[int] | None:
+        """--engine-cpus as a set of CPU ids, each one this process may run on."""
+        if self.engine_cpus is None:
+            return None
+        cpus = parse_cpu_list(self.engine_cpus)
+        allowed = os.sched_getaffinity(0)
+        if not cpus <= allowed:
+            raise ValueError(f"--engine-cpus {self.engine_cpus!r} names CPUs "
+                             f"{sorted(cpus - allowed)} this process may not use; it may use "
+                             f"{sorted(allowed)}")
+        return cpus
 
     def engine_config(self) -> Config:
         """The engine's Config: the model directory (checked here) and the engine options."""
@@ -131,3 +152,19 @@ class ServerConfig(EngineOptions):
 def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Every `loragw serve` flag, defaults read from LORAGW_<FLAG> now."""
     return add_options(parser, ServerConfig)
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """A Linux CPU list ("0-3,8,10-11") as a set of CPU ids."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, sep, last = part.strip().partition("-")
+        try:
+            lo, hi = int(first), int(last) if sep else int(first)
+        except ValueError:
+            raise ValueError(f"--engine-cpus {text!r} is not a CPU list; e.g. 0-13 or 0,2,4") \
+                from None
+        if lo < 0 or hi < lo:
+            raise ValueError(f"--engine-cpus {text!r}: {part.strip()!r} is not a CPU range")
+        cpus.update(range(lo, hi + 1))
+    return frozenset(cpus)

@@ -21,6 +21,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from tqdm import tqdm
 
 from engine.async_engine import AsyncEngine
+from engine.core import pin_threads
 from engine.core.client import EngineDied, EngineProcess
 from engine.llm_engine import LLMEngine
 from engine.snapshot import EngineInfo, EngineSnapshot
@@ -106,7 +107,13 @@ class Runtime:
     async def _start_engine(self) -> AsyncEngine | EngineProcess:
         engine_config = self.config.engine_config()
         if self.config.engine_process:
-            return await EngineProcess.start(engine_config, on_death=self._engine_died)
+            cpus = self.config.engine_cpu_set()
+            engine = await EngineProcess.start(engine_config, on_death=self._engine_died,
+                                               cpus=cpus)
+            rest = os.sched_getaffinity(0) - cpus if cpus else None
+            if rest:  # the HTTP server keeps off the engine's CPUs (it spawned it first)
+                pin_threads(rest)
+            return engine
         return AsyncEngine(await asyncio.to_thread(LLMEngine, engine_config))
 
     def _engine_died(self, exc: EngineDied) -> None:

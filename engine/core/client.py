@@ -77,16 +77,17 @@ class EngineProcess:
         return self.proc.pid
 
     @classmethod
-    async def start(cls, config: Config,
-                    on_death: Callable[[EngineDied], None] | None = None) -> EngineProcess:
-        """Start the process, send it the config and wait until its engine is built."""
+    async def start(cls, config: Config, on_death: Callable[[EngineDied], None] | None = None,
+                    cpus: frozenset[int] | None = None) -> EngineProcess:
+        """Start the process, send it the config (and the CPUs it runs on, if pinned) and wait
+        until its engine is built."""
         ours, theirs = socket.socketpair()
         proc = subprocess.Popen([sys.executable, "-m", "engine.core.process",
                                  str(theirs.fileno())], pass_fds=[theirs.fileno()],
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         theirs.close()
         conn = Connection(ours.detach())
-        conn.send_bytes(msgspec.msgpack.encode({"model": config.model,
+        conn.send_bytes(msgspec.msgpack.encode({"model": config.model, "cpus": sorted(cpus or ()),
                                                 **config.engine_options()}))
         engine = cls(config, proc, conn, on_death)
         await engine._ready

@@ -19,9 +19,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection, wait
 
 import msgspec
+import torch
 
 from adapters.format import load_adapter
 from engine.config import Config
+from engine.core import pin_threads
 from engine.core.messages import (
     Abort,
     Call,
@@ -162,7 +164,10 @@ def main(argv: list[str]) -> int:
         options = msgspec.msgpack.decode(conn.recv_bytes())
     except (EOFError, OSError):
         return 0  # the server went away before it sent a config
-    model = options.pop("model")
+    model, cpus = options.pop("model"), options.pop("cpus")
+    if cpus:  # before torch starts its thread pool: every thread it makes inherits the mask
+        pin_threads(set(cpus))
+        torch.set_num_threads(len(cpus))
     try:
         core = EngineCore(conn, Config(model, **options))
     except Exception as exc:

@@ -1,7 +1,8 @@
 """The engine in a process of its own (engine/core/): `loragw serve`'s default. The other
 gateway tests run against it; here, what only a process can do: die. SIGKILL of the engine
 process mid-stream ends every open stream with an error event, takes /ready down, and the
-server exits non-zero within a few seconds instead of hanging."""
+server exits non-zero within a few seconds instead of hanging. And `--engine-cpus`: the engine
+process on the CPUs named, the HTTP server on the others."""
 
 from __future__ import annotations
 
@@ -16,18 +17,38 @@ from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 from fleet_harness import redis_fixture
+
+from gateway.config import ServerConfig, parse_cpu_list
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+def test_engine_cpus_are_a_cpu_list_this_process_may_use(model_dir):
+    assert parse_cpu_list("0-2,5, 7-7") == {0, 1, 2, 5, 7}
+    for bad in ("", "a", "3-1", "-1", "0,,1"):
+        with pytest.raises(ValueError, match="--engine-cpus"):
+            parse_cpu_list(bad)
+    allowed = max(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match="may not use"):
+        ServerConfig(model=model_dir, engine_cpus=f"{allowed + 1}")
+    with pytest.raises(ValueError, match="drop --no-engine-process"):
+        ServerConfig(model=model_dir, engine_cpus="0", engine_process=False)
+    assert ServerConfig(model=model_dir, engine_cpus=f"{allowed}").engine_cpu_set() == {allowed}
+
+
 def test_a_killed_engine_process_ends_every_stream_and_the_server(model_dir, tmp_path):
+    # On the engine's own CPU when there are two: --engine-cpus is checked on the way.
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = ["--engine-cpus", str(cpus[0])] if len(cpus) > 1 else []
     port = redis_fixture.free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "wb")
     server = subprocess.Popen(
         [sys.executable, "-m", "gateway.server", "--model", model_dir, "--device", "cpu",
-         "--max-model-len", "512", "--port", str(port), "--adapter-dir", str(tmp_path / "s")],
+         "--max-model-len", "512", "--port", str(port), "--adapter-dir", str(tmp_path / "s"),
+         *pin],
         cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
         stderr=subprocess.STDOUT)
     try:
@@ -42,6 +63,11 @@ def test_a_killed_engine_process_ends_every_stream_and_the_server(model_dir, tmp
                 pass
             time.sleep(0.2)
         (engine,) = psutil.Process(server.pid).children()
+        if pin:
+            for thread in engine.threads():
+                assert os.sched_getaffinity(thread.id) == {cpus[0]}
+            for thread in psutil.Process(server.pid).threads():
+                assert os.sched_getaffinity(thread.id) == set(cpus[1:])
         body = {"model": os.path.basename(model_dir), "prompt": "Once upon a time",
                 "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
         events: list[list[str]] = [[], []]
