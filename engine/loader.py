@@ -15,11 +15,12 @@ import os
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 
 from engine.layers.embedding import VocabShard
 from engine.layers.linear import Linear
-from engine.models.llama import LlamaForCausalLM
+from engine.models import model_class
 from engine.parallel.shard import ONE, Shard
 
 logger = logging.getLogger(__name__)
@@ -44,11 +45,11 @@ def checkpoint_files(model_dir: str) -> list[str]:
 
 
 def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype, device: torch.device,
-               shard: Shard = ONE) -> LlamaForCausalLM:
+               shard: Shard = ONE) -> nn.Module:
     """The model, or under tensor parallelism this rank's part of every layer (each tensor
     read whole, cut by the module it fills)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config, shard)
+        model = model_class(hf_config)(hf_config, shard)
     model.to_empty(device=device)
     model.to(dtype)
     params = dict(model.named_parameters())
@@ -66,7 +67,7 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype, device: torc
     return model.eval()
 
 
-def _required_keys(model: LlamaForCausalLM):
+def _required_keys(model: nn.Module):
     """Parameter names, with merged projections counted per slice (`...qkv_proj.weight:k_proj`)."""
     for name, _ in model.named_parameters():
         owner = model.get_submodule(name.rsplit(".", 1)[0])
@@ -76,7 +77,7 @@ def _required_keys(model: LlamaForCausalLM):
             yield name
 
 
-def _assign(model: LlamaForCausalLM, params: dict, name: str, tensor: torch.Tensor) -> str:
+def _assign(model: nn.Module, params: dict, name: str, tensor: torch.Tensor) -> str:
     """Copy one checkpoint tensor into its (possibly merged) parameter; return what it filled."""
     if "rotary_emb.inv_freq" in name:
         return name  # derived from config; some old checkpoints store it

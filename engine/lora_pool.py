@@ -53,10 +53,7 @@ class SlotPool:
         self.full = FullModuleSlots(num_full_slots, device, dtype)  # ... saved modules
 
     def _projections(self):
-        for index, layer in enumerate(self.model.model.layers):
-            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                           layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                yield index, linear
+        return self.model.lora_linears()
 
     @property
     def num_bytes(self) -> dict[str, int]:

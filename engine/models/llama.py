@@ -21,9 +21,6 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.parallel.shard import ONE, Shard
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
-
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -44,9 +41,6 @@ class ModelArgs:
     def from_hf_config(cls, cfg: dict) -> ModelArgs:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else cfg.get("model_type", "?")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture {arch!r} is not supported; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         heads = cfg["num_attention_heads"]
         return cls(
             vocab_size=cfg["vocab_size"],
@@ -166,3 +160,15 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def lora_linears(self):
+        """(layer index, Linear) of every projection an adapter may adapt."""
+        for index, layer in enumerate(self.model.layers):
+            for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                           layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                yield index, linear
+
+
+# config.json "architectures" -> the class that serves it (engine/models/__init__.py)
+ARCHITECTURES = {name: LlamaForCausalLM for name in (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")}
