@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from adapters.types import BaseModelSpec
+from engine.models import model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
@@ -144,6 +145,7 @@ class Config(EngineOptions):
             raise ValueError(f"{self.model!r} has no config.json; expected a Hugging Face checkpoint")
         with open(config_path) as f:
             object.__setattr__(self, "hf_config", json.load(f))
+        model_class(self.hf_config)  # an architecture the engine does not serve fails here, named
         if self.max_model_len is None:
             object.__setattr__(self, "max_model_len",
                                self.hf_config.get("max_position_embeddings", 4096))

@@ -105,3 +105,23 @@ def test_a_killed_engine_process_ends_every_stream_and_the_server(model_dir, tmp
         if server.poll() is None:
             server.kill()
         log.close()
+
+
+def test_an_unsupported_architecture_fails_at_start_named(model_dir, tmp_path):
+    # A DeepSeek-V3 config.json over the demo's files: refused before any weight is read, with
+    # the architecture and the supported list, and no stack trace.
+    model = tmp_path / "deepseek"
+    model.mkdir()
+    for name in os.listdir(model_dir):
+        (model / name).symlink_to(os.path.join(model_dir, name))
+    (model / "config.json").unlink()
+    config = json.loads(Path(model_dir, "config.json").read_text())
+    config |= {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
+    (model / "config.json").write_text(json.dumps(config))
+    done = subprocess.run(
+        [sys.executable, "-m", "gateway.server", "--model", str(model), "--device", "cpu",
+         "--port", "0", "--adapter-dir", str(tmp_path / "s")],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "'DeepseekV3ForCausalLM' is not supported; supported: LlamaForCausalLM" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
