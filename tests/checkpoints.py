@@ -32,7 +32,10 @@ Either way transformers 5 reads it back to the same model.
 Other architecture-specific keys: qwen2 has q/k/v biases in the weights ("attention_bias" is
 not a Qwen2 config key) and "use_sliding_window": false, "sliding_window": null; qwen3 has
 "attention_bias": false and q_norm/k_norm weights; mistral has "sliding_window": null (as
-Mistral-7B-v0.2 and later).
+Mistral-7B-v0.2 and later); phi3 has fused qkv_proj / gate_up_proj weights (as transformers
+saves Phi3ForCausalLM), "sliding_window": 2047 (past every test context) and a top-level
+"original_max_position_embeddings" (512 unless overridden, for longrope), and an overridden
+partial_rotary_factor is written top-level, as Phi-4-mini carries it.
 
 `with_weight(src_dir, out_dir, name, index, value)` copies a checkpoint with one weight changed
 (past float16's range, NaN), for the loader's checks.

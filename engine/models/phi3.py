@@ -27,6 +27,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         act = hf_config.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"Phi-3 config.json has hidden_act {act!r}; only 'silu' is served")
+        # Phi3Config's default when config.json has none; it overrides rope_scaling's own
+        hf_config = {"original_max_position_embeddings": 4096, **hf_config}
         super().__init__(hf_config, shard)
         a = self.args
         q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
