@@ -45,6 +45,16 @@ def rope_parameters(hf_config: dict) -> dict:
     return params
 
 
+def longrope_context(hf_config: dict) -> int | None:
+    """The longest sequence this engine serves a longrope config.json for (its
+    original_max_position_embeddings: see the module docstring); None for other rope types."""
+    params = {**(hf_config.get("rope_scaling") or {}), **(hf_config.get("rope_parameters") or {})}
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if ROPE_TYPE_ALIASES.get(rope_type, rope_type) != "longrope":
+        return None
+    return rope_parameters(hf_config)["original_max_position_embeddings"]
+
+
 def rotary_dim(head_dim: int, params: dict) -> int:
     """How many of a head's dimensions rotate (the rest pass through)."""
     return int(head_dim * params["partial_rotary_factor"])
@@ -89,7 +99,7 @@ class RotaryEmbedding(nn.Module):
         # longrope's short factors hold for sequences up to this many tokens
         self.short_only = (params["original_max_position_embeddings"]
                            if params["rope_type"] == "longrope" else None)
-        # (device, dtype, cos, sin) with cos, sin: [max_positions, head_dim], built on first use
+        # (device, dtype, cos, sin) with cos, sin: [max_positions, rotary dim], built on first use
         self._table: tuple[torch.device, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def reserve(self, num_positions: int) -> None:
@@ -107,7 +117,7 @@ class RotaryEmbedding(nn.Module):
 
     def _build(self, device: torch.device, dtype: torch.dtype) -> None:
         positions = torch.arange(self.max_positions, device=device, dtype=torch.float)
-        freqs = positions[:, None] * self.inv_freq.to(device)[None, :]  # [P, head_dim / 2]
+        freqs = positions[:, None] * self.inv_freq.to(device)[None, :]  # [P, rotary dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         # Computed in float32 and cast once, as Hugging Face casts them per call.
         cos, sin = emb.cos() * self.attention_factor, emb.sin() * self.attention_factor

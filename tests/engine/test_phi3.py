@@ -63,10 +63,13 @@ def test_greedy_matches_transformers(tiny_checkpoint, variant):
             assert llm.engine.scheduler.num_preemptions > 0, "the schedule did not preempt"
 
 
-def test_longrope_past_the_original_length_is_refused(tiny_checkpoint):
+def test_longrope_serves_up_to_the_original_length_and_refuses_past_it(tiny_checkpoint):
+    """Past original_max_position_embeddings transformers switches the whole sequence to the
+    long factors; the engine does not, so it keeps contexts short of that."""
     path = tiny_checkpoint("phi3", **VARIANTS["phi3-longrope"])  # max_position_embeddings 512
+    assert LLM(path, device="cpu", dtype="float32").engine.config.max_model_len == ORIGINAL
     with pytest.raises(ValueError, match=f"restart with --max-model-len {ORIGINAL} or less"):
-        LLM(path, device="cpu", dtype="float32")
+        LLM(path, device="cpu", dtype="float32", max_model_len=ORIGINAL + 1)
 
 
 @pytest.fixture(scope="module")
