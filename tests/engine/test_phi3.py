@@ -4,7 +4,10 @@ default rope, longrope (Phi-3-128k / Phi-3.5) and partial rotary with longrope a
 embeddings (Phi-4-mini); PEFT's Phi-3 adapters on the fused modules match PEFT in one mixed
 batch with base rows, on one rank and on two (gloo)."""
 
+import shutil
+
 import pytest
+import safetensors.torch
 import torch
 from checkpoints import make_tiny_checkpoint
 from peft_reference import MAX_TOKENS, World, hf_greedy
@@ -94,3 +97,13 @@ def test_fused_adapters_match_peft_under_tensor_parallelism(phi3_world):
     phi3_world.check(llm.generate(phi3_world.prompts, GREEDY, adapters=phi3_world.requests),
                      "phi3 tp=2")
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_fused_checkpoint_tensor_of_the_wrong_height_is_refused(tiny_checkpoint, tmp_path):
+    path = shutil.copytree(tiny_checkpoint("phi3"), tmp_path / "short-qkv")
+    weights = safetensors.torch.load_file(path / "model.safetensors")
+    name = "model.layers.1.self_attn.qkv_proj.weight"
+    weights[name] = weights[name][:-8]  # [q + 2 kv - 8, H]
+    safetensors.torch.save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"{name}.*\(120, 64\).*128 rows \(q_proj, k_proj"):
+        LLM(str(path), device="cpu", dtype="float32")
