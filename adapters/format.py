@@ -54,10 +54,20 @@ class LoraModuleWeights:
     lora_a: torch.Tensor  # [r, in]  float32, CPU (embed_tokens: in = vocab)
     lora_b: torch.Tensor  # [out, r] float32, CPU (lm_head: out = vocab)
     scaling: float
+    # a fused module (Phi-3's qkv_proj, gate_up_proj): (slice, rows of lora_b) in row order;
+    # () otherwise (BaseModelSpec.fused)
+    slices: tuple[tuple[str, int], ...] = ()
 
     @property
     def rank(self) -> int:
         return self.lora_a.shape[0]
+
+    def split(self) -> dict[str, LoraModuleWeights]:
+        """A fused module as one LoRA per slice: the same A, that slice's rows of B (the
+        same delta, s * B A x, row for row)."""
+        rows = self.lora_b.split([n for _, n in self.slices])  # views, [n, r] each
+        return {name: LoraModuleWeights(self.layer, name, self.lora_a, b, self.scaling)
+                for (name, _), b in zip(self.slices, rows, strict=True)}
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,6 +90,15 @@ class LoraAdapter:
     @property
     def targets(self) -> tuple[str, ...]:
         return tuple(sorted({target for _, target in self.modules}))
+
+    def by_slice(self) -> dict[tuple[int | None, str], LoraModuleWeights]:
+        """`modules` with every fused module split into its slices (q_proj, ..., up_proj),
+        as the engine's Linears hold them."""
+        out = {}
+        for (layer, target), weights in self.modules.items():
+            parts = weights.split() if weights.slices else {target: weights}
+            out |= {(layer, name): part for name, part in parts.items()}
+        return out
 
 
 def load_adapter(path: str | os.PathLike, spec: BaseModelSpec) -> LoraAdapter:
@@ -108,7 +127,7 @@ def load_adapter_bytes(config_raw: bytes, weights_raw: bytes, spec: BaseModelSpe
         for key, t in ((a_key, a), (b_key, b)):
             _check_finite(key, t, spec)
         modules[(layer, target)] = LoraModuleWeights(
-            layer, target, a, b, config.scaling(module_name)
+            layer, target, a, b, config.scaling(module_name), spec.fused.get(target, ())
         )
     if config.ensure_weight_tying and spec.tie_word_embeddings:
         _check_tied_head(modules)

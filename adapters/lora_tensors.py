@@ -1,7 +1,9 @@
 """The contents of adapter_model.safetensors, checked from its header alone against the adapter
 config and the served base model: keys, targets, layers, shapes, ranks, dtypes.
 
-Targets: the seven projections of every decoder layer, and two model-level modules,
+Targets: the projections of every decoder layer the base offers (the seven, or Phi-3's fused
+qkv_proj and gate_up_proj beside o_proj and down_proj: BaseModelSpec.module_shapes), and two
+model-level modules,
 ``embed_tokens`` (PEFT's lora.Embedding: ``...embed_tokens.lora_embedding_A`` [r, vocab] and
 ``lora_embedding_B`` [hidden, r], no ``.weight``) and ``lm_head`` (a Linear LoRA: ``lora_A``
 [r, hidden], ``lora_B`` [vocab, r]). Beside an embedding LoRA PEFT also saves the base layers'
@@ -25,12 +27,13 @@ from adapters.types import (
     EMBED_LORA_KEY,
     EMBED_TOKENS,
     FLOAT_DTYPES,
+    FUSED_TARGETS,
     HEAD_LORA_KEY,
     LM_HEAD,
     MODEL_TARGETS,
+    PROJECTIONS,
     SAVED_KEY,
     SUPPORTED_TARGETS,
-    TARGET_MODULES,
     BaseModelSpec,
     LoraConfig,
     no_vocab_error,
@@ -88,6 +91,20 @@ def _unsupported_target(target: str, key: str) -> AdapterError:
     )
 
 
+def _not_offered(target: str, key: str, spec: BaseModelSpec) -> AdapterError:
+    """A projection this base does not have: q_proj on Phi-3 (fused), qkv_proj on Llama."""
+    offered = ", ".join(t for t in spec.module_shapes if t in PROJECTIONS)
+    base = f"the base model ({spec.architecture})" if spec.architecture else "the base model"
+    fused_into = next((name for name, parts in FUSED_TARGETS.items()
+                       if target in parts and name in spec.module_shapes), None)
+    why = f"it fuses {target} into {fused_into}" if fused_into else f"it has no {target}"
+    return AdapterError(
+        f"adapter targets module {_show(target)} (tensor {_show(key)}), which {base} does not"
+        f" offer: {why}; its projections are {offered}. Use an adapter trained on this base"
+        " model's architecture"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class _LoraKey:
     layer: int | None  # None for the model-level targets (embed_tokens, lm_head)
@@ -107,10 +124,12 @@ def _lora_key(key: str, spec: BaseModelSpec) -> _LoraKey:
     if m is None:
         raise _explain_unknown_key(key)
     layer, target = int(m["layer"]), m["target"]
-    if target not in TARGET_MODULES:
+    if target not in PROJECTIONS:
         raise _unsupported_target(target, key)
     if m["block"] != BLOCK_OF[target]:
         raise AdapterError(f"tensor {_show(key)} puts {target} under {m['block']}")
+    if target not in spec.module_shapes:
+        raise _not_offered(target, key, spec)
     if layer >= spec.num_layers:
         raise AdapterError(
             f"tensor {_show(key)} is for layer {layer} but the base model has {spec.num_layers}"

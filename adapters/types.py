@@ -14,7 +14,7 @@ import math
 import os
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from adapters.errors import AdapterError
 from adapters.errors import short_repr as _show
@@ -22,11 +22,17 @@ from adapters.errors import short_repr as _show
 # -- targets ----------------------------------------------------------------------------------
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's fused projections: module -> the projections its output rows stack, in order. On a
+# base of FUSED_ARCHITECTURES adapters target these (PEFT sees no q_proj there), elsewhere never.
+FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
+PROJECTIONS = TARGET_MODULES + tuple(FUSED_TARGETS)  # every decoder-layer module a LoRA may target
 EMBED_TOKENS, LM_HEAD = "embed_tokens", "lm_head"  # the vocabulary ends
 MODEL_TARGETS = (EMBED_TOKENS, LM_HEAD)  # one per model, outside the decoder layers
-SUPPORTED_TARGETS = TARGET_MODULES + MODEL_TARGETS
+SUPPORTED_TARGETS = PROJECTIONS + MODEL_TARGETS
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 BLOCK_OF = {t: "self_attn" for t in TARGET_MODULES[:4]} | {t: "mlp" for t in TARGET_MODULES[4:]}
+BLOCK_OF |= {"qkv_proj": "self_attn", "gate_up_proj": "mlp"}
 ALL_LINEAR = "all-linear"  # target_modules shorthand: every projection (not the vocabulary ends)
 
 # -- PEFT keys that both adapters.lora_tensors and adapters.saved_modules read -----------------
@@ -68,7 +74,9 @@ class BaseModelSpec:
 
     num_layers: int
     # target -> (out_features, in_features); embed_tokens is (hidden, vocab), lm_head
-    # (vocab, hidden): both absent when config.json gives no vocab_size
+    # (vocab, hidden): both absent when config.json gives no vocab_size. The projections the
+    # base offers: the seven, or on a FUSED_ARCHITECTURES base qkv_proj, o_proj, gate_up_proj,
+    # down_proj
     module_shapes: dict[str, tuple[int, int]]
     max_lora_rank: int
     tie_word_embeddings: bool = False  # lm_head reuses embed_tokens' weight
@@ -82,12 +90,14 @@ class BaseModelSpec:
     # the dtype the engine serves in ("float32", "bfloat16", "float16"): every adapter weight
     # must be finite once cast to it (adapters.format)
     dtype: str = "float32"
+    # fused target -> (slice, its rows of lora_B) for each slice, in order; {} when not fused
+    fused: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
 
     @classmethod
     def from_hf_config(cls, hf_config: dict, max_lora_rank: int, max_full_module_slots: int = 0,
                        model_path: str | os.PathLike | None = None,
                        dtype: str = "float32") -> BaseModelSpec:
-        """From a Llama / Mistral / Qwen2 / Qwen3 config.json (as a dict); model_path is the
+        """From a Llama / Mistral / Qwen2 / Qwen3 / Phi-3 config.json (as a dict); model_path is the
         served model's directory, for its name; dtype the served dtype."""
         cfg = hf_config
         if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
@@ -108,20 +118,26 @@ class BaseModelSpec:
             "o_proj": (hidden, q),
             "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
         }  # fmt: skip
+        archs = hf_config.get("architectures")
+        arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+        fused = {}
+        if arch in FUSED_ARCHITECTURES:
+            fused = {name: tuple((part, shapes[part][0]) for part in parts)
+                     for name, parts in FUSED_TARGETS.items()}
+            shapes = {"qkv_proj": (q + 2 * kv, hidden), "o_proj": shapes["o_proj"],
+                      "gate_up_proj": (2 * inter, hidden), "down_proj": shapes["down_proj"]}
         vocab = cfg.get("vocab_size")
         if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
             shapes |= {EMBED_TOKENS: (hidden, vocab), LM_HEAD: (vocab, hidden)}
         if max_lora_rank < 1:
             raise ValueError(f"--max-lora-rank must be >= 1, got {max_lora_rank}")
         tied = bool(cfg.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False)))
-        archs = hf_config.get("architectures")
-        arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
         names = [os.path.basename(os.path.abspath(model_path))] if model_path else []
         if isinstance(hf_config.get("_name_or_path"), str):
             names.append(hf_config["_name_or_path"])
         names = tuple(dict.fromkeys(n for n in names if base_name(n)))  # distinct, in order
         return cls(cfg["num_hidden_layers"], shapes, max_lora_rank, tied, max_full_module_slots,
-                   arch or None, names, dtype)
+                   arch or None, names, dtype, fused)
 
 
 # -- the adapter's config ---------------------------------------------------------------------
@@ -200,7 +216,7 @@ class LoraConfig:
         if isinstance(ex, tuple) and any(_suffix_match(e, module_name) for e in ex):
             return False
         if self.target_modules == ALL_LINEAR:
-            return module_name.rsplit(".", 1)[-1] in TARGET_MODULES
+            return module_name.rsplit(".", 1)[-1] in PROJECTIONS
         if isinstance(self.target_modules, str):  # never with layers_to_transform
             return re.fullmatch(self.target_modules, module_name) is not None
         if module_name in self.target_modules:  # named in full: PEFT skips the layer filter

@@ -10,6 +10,7 @@ option (the field name here, `--max-loras` on the command line).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,10 @@ from typing import Any
 import torch
 
 from adapters.types import BaseModelSpec
+from engine.layers.rotary import longrope_context
 from engine.models import model_class
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
@@ -147,8 +151,7 @@ class Config(EngineOptions):
             object.__setattr__(self, "hf_config", json.load(f))
         model_class(self.hf_config)  # an architecture the engine does not serve fails here, named
         if self.max_model_len is None:
-            object.__setattr__(self, "max_model_len",
-                               self.hf_config.get("max_position_embeddings", 4096))
+            object.__setattr__(self, "max_model_len", _default_context(self.hf_config))
 
     @property
     def torch_device(self) -> torch.device:
@@ -168,3 +171,16 @@ class Config(EngineOptions):
     def max_host_loras(self) -> int:
         """Parsed adapters the host-memory LRU keeps (max_cpu_loras, or its default)."""
         return self.max_cpu_loras or max(self.max_loras, 16)
+
+
+def _default_context(hf_config: dict) -> int:
+    """The model's context window; under longrope no more than the length served exactly."""
+    window = hf_config.get("max_position_embeddings", 4096)
+    exact = longrope_context(hf_config)
+    if exact is not None and exact < window:
+        logger.warning(
+            "longrope model: max_model_len defaults to %d (original_max_position_embeddings), not "
+            "%d: past it Hugging Face switches to long_factor, which this engine does not serve",
+            exact, window)
+        return exact
+    return window

@@ -59,7 +59,7 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype, device: torc
                      disable=not logger.isEnabledFor(logging.INFO)):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                filled.add(_assign(model, params, name, f.get_tensor(name)))
+                filled.update(_assign(model, params, name, f.get_tensor(name)))
     missing = sorted(required - filled)
     if missing:
         raise ValueError(f"checkpoint {model_dir} does not provide {len(missing)} weights, "
@@ -77,24 +77,44 @@ def _required_keys(model: nn.Module):
             yield name
 
 
-def _assign(model: nn.Module, params: dict, name: str, tensor: torch.Tensor) -> str:
+def _assign(model: nn.Module, params: dict, name: str, tensor: torch.Tensor) -> list[str]:
     """Copy one checkpoint tensor into its (possibly merged) parameter; return what it filled."""
     if "rotary_emb.inv_freq" in name:
-        return name  # derived from config; some old checkpoints store it
+        return [name]  # derived from config; some old checkpoints store it
     if name == "lm_head.weight" and model.args.tie_word_embeddings:
-        return name
+        return [name]
+    for fragment, slices in model.fused_projections.items():
+        if f".{fragment}." in name:
+            return _assign_fused(model, params, name, tensor, slices)
     for fragment, (merged, slice_name) in model.merged_projections.items():
         if f".{fragment}." in name:
             merged_name = name.replace(f".{fragment}.", f".{merged}.")
             owner = model.get_submodule(merged_name.rsplit(".", 1)[0])
             _copy(params[merged_name][owner.slice_rows(slice_name)],
                   _local(owner, slice_name, tensor), name)
-            return f"{merged_name}:{slice_name}"
+            return [f"{merged_name}:{slice_name}"]
     if name not in params:
         raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
     owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
     _copy(params[name], _local(owner, None, tensor), name)
-    return name
+    return [name]
+
+
+def _assign_fused(model: nn.Module, params: dict, name: str, tensor: torch.Tensor,
+                  slices: tuple[tuple[str, int], ...]) -> list[str]:
+    """A checkpoint tensor holding several slices along its rows (Phi-3's qkv_proj [q+2kv, H]):
+    each slice's rows go to that slice of our Linear (this rank's part of them)."""
+    if name not in params:
+        raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
+    widths = [rows for _, rows in slices]
+    if tensor.shape[0] != sum(widths):
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
+                         f"expects {sum(widths)} rows ({', '.join(s for s, _ in slices)})")
+    owner = model.get_submodule(name.rsplit(".", 1)[0])
+    for (slice_name, _), part in zip(slices, tensor.split(widths), strict=True):
+        _copy(params[name][owner.slice_rows(slice_name)], _local(owner, slice_name, part),
+              f"{name} ({slice_name} rows)")
+    return [f"{name}:{slice_name}" for slice_name, _ in slices]
 
 
 def _local(owner, slice_name: str | None, tensor: torch.Tensor) -> torch.Tensor:

@@ -105,9 +105,10 @@ class SlotPool:
         """Copy `adapter` into slot `index` (cleared before) of every pool; absent targets stay
         at rank 0."""
         self.reserve(adapter)
+        slices = adapter.by_slice()  # a fused module (Phi-3's qkv_proj) as q, k, v slices
         for layer_index, linear in self._projections():
             for i, target in enumerate(linear.slice_names):
-                weights = adapter.modules.get((layer_index, target))
+                weights = slices.get((layer_index, target))
                 if weights is not None:
                     # this rank's part (engine/layers/linear.py): A by input columns, B by rows
                     _copy_linear(linear.lora, i, index, linear.slice_rows(target),

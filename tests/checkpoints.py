@@ -32,7 +32,10 @@ Either way transformers 5 reads it back to the same model.
 Other architecture-specific keys: qwen2 has q/k/v biases in the weights ("attention_bias" is
 not a Qwen2 config key) and "use_sliding_window": false, "sliding_window": null; qwen3 has
 "attention_bias": false and q_norm/k_norm weights; mistral has "sliding_window": null (as
-Mistral-7B-v0.2 and later).
+Mistral-7B-v0.2 and later); phi3 has fused qkv_proj / gate_up_proj weights (as transformers
+saves Phi3ForCausalLM), "sliding_window": 2047 (past every test context) and a top-level
+"original_max_position_embeddings" (512 unless overridden, for longrope), and an overridden
+partial_rotary_factor is written top-level, as Phi-4-mini carries it.
 
 `with_weight(src_dir, out_dir, name, index, value)` copies a checkpoint with one weight changed
 (past float16's range, NaN), for the loader's checks.
@@ -50,6 +53,7 @@ ARCHS = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, max_position_embeddings=512, rope_theta=10000.0,
@@ -59,6 +63,9 @@ ARCH_DEFAULTS = {
     "mistral": {"sliding_window": None},
     "qwen2": {"use_sliding_window": False, "sliding_window": None},
     "qwen3": {"head_dim": 16, "use_sliding_window": False, "sliding_window": None},
+    # Phi-3's fused qkv_proj / gate_up_proj; a window past every test context (engine: no
+    # sliding-window attention yet), original_max_position_embeddings for longrope overrides
+    "phi3": {"sliding_window": 2047, "original_max_position_embeddings": 512},
 }
 HUB_OMITS_DEFAULT_HEAD_DIM = ("llama", "mistral", "qwen2")
 TOKENIZER_VOCAB = 512
@@ -94,7 +101,11 @@ def make_tiny_checkpoint(out_dir: str, arch: str, *, sharded: bool = False,
     model.save_pretrained(out_dir, max_shard_size=total // 3 if sharded else "10GB")
     if config_style == "hub":
         written = _read_json(os.path.join(out_dir, "config.json"))
+        partial = (written.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
         hub = hub_style_config(written)
+        (hub.get("rope_scaling") or {}).pop("partial_rotary_factor", None)
+        if partial != 1.0:
+            hub["partial_rotary_factor"] = partial  # top-level, as Phi-4-mini carries it
         default_head_dim = hub["hidden_size"] // hub["num_attention_heads"]
         if arch in HUB_OMITS_DEFAULT_HEAD_DIM and hub.get("head_dim") == default_head_dim:
             del hub["head_dim"]

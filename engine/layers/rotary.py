@@ -1,6 +1,11 @@
-"""Rotary position embedding with the `default`, `linear` and `llama3` frequency schedules.
+"""Rotary position embedding with the `default`, `linear`, `llama3` and `longrope` frequency
+schedules, over the first `partial_rotary_factor` of each head (Phi-4-mini: 0.75).
 
 Frequencies are computed exactly as Hugging Face computes them, so cos/sin match bit for bit.
+`longrope` (Phi-3-128k, Phi-3.5, Phi-4-mini; old configs say "su") scales frequencies by
+`short_factor` and cos/sin by an attention factor; Hugging Face switches a whole sequence to
+`long_factor` (recomputing its KV cache) once it is longer than original_max_position_embeddings.
+This engine does not switch, so it serves longrope only up to that length (see `reserve`).
 """
 
 from __future__ import annotations
@@ -10,7 +15,8 @@ import math
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs
 
 
 def rope_parameters(hf_config: dict) -> dict:
@@ -21,17 +27,50 @@ def rope_parameters(hf_config: dict) -> dict:
     params = {**scaling, **params}
     params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    rope_type = ROPE_TYPE_ALIASES.get(rope_type, rope_type)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope scaling type {rope_type!r} is not supported; "
                          f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     params["rope_type"] = rope_type
+    params.setdefault("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
+    if rope_type == "longrope":  # Phi-3 keeps the pretraining length outside rope_scaling
+        max_len = hf_config.get("max_position_embeddings", 4096)
+        original = hf_config.get("original_max_position_embeddings",
+                                 params.get("original_max_position_embeddings", max_len))
+        params["original_max_position_embeddings"] = original
+        factor = params.get("factor") or max_len / original
+        if params.get("attention_factor") is None:
+            params["attention_factor"] = (1.0 if factor <= 1.0 else
+                                          math.sqrt(1 + math.log(factor) / math.log(original)))
     return params
 
 
-def inverse_frequencies(head_dim: int, params: dict, max_position_embeddings: int) -> torch.Tensor:
+def longrope_context(hf_config: dict) -> int | None:
+    """The longest sequence this engine serves a longrope config.json for (its
+    original_max_position_embeddings: see the module docstring); None for other rope types."""
+    params = {**(hf_config.get("rope_scaling") or {}), **(hf_config.get("rope_parameters") or {})}
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if ROPE_TYPE_ALIASES.get(rope_type, rope_type) != "longrope":
+        return None
+    return rope_parameters(hf_config)["original_max_position_embeddings"]
+
+
+def rotary_dim(head_dim: int, params: dict) -> int:
+    """How many of a head's dimensions rotate (the rest pass through)."""
+    return int(head_dim * params["partial_rotary_factor"])
+
+
+def inverse_frequencies(dim: int, params: dict, max_position_embeddings: int) -> torch.Tensor:
+    """[dim / 2] for the `dim` rotating dimensions of a head."""
     base = params["rope_theta"]
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (base ** exponents)  # [head_dim / 2]
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    if params["rope_type"] == "longrope":  # the short factors: see the module docstring
+        short = torch.tensor(params["short_factor"], dtype=torch.float32, device="cpu")
+        if short.shape != exponents.shape:
+            raise ValueError(f"rope_scaling short_factor has {short.numel()} entries; "
+                             f"{dim} rotating dimensions need {exponents.numel()}")
+        return 1.0 / (short * base ** exponents)
+    inv_freq = 1.0 / (base ** exponents)  # [dim / 2]
     if params["rope_type"] == "linear":
         inv_freq /= params["factor"]
     elif params["rope_type"] == "llama3":
@@ -53,25 +92,39 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.max_positions = hf_config.get("max_position_embeddings", 4096)
-        self.inv_freq = inverse_frequencies(head_dim, rope_parameters(hf_config), self.max_positions)
-        # (device, dtype, cos, sin) with cos, sin: [max_positions, head_dim], built on first use
+        params = rope_parameters(hf_config)
+        self.inv_freq = inverse_frequencies(rotary_dim(head_dim, params), params,
+                                            self.max_positions)
+        self.attention_factor = params.get("attention_factor", 1.0)  # cos and sin scale
+        # longrope's short factors hold for sequences up to this many tokens
+        self.short_only = (params["original_max_position_embeddings"]
+                           if params["rope_type"] == "longrope" else None)
+        # (device, dtype, cos, sin) with cos, sin: [max_positions, rotary dim], built on first use
         self._table: tuple[torch.device, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def reserve(self, num_positions: int) -> None:
         """Positions the table must cover (the engine's max_model_len): built once, so a step
         never checks its positions on the host (a sync, and no CUDA graph could replay it)."""
+        if self.short_only is not None and num_positions > self.short_only:
+            raise ValueError(
+                f"max_model_len {num_positions} > original_max_position_embeddings "
+                f"{self.short_only} of this longrope model: past that length Hugging Face "
+                "switches the whole sequence to rope_scaling's long_factor (recomputing its KV "
+                "cache), which this engine does not do; restart with --max-model-len "
+                f"{self.short_only} or less")
         if num_positions > self.max_positions:
             self.max_positions, self._table = num_positions, None
 
     def _build(self, device: torch.device, dtype: torch.dtype) -> None:
         positions = torch.arange(self.max_positions, device=device, dtype=torch.float)
-        freqs = positions[:, None] * self.inv_freq.to(device)[None, :]  # [P, head_dim / 2]
+        freqs = positions[:, None] * self.inv_freq.to(device)[None, :]  # [P, rotary dim / 2]
         emb = torch.cat((freqs, freqs), dim=-1)
         # Computed in float32 and cast once, as Hugging Face casts them per call.
-        self._table = (device, dtype, emb.cos().to(dtype), emb.sin().to(dtype))
+        cos, sin = emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+        self._table = (device, dtype, cos.to(dtype), sin.to(dtype))
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos, sin for these positions (each < max_positions): [T, 1, head_dim] each."""
+        """cos, sin for these positions (each < max_positions): [T, 1, rotary dim] each."""
         table = self._table
         if table is None or table[0] != positions.device or table[1] != dtype:
             self._build(positions.device, dtype)
@@ -80,7 +133,12 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    # q: [T, n_heads, D]  k: [T, n_kv_heads, D]  cos, sin: [T, 1, D]
+    # q: [T, n_heads, D]  k: [T, n_kv_heads, D]  cos, sin: [T, 1, rot]: dims past rot pass through
+    rot = cos.shape[-1]
+    if rot < q.shape[-1]:
+        (q_rot, q_pass), (k_rot, k_pass) = (t.split([rot, t.shape[-1] - rot], -1) for t in (q, k))
+        q_rot, k_rot = apply_rotary(q_rot, k_rot, cos, sin)
+        return torch.cat((q_rot, q_pass), -1), torch.cat((k_rot, k_pass), -1)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 

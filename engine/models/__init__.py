@@ -6,6 +6,7 @@ Every model class offers what the loader, the runner and the adapter slots use:
     args                      ModelArgs-like: num_layers, vocab_size, hidden_size, ...
     model.embed_tokens        VocabEmbedding;  lm_head: LMHead
     merged_projections        checkpoint name fragment -> (our module, slice name)
+    fused_projections         checkpoint module holding several slices -> ((slice, rows), ...)
     lora_linears()            (layer index, Linear) of every projection an adapter may adapt
     attention_layers()        the PagedAttention of every layer, in order
     forward / compute_logits
@@ -15,9 +16,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.models import llama
+from engine.models import llama, phi3
 
-FAMILIES = (llama,)  # each with ARCHITECTURES: {config.json name: model class}
+FAMILIES = (llama, phi3)  # each with ARCHITECTURES: {config.json name: model class}
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     name: cls for family in FAMILIES for name, cls in family.ARCHITECTURES.items()}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)

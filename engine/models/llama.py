@@ -140,6 +140,8 @@ class LlamaForCausalLM(nn.Module):
     merged_projections = {"q_proj": ("qkv_proj", "q_proj"), "k_proj": ("qkv_proj", "k_proj"),
                           "v_proj": ("qkv_proj", "v_proj"), "gate_proj": ("gate_up_proj", "gate_proj"),
                           "up_proj": ("gate_up_proj", "up_proj")}
+    # checkpoint module holding several of our slices -> ((slice, rows), ...): none (phi3.py)
+    fused_projections: dict[str, tuple[tuple[str, int], ...]] = {}
 
     def __init__(self, hf_config: dict, shard: Shard = ONE):
         super().__init__()

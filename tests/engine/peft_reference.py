@@ -171,15 +171,17 @@ class World:
                    of its own, as from_pretrained serves it: PEFT cannot hold a LoRA on lm_head
                    beside another adapter's saved lm_head (modules_to_save).
       prompt_seed  the seed of the random prompts.
+      base         another base checkpoint's directory (tests/checkpoints.py: Phi-3, say)
+                   instead of build_base's Llama; its vocabulary must hold VOCAB ids.
     """
 
     def __init__(self, root: str, specs: dict[str, dict], *, tied: bool = False,
                  first: dict[str, dict] | None = None, apart: bool = False,
-                 prompt_seed: int = 7):
+                 prompt_seed: int = 7, base: str | None = None):
         first = first or {}
         assert not (first and apart), "apart saves every adapter alone already: no `first`"
         self.root = root
-        self.base = build_base(os.path.join(root, "base"), tie_word_embeddings=tied)
+        self.base = base or build_base(os.path.join(root, "base"), tie_word_embeddings=tied)
         self.specs = first | specs
         if apart:
             self.dirs: dict[str, str] = {}

@@ -1,0 +1,43 @@
+"""Phi-3 (Phi-3-mini / small-context and 128k, Phi-3.5-mini, Phi-4-mini) as the Llama model with
+fused checkpoint projections.
+
+The checkpoint stores `self_attn.qkv_proj.weight` [q + 2 kv, H] and `mlp.gate_up_proj.weight`
+[2 I, H] as one tensor each; the engine's Linears already hold those slices (q|k|v, gate|up),
+so the loader splits each fused tensor by slice rows (`fused_projections`) and, under tensor
+parallelism, every Linear keeps its rank's part of each slice. Adapters name the fused modules
+too (qkv_proj, gate_up_proj: adapters.types.FUSED_TARGETS); the slot pool gives each slice the
+adapter's A and its rows of B.
+
+Rope: default or longrope, over partial_rotary_factor of each head (engine/layers/rotary.py).
+Phi-3 configs carry `sliding_window` (2047 for Phi-3-mini-4k): it is read by no code here;
+sliding-window attention belongs to the attention layer, for every family (another change).
+Until then contexts longer than the window attend to more than Hugging Face's model does.
+"""
+
+from __future__ import annotations
+
+from engine.models.llama import LlamaForCausalLM
+from engine.parallel.shard import ONE, Shard
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    merged_projections = {}  # no separately named q/k/v, gate/up tensors
+
+    def __init__(self, hf_config: dict, shard: Shard = ONE):
+        act = hf_config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"Phi-3 config.json has hidden_act {act!r}; only 'silu' is served")
+        # Phi3Config's default when config.json has none; it overrides rope_scaling's own
+        hf_config = {"original_max_position_embeddings": 4096, **hf_config}
+        super().__init__(hf_config, shard)
+        a = self.args
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        # checkpoint module -> its slices in row order, each (slice name, rows in the checkpoint)
+        self.fused_projections = {
+            "qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+            "gate_up_proj": (("gate_proj", a.intermediate_size), ("up_proj", a.intermediate_size)),
+        }
+
+
+# config.json "architectures" -> the class that serves it (engine/models/__init__.py)
+ARCHITECTURES = {"Phi3ForCausalLM": Phi3ForCausalLM}
