@@ -55,9 +55,9 @@ def check_parameter_tensors(header: dict[str, TensorInfo], config: LoraConfig,
     for key in keys:
         m = PARAM_LORA_KEY.fullmatch(key)
         layer, holder, module = int(m["layer"]), m["holder"], m["module"]
-        if layer >= spec.num_layers:
-            raise AdapterError(f"tensor {_show(key)} is for layer {layer} but the base model has"
-                               f" {spec.num_layers} layers")
+        if layer not in spec.moe_layers:
+            raise AdapterError(f"tensor {_show(key)} is for layer {layer}, which has no experts"
+                               f" in the base model (its MoE layers: {list(spec.moe_layers)})")
         # the targeted parameters of this module, innermost wrapper first
         targeted = [p for p in _params_of(holder) if config.targets_parameter(f"{module}.{p}")]
         depth = m["nest"].count(".base_layer")

@@ -13,7 +13,13 @@ import re
 from adapters.errors import AdapterError
 from adapters.errors import short_repr as _show
 from adapters.saved_modules import parse_modules_to_save
-from adapters.types import ALL_LINEAR, SUPPORTED_PARAMETERS, SUPPORTED_TARGETS, LoraConfig
+from adapters.types import (
+    ALL_LINEAR,
+    EXPERT_PARAMS,
+    SUPPORTED_PARAMETERS,
+    SUPPORTED_TARGETS,
+    LoraConfig,
+)
 
 __all__ = ["parse_adapter_config"]
 
@@ -192,13 +198,16 @@ def _target_modules(t: object) -> tuple[str, ...] | str:
 
 
 def _target_parameters(t: object) -> tuple[str, ...]:
-    """PEFT's target_parameters: names of parameters, matched as dotted suffixes."""
+    """PEFT's target_parameters: names of parameters, matched as dotted suffixes. PEFT writes
+    bare "down_proj" / "gate_up_proj" itself when it converts target_modules for a fused-expert
+    base (transformers_weight_conversion)."""
     if t is None or t == []:
         return ()
     if not isinstance(t, list) or not all(isinstance(x, str) and x for x in t):
         raise _bad("target_parameters", f"must be a list of parameter names, got {_show(t)}")
     for name in t:
-        if not any(name == p or name.endswith("." + p) for p in SUPPORTED_PARAMETERS):
+        if name not in EXPERT_PARAMS and not any(
+                name == p or name.endswith("." + p) for p in SUPPORTED_PARAMETERS):
             raise _bad("target_parameters", f"names {_show(name)}; lora-gateway serves"
                        " parameter LoRAs only on an MoE block's experts.gate_up_proj and"
                        " experts.down_proj (its fused experts) and gate.weight (its router)")

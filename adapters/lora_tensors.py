@@ -110,11 +110,11 @@ def _lora_key(key: str, spec: BaseModelSpec) -> _LoraKey:
     layer, target = int(m["layer"]), m["target"]
     if target not in TARGET_MODULES:
         raise _unsupported_target(target, key)
-    if target not in spec.module_shapes:  # an MoE base's MLPs are experts
+    if BLOCK_OF[target] == "mlp" and layer in spec.moe_layers:
         raise AdapterError(
-            f"tensor {_show(key)} is for {target}, which this mixture-of-experts base model does"
-            " not have; its MLPs are experts (target_parameters experts.gate_up_proj,"
-            " experts.down_proj)")
+            f"tensor {_show(key)} is for {target}, which layer {layer} of this mixture-of-experts"
+            " base model does not have: its MLP is experts (target_parameters"
+            " experts.gate_up_proj, experts.down_proj)")
     if m["block"] != BLOCK_OF[target]:
         raise AdapterError(f"tensor {_show(key)} puts {target} under {m['block']}")
     if layer >= spec.num_layers:

@@ -78,8 +78,8 @@ class BaseModelSpec:
 
     num_layers: int
     # target -> (out_features, in_features); embed_tokens is (hidden, vocab), lm_head
-    # (vocab, hidden): both absent when config.json gives no vocab_size. On an MoE base the
-    # dense MLP targets are absent and EXPERT_TARGETS give one expert's (out, in), ROUTER (E, H)
+    # (vocab, hidden): both absent when config.json gives no vocab_size. On an MoE base
+    # EXPERT_TARGETS give one expert's (out, in) and ROUTER (E, H)
     module_shapes: dict[str, tuple[int, int]]
     max_lora_rank: int
     tie_word_embeddings: bool = False  # lm_head reuses embed_tokens' weight
@@ -94,6 +94,8 @@ class BaseModelSpec:
     # must be finite once cast to it (adapters.format)
     dtype: str = "float32"
     num_experts: int = 0  # routed experts per MoE layer; 0 on a dense base
+    # the layers whose MLP is experts (no dense gate/up/down_proj there); () on a dense base
+    moe_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_config(cls, hf_config: dict, max_lora_rank: int, max_full_module_slots: int = 0,
@@ -120,9 +122,8 @@ class BaseModelSpec:
             "o_proj": (hidden, q),
             "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
         }  # fmt: skip
-        experts = moe_shapes(cfg, hidden)
-        if experts:
-            shapes = {t: s for t, s in shapes.items() if BLOCK_OF[t] != "mlp"} | experts
+        experts, moe_layers = moe_shapes(cfg, hidden)
+        shapes |= experts
         vocab = cfg.get("vocab_size")
         if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
             shapes |= {EMBED_TOKENS: (hidden, vocab), LM_HEAD: (vocab, hidden)}
@@ -136,22 +137,26 @@ class BaseModelSpec:
             names.append(hf_config["_name_or_path"])
         names = tuple(dict.fromkeys(n for n in names if base_name(n)))  # distinct, in order
         return cls(cfg["num_hidden_layers"], shapes, max_lora_rank, tied, max_full_module_slots,
-                   arch or None, names, dtype, experts.get(ROUTER, (0,))[0])
+                   arch or None, names, dtype, experts.get(ROUTER, (0,))[0], moe_layers)
 
 
-def moe_shapes(cfg: dict, hidden: int) -> dict[str, tuple[int, int]]:
-    """An MoE config's expert and router shapes (see BaseModelSpec.module_shapes); {} when
-    dense. Experts: num_local_experts (Mixtral) or num_experts (Qwen2/3-MoE, OLMoE), of
-    moe_intermediate_size, else intermediate_size (Mixtral, OLMoE)."""
+def moe_shapes(cfg: dict, hidden: int) -> tuple[dict[str, tuple[int, int]], tuple[int, ...]]:
+    """An MoE config's expert and router shapes (see BaseModelSpec.module_shapes) and its
+    sparse layers; ({}, ()) when dense. Experts: num_local_experts (Mixtral) or num_experts
+    (Qwen2/3-MoE, OLMoE), of moe_intermediate_size, else intermediate_size (Mixtral, OLMoE);
+    layer i is sparse unless in mlp_only_layers or (i + 1) % decoder_sparse_step != 0."""
     num = cfg.get("num_local_experts") or cfg.get("num_experts")
     if not num:
-        return {}
+        return {}, ()
     inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
     for key, v in (("num_experts", num), ("moe_intermediate_size", inter)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"base model config.json: {key} is {v!r}, not a positive int")
+    step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(cfg["num_hidden_layers"])
+                   if i not in dense and (i + 1) % step == 0)
     gate_up, down = EXPERT_TARGETS
-    return {ROUTER: (num, hidden), gate_up: (2 * inter, hidden), down: (hidden, inter)}
+    return {ROUTER: (num, hidden), gate_up: (2 * inter, hidden), down: (hidden, inter)}, layers
 
 
 # -- the adapter's config ---------------------------------------------------------------------

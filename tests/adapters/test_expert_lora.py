@@ -98,10 +98,13 @@ def test_spec_of_moe_bases():
     shapes = spec.module_shapes
     assert (shapes["gate"], shapes["experts.gate_up_proj"], shapes["experts.down_proj"]) == (
         (E, H), (2 * INTER, H), (H, INTER))
-    assert "gate_proj" not in shapes and "down_proj" not in shapes  # its MLPs are experts
-    qwen = MIXTRAL | dict(num_local_experts=None, num_experts=5, moe_intermediate_size=24)
-    shapes = BaseModelSpec.from_hf_config(qwen, max_lora_rank=8).module_shapes
+    assert spec.moe_layers == (0, 1)
+    qwen = MIXTRAL | dict(num_local_experts=None, num_experts=5, moe_intermediate_size=24,
+                          num_hidden_layers=5, decoder_sparse_step=2, mlp_only_layers=[3])
+    spec = BaseModelSpec.from_hf_config(qwen, max_lora_rank=8)
+    shapes = spec.module_shapes
     assert (shapes["gate"], shapes["experts.down_proj"]) == ((5, H), (H, 24))
+    assert shapes["down_proj"] == (H, INTER) and spec.moe_layers == (1,)  # 0, 2, 4 dense
     dense = {k: v for k, v in MIXTRAL.items() if k != "num_local_experts"}
     assert BaseModelSpec.from_hf_config(dense, max_lora_rank=8).num_experts == 0
 
@@ -117,7 +120,7 @@ def _load(config: bytes, tensors: dict, spec: BaseModelSpec):
 
 
 def test_unsupported_target_parameter_refused():
-    for bad in ("experts.w1", "self_attn.q_proj.weight", "experts"):
+    for bad in ("experts.w1", "self_attn.q_proj.weight", "experts", "weight"):
         raw = {"peft_type": "LORA", "r": 2, "lora_alpha": 2, "target_modules": ["q_proj"],
                "target_parameters": [bad]}
         with pytest.raises(AdapterError, match=rf"target_parameters names '{bad}'"):
@@ -127,6 +130,10 @@ def test_unsupported_target_parameter_refused():
     assert ok.target_modules == () and ok.target_parameters == tuple(ALL)
     assert ok.targets_parameter("model.layers.1.mlp.experts.down_proj")
     assert not ok.targets_parameter("model.layers.1.mlp.shared_expert.down_proj")
+    # what PEFT writes when it converts target_modules=["down_proj"] for a fused-expert base
+    bare = parse_adapter_config({"peft_type": "LORA", "r": 2, "lora_alpha": 2,
+                                 "target_modules": ["v_proj"], "target_parameters": ["down_proj"]})
+    assert bare.targets_parameter("model.layers.1.mlp.experts.down_proj")
 
 
 def test_wrong_shapes_refused(made):
@@ -186,5 +193,5 @@ def test_dense_mlp_target_on_moe_base_refused(made):
     a = "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"
     raw = json.loads(config) | {"target_modules": ["q_proj", "v_proj", "down_proj"]}
     bad = tensors | {a: torch.zeros(4, INTER), a.replace("lora_A", "lora_B"): torch.zeros(H, 4)}
-    with pytest.raises(AdapterError, match=r"down_proj, which this mixture-of-experts base"):
+    with pytest.raises(AdapterError, match=r"down_proj, which layer 0 of this mixture-of"):
         _load(json.dumps(raw).encode(), bad, made["all"][1])

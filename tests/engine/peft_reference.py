@@ -113,6 +113,7 @@ def load_peft(base: str, dirs: dict[str, str], dtype: torch.dtype = torch.float3
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    hf.generation_config.eos_token_id = None  # every token counts, as under ignore_eos
     names = list(dirs)
     model = PeftModel.from_pretrained(hf, dirs[names[0]], adapter_name=names[0])
     for name in names[1:]:
@@ -171,15 +172,17 @@ class World:
                    of its own, as from_pretrained serves it: PEFT cannot hold a LoRA on lm_head
                    beside another adapter's saved lm_head (modules_to_save).
       prompt_seed  the seed of the random prompts.
+      base         a checkpoint directory to serve instead of build_base's Llama (read only),
+                   e.g. an MoE from tests/checkpoints.py; its vocabulary must hold VOCAB.
     """
 
     def __init__(self, root: str, specs: dict[str, dict], *, tied: bool = False,
                  first: dict[str, dict] | None = None, apart: bool = False,
-                 prompt_seed: int = 7):
+                 prompt_seed: int = 7, base: str | None = None):
         first = first or {}
         assert not (first and apart), "apart saves every adapter alone already: no `first`"
         self.root = root
-        self.base = build_base(os.path.join(root, "base"), tie_word_embeddings=tied)
+        self.base = base or build_base(os.path.join(root, "base"), tie_word_embeddings=tied)
         self.specs = first | specs
         if apart:
             self.dirs: dict[str, str] = {}

@@ -1,0 +1,97 @@
+"""Expert LoRA: each grouped row of an MoE layer (engine/layers/moe.py) gets the delta of its own
+token's adapter slot and its own expert, as PEFT's target_parameters LoRA adds to W_e:
+
+    y[i] += scales[s] * lora_b[s, e] @ (lora_a[s, e] @ x[i])      s = slot of token_index[i],
+                                                                   e = expert_ids[i]
+
+The experts module's `lora` is {parameter name: ExpertLoRABuffers}, set by the slot pool
+(engine/expert_slots.py) when the first adapter with expert LoRA on that parameter is
+registered; None before. Rows whose token has no adapter (slot -1), or whose slot holds no LoRA
+on that parameter (scale 0), are left untouched.
+
+Grouped without a loop over rows: each adapted row gathers its own (slot, expert) pair of
+factors and the deltas are two batched matmuls, in float32, over chunks of rows bounded by
+GATHER_ELEMENTS (the gathered factors are [n, R, in] and [n, out, R]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.forward_context import get_forward_context
+
+# Most factor elements one chunk of rows gathers (fp32: 4 bytes each): a bound on the scratch
+# memory of one call, whatever the number of rows.
+GATHER_ELEMENTS = 1 << 24
+
+
+@dataclass(slots=True)
+class ExpertLoRABuffers:
+    """One expert parameter's device slot pool: per slot, per expert, one LoRA pair."""
+
+    lora_a: torch.Tensor  # [S, E, R, in]
+    lora_b: torch.Tensor  # [S, E, out, R]
+    scales: torch.Tensor  # [S] float32, 0 = no LoRA on this parameter in that slot
+    ranks: list[int] = field(default_factory=list)  # [S] host copy: 0 = nothing in that slot
+
+    @property
+    def rank_bound(self) -> int:
+        """The largest rank any slot holds: the factors' columns past it are zero everywhere."""
+        return max(self.ranks, default=0)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.lora_a, self.lora_b, self.scales))
+
+
+def rows_per_chunk(rank: int, in_features: int, out_features: int) -> int:
+    """Rows one chunk gathers factors for: at most GATHER_ELEMENTS elements, at least one row."""
+    return max(1, GATHER_ELEMENTS // (rank * (in_features + out_features)))
+
+
+def apply_expert_lora(lora: dict[str, ExpertLoRABuffers] | None, name: str, y: torch.Tensor,
+                      x: torch.Tensor, expert_ids: torch.Tensor,
+                      token_index: torch.Tensor) -> None:
+    """y[i] += scales[s] * lora_b[s, e] @ (lora_a[s, e] @ x[i]), in place (module docstring).
+
+    lora: the experts module's buffers (None: no expert LoRA registered)   name: "gate_up_proj"
+    or "down_proj"   y: [N, out]   x: [N, in]   expert_ids, token_index: [N] int64, the expert
+    and the step's token row of each grouped row. Returns at once when no row of the step has
+    an adapter with expert LoRA (LoRAStep.experts).
+    """
+    if lora is None or name not in lora:
+        return
+    step = get_forward_context().lora
+    if step is None or not step.experts:
+        return
+    buffers = lora[name]
+    r = buffers.rank_bound
+    if r == 0:
+        return
+    S, E, R, in_f = buffers.lora_a.shape
+    out_f = buffers.lora_b.shape[2]
+    slots = step.tokens.token_slots.long().index_select(0, token_index)  # [N], -1 = none
+    scale = buffers.scales.index_select(0, slots.clamp(min=0))  # [N] fp32
+    scale = torch.where(slots >= 0, scale, torch.zeros_like(scale))
+    rows = (torch.arange(len(slots), device=slots.device)
+            if _capturing(y) else torch.nonzero(scale).squeeze(1))  # [n] the adapted rows
+    pairs = slots.clamp(min=0) * E + expert_ids  # [N] (slot, expert) -> row of the flat pool
+    a_flat = buffers.lora_a.view(S * E, R, in_f)[:, :r]  # [S*E, r, in]
+    b_flat = buffers.lora_b.view(S * E, out_f, R)[:, :, :r]  # [S*E, out, r]
+    step_rows = rows_per_chunk(r, in_f, out_f)
+    for start in range(0, rows.shape[0], step_rows):
+        chunk = rows[start:start + step_rows]  # [n]
+        pair = pairs.index_select(0, chunk)
+        xs = x.index_select(0, chunk).float().unsqueeze(2)  # [n, in, 1]
+        xa = torch.bmm(a_flat.index_select(0, pair).float(), xs)  # [n, r, 1]
+        xa *= scale.index_select(0, chunk)[:, None, None]
+        delta = torch.bmm(b_flat.index_select(0, pair).float(), xa).squeeze(2)  # [n, out]
+        y.index_add_(0, chunk, delta.to(y.dtype))
+
+
+def _capturing(y: torch.Tensor) -> bool:
+    """Under CUDA graph capture nonzero (a host sync) is not allowed: every row runs, the rows
+    without expert LoRA adding scale 0 times their delta."""
+    return y.is_cuda and torch.cuda.is_current_stream_capturing()
