@@ -59,7 +59,8 @@ def apply_expert_lora(lora: dict[str, ExpertLoRABuffers] | None, name: str, y: t
     lora: the experts module's buffers (None: no expert LoRA registered)   name: "gate_up_proj"
     or "down_proj"   y: [N, out]   x: [N, in]   expert_ids, token_index: [N] int64, the expert
     and the step's token row of each grouped row. Returns at once when no row of the step has
-    an adapter with expert LoRA (LoRAStep.experts).
+    an adapter with expert LoRA (LoRAStep.experts). Steps that have one never run in a CUDA
+    graph (engine/cuda_graphs.py), so the rows and ranks are picked on the host.
     """
     if lora is None or name not in lora:
         return
@@ -67,16 +68,15 @@ def apply_expert_lora(lora: dict[str, ExpertLoRABuffers] | None, name: str, y: t
     if step is None or not step.experts:
         return
     buffers = lora[name]
+    S, E, R, in_f = buffers.lora_a.shape
     r = buffers.rank_bound
     if r == 0:
         return
-    S, E, R, in_f = buffers.lora_a.shape
     out_f = buffers.lora_b.shape[2]
     slots = step.tokens.token_slots.long().index_select(0, token_index)  # [N], -1 = none
     scale = buffers.scales.index_select(0, slots.clamp(min=0))  # [N] fp32
     scale = torch.where(slots >= 0, scale, torch.zeros_like(scale))
-    rows = (torch.arange(len(slots), device=slots.device)
-            if _capturing(y) else torch.nonzero(scale).squeeze(1))  # [n] the adapted rows
+    rows = torch.nonzero(scale).squeeze(1)  # [n] the adapted rows (one host sync)
     pairs = slots.clamp(min=0) * E + expert_ids  # [N] (slot, expert) -> row of the flat pool
     a_flat = buffers.lora_a.view(S * E, R, in_f)[:, :r]  # [S*E, r, in]
     b_flat = buffers.lora_b.view(S * E, out_f, R)[:, :, :r]  # [S*E, out, r]
@@ -90,8 +90,3 @@ def apply_expert_lora(lora: dict[str, ExpertLoRABuffers] | None, name: str, y: t
         delta = torch.bmm(b_flat.index_select(0, pair).float(), xa).squeeze(2)  # [n, out]
         y.index_add_(0, chunk, delta.to(y.dtype))
 
-
-def _capturing(y: torch.Tensor) -> bool:
-    """Under CUDA graph capture nonzero (a host sync) is not allowed: every row runs, the rows
-    without expert LoRA adding scale 0 times their delta."""
-    return y.is_cuda and torch.cuda.is_current_stream_capturing()

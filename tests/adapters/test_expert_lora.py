@@ -24,6 +24,9 @@ VARIANTS = {
     "rslora": dict(r=8, lora_alpha=4, use_rslora=True, target_modules=["o_proj"],
                    target_parameters=["experts.gate_up_proj", "experts.down_proj"]),
     "down-only": dict(r=2, lora_alpha=2, target_parameters=["experts.down_proj"]),
+    # PEFT converts Mixtral's old per-expert names: target_parameters "gate_up_proj" and
+    # "down_proj", rank_pattern / alpha_pattern {".*\\.gate_up_proj": 2r / 2 alpha}
+    "converted": dict(r=2, lora_alpha=4, target_modules=["q_proj", "w1", "w3", "w2"]),
 }  # fmt: skip
 
 
@@ -90,6 +93,9 @@ def test_deltas_match_peft(made, name):
     if name == "all":
         assert ranks == {"q_proj": 4, "v_proj": 4, "gate": 4, "experts.gate_up_proj": 4,
                          "experts.down_proj": 2}
+    if name == "converted":
+        assert ranks == {"q_proj": 2, "experts.gate_up_proj": 4, "experts.down_proj": 2}
+        assert set(adapter.config.target_parameters) == {"gate_up_proj", "down_proj"}
 
 
 def test_spec_of_moe_bases():

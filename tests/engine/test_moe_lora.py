@@ -4,11 +4,14 @@ expert, router and base requests giving exactly PEFT's greedy tokens on tiny Mix
 Qwen3-MoE-like checkpoints (tests/checkpoints.py), with as many slots as adapters and with two.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from peft_reference import MAX_TOKENS, World
 
 from engine import SamplingParams
+from engine.cuda_graphs import DecodeGraphs
 from engine.forward_context import ForwardContext, LoRAStep, forward_context
 from engine.layers import moe_lora
 from engine.layers.moe_lora import ExpertLoRABuffers, apply_expert_lora
@@ -113,6 +116,16 @@ def test_rows_without_expert_lora_are_untouched():
     assert torch.equal(y, before)
     apply_expert_lora(None, "down_proj", y, x, expert_ids, token_index)  # no pool: no context
     assert torch.equal(y, before)
+
+
+def test_steps_with_expert_lora_run_outside_cuda_graphs():
+    """Their rows and ranks are picked on the host, and a graph captured before the first
+    expert adapter was registered holds no expert LoRA."""
+    graphs = SimpleNamespace(buckets=[1, 2, 4])
+    step = LoRAStep([0, -1], S, embed=False)
+    assert DecodeGraphs.key_for(graphs, 2, step) is not None
+    step.experts = True
+    assert DecodeGraphs.key_for(graphs, 2, step) is None
 
 
 # ---- parity with PEFT -----------------------------------------------------------------------
