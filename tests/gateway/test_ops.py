@@ -60,7 +60,9 @@ def test_probes_and_metrics(http, base_name):
                  'loragw_adapter_loads_total{tier="device"}',
                  'loragw_adapter_evictions_total{tier="device"}',
                  'loragw_adapter_hits_total{tier="device"}',
-                 'loragw_lora_device_bytes{pool="projections"}'):
+                 'loragw_lora_device_bytes{pool="projections"}',
+                 'loragw_model_parameters{kind="total"}',
+                 'loragw_model_parameters{kind="active"}'):
         assert line in text, f"{line!r} missing from /metrics"
     assert 'adapter="nope"' not in text  # unknown names never become label values
 
