@@ -131,10 +131,12 @@ def test_steps_with_expert_lora_run_outside_cuda_graphs():
 # ---- parity with PEFT -----------------------------------------------------------------------
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 MOE_ADAPTERS = {
+    "router-only-r2": dict(r=2, lora_alpha=16, target_parameters=["gate.weight"]),
     "attn-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
     "experts-r8": dict(r=8, lora_alpha=16, target_modules=["q_proj"], target_parameters=EXPERTS),
     "experts-rslora-r2": dict(r=2, lora_alpha=4, use_rslora=True, target_parameters=EXPERTS),
-    # the router too, and (on Qwen3-MoE's dense layers) a dense down_proj
+    # the router too; PEFT saves target_modules "down_proj" as target_parameters "down_proj"
+    # (the experts'; Qwen3-MoE's dense layers get no down_proj LoRA), served as PEFT reloads it
     "router-r4": dict(r=4, lora_alpha=4, target_modules=["v_proj", "down_proj"],
                       target_parameters=[*EXPERTS, "gate.weight"],
                       rank_pattern={"experts.down_proj": 6}, alpha_pattern={"gate.weight": 8}),
