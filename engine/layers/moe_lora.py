@@ -9,9 +9,13 @@ The experts module's `lora` is {parameter name: ExpertLoRABuffers}, set by the s
 registered; None before. Rows whose token has no adapter (slot -1), or whose slot holds no LoRA
 on that parameter (scale 0), are left untouched.
 
-Grouped without a loop over rows: each adapted row gathers its own (slot, expert) pair of
-factors and the deltas are two batched matmuls, in float32, over chunks of rows bounded by
-GATHER_ELEMENTS (the gathered factors are [n, R, in] and [n, out, R]).
+Grouped, never a loop over rows, in float32; the adapted rows take one of two paths
+(use_segments decides, per call):
+    segments   rows sorted by (slot, expert) pair, two matmuls per non-empty pair with that
+               pair's factors in place: prefill-sized groups, many rows a pair
+    gathered   every row gathers its own pair's factors, two batched matmuls over chunks of
+               rows bounded by GATHER_ELEMENTS ([n, R, in] and [n, out, R]): decode, about
+               one row a pair, where a loop over pairs would be a loop over rows
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from engine.forward_context import get_forward_context
 # Most factor elements one chunk of rows gathers (fp32: 4 bytes each): a bound on the scratch
 # memory of one call, whatever the number of rows.
 GATHER_ELEMENTS = 1 << 24
+# Mean adapted rows per non-empty (slot, expert) pair from which one matmul pair per pair beats
+# gathering every row's factors (which copies R * (in + out) weights per row).
+SEGMENT_ROWS = 4
 
 
 @dataclass(slots=True)
@@ -49,6 +56,12 @@ class ExpertLoRABuffers:
 def rows_per_chunk(rank: int, in_features: int, out_features: int) -> int:
     """Rows one chunk gathers factors for: at most GATHER_ELEMENTS elements, at least one row."""
     return max(1, GATHER_ELEMENTS // (rank * (in_features + out_features)))
+
+
+def use_segments(num_rows: int, num_pairs: int) -> bool:
+    """Whether `num_rows` adapted rows over `num_pairs` non-empty (slot, expert) pairs take the
+    segments path (module docstring) rather than the gathered one."""
+    return num_rows >= SEGMENT_ROWS * num_pairs
 
 
 def apply_expert_lora(lora: dict[str, ExpertLoRABuffers] | None, name: str, y: torch.Tensor,
@@ -77,13 +90,38 @@ def apply_expert_lora(lora: dict[str, ExpertLoRABuffers] | None, name: str, y: t
     scale = buffers.scales.index_select(0, slots.clamp(min=0))  # [N] fp32
     scale = torch.where(slots >= 0, scale, torch.zeros_like(scale))
     rows = torch.nonzero(scale).squeeze(1)  # [n] the adapted rows (one host sync)
-    pairs = slots.clamp(min=0) * E + expert_ids  # [N] (slot, expert) -> row of the flat pool
+    pairs = (slots.clamp(min=0) * E + expert_ids).index_select(0, rows)  # [n] slot * E + expert
     a_flat = buffers.lora_a.view(S * E, R, in_f)[:, :r]  # [S*E, r, in]
     b_flat = buffers.lora_b.view(S * E, out_f, R)[:, :, :r]  # [S*E, out, r]
+    counts = torch.bincount(pairs, minlength=S * E).tolist()  # [S*E] rows per pair
+    if use_segments(rows.shape[0], sum(1 for c in counts if c)):
+        _segments(y, x, a_flat, b_flat, scale, rows, pairs, counts)
+    else:
+        _gathered(y, x, a_flat, b_flat, scale, rows, pairs)
+
+
+def _segments(y, x, a_flat, b_flat, scale, rows, pairs, counts: list[int]) -> None:
+    """Rows sorted by pair; per non-empty pair p: y[seg] += scale * (x[seg] @ a[p].T) @ b[p].T."""
+    order = torch.argsort(pairs, stable=True)
+    rows = rows.index_select(0, order)  # [n] grouped by pair
+    start = 0
+    for p, n in enumerate(counts):
+        if not n:
+            continue
+        seg = rows[start:start + n]
+        start += n
+        xs = x.index_select(0, seg).float()  # [c, in]
+        xa = (xs @ a_flat[p].float().T) * scale.index_select(0, seg)[:, None]  # [c, r]
+        y.index_add_(0, seg, (xa @ b_flat[p].float().T).to(y.dtype))  # [c, out]
+
+
+def _gathered(y, x, a_flat, b_flat, scale, rows, pairs) -> None:
+    """Every row its own pair's factors: two bmm over chunks of rows_per_chunk rows."""
+    r, in_f, out_f = a_flat.shape[1], a_flat.shape[2], b_flat.shape[1]
     step_rows = rows_per_chunk(r, in_f, out_f)
     for start in range(0, rows.shape[0], step_rows):
         chunk = rows[start:start + step_rows]  # [n]
-        pair = pairs.index_select(0, chunk)
+        pair = pairs[start:start + step_rows]
         xs = x.index_select(0, chunk).float().unsqueeze(2)  # [n, in, 1]
         xa = torch.bmm(a_flat.index_select(0, pair).float(), xs)  # [n, r, 1]
         xa *= scale.index_select(0, chunk)[:, None, None]

@@ -74,10 +74,12 @@ def run(buffers, y, x, expert_ids, token_index, token_slots, experts: bool = Tru
         apply_expert_lora({"down_proj": buffers}, "down_proj", y, x, expert_ids, token_index)
 
 
+@pytest.mark.parametrize("path", ["segments", "gathered"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["distinct", "uniform", "identical", "skewed"])
 @pytest.mark.parametrize("num_tokens", [1, 7, 64])
-def test_apply_expert_lora_matches_reference(dtype, kind, num_tokens):
+def test_apply_expert_lora_matches_reference(dtype, kind, num_tokens, path, monkeypatch):
+    monkeypatch.setattr(moe_lora, "SEGMENT_ROWS", 0 if path == "segments" else 10**9)
     g = torch.Generator().manual_seed(num_tokens)
     buffers = make_buffers(dtype)
     token_slots = popularity(kind, num_tokens, g)
@@ -90,7 +92,13 @@ def test_apply_expert_lora_matches_reference(dtype, kind, num_tokens):
     torch.testing.assert_close(y.double(), want, **tol)
 
 
+def test_segments_for_many_rows_a_pair_gathered_for_decode():
+    assert moe_lora.use_segments(num_rows=512, num_pairs=16)  # prefill: 32 rows a pair
+    assert not moe_lora.use_segments(num_rows=16, num_pairs=14)  # decode: ~1 row a pair
+
+
 def test_chunks_give_the_same_rows(monkeypatch):
+    monkeypatch.setattr(moe_lora, "SEGMENT_ROWS", 10**9)  # the gathered path
     g = torch.Generator().manual_seed(3)
     buffers = make_buffers(torch.float32)
     token_slots = popularity("uniform", 40, g)
