@@ -11,7 +11,8 @@ them in memory: `experts.gate_up_proj` [E, 2I, H] and `experts.down_proj` [E, H,
 
 Tokens are grouped by expert: the T*k (token, choice) pairs are sorted by expert id (stable,
 so each expert's rows stay in token order), each non-empty expert segment is one matmul, and
-the weighted rows are index_add-ed back, in expert order as transformers adds them. The segment
+each token's k weighted rows are gathered back and summed in expert order, as transformers
+adds them. The segment
 sizes cost one host sync per layer, which a CUDA graph cannot capture; under capture every
 expert instead runs over every pair row (E/k times the work, no sync), each row keeping only
 its own expert's result.
@@ -96,8 +97,17 @@ class Experts(nn.Module):
         a = F.silu(gate) * up  # [N, I]
         y = grouped(a, self.down_proj, expert_ids)  # [N, H]
         apply_expert_lora(self.lora, "down_proj", y, a, expert_ids, token_index)
-        y = (y * topk_weights.reshape(-1)[order, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token_index, y)
+        y = (y * topk_weights.reshape(-1)[order, None]).to(x.dtype)  # [N, H]
+        # Each token's k rows summed in expert order, as transformers' index_add adds them
+        # (CPU index_add_ is a slow scatter; k gathers and adds are not).
+        sorted_row = torch.empty_like(order)
+        sorted_row[order] = torch.arange(order.numel(), device=order.device)
+        by_expert = topk_ids.argsort(dim=1, stable=True)  # [T, k] choices, lowest expert first
+        rows = sorted_row.view(-1, k).gather(1, by_expert)  # [T, k] rows of y
+        out = y[rows[:, 0]]
+        for j in range(1, k):
+            out = out + y[rows[:, j]]
+        return out  # [T, H]
 
     def _segments(self, flat: torch.Tensor):
         """rows -> out: row r through its expert's weight, one matmul per non-empty segment."""
