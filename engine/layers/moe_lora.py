@@ -89,21 +89,24 @@ def apply_expert_lora(lora: dict[str, ExpertLoRABuffers] | None, name: str, y: t
     slots = step.tokens.token_slots.long().index_select(0, token_index)  # [N], -1 = none
     scale = buffers.scales.index_select(0, slots.clamp(min=0))  # [N] fp32
     scale = torch.where(slots >= 0, scale, torch.zeros_like(scale))
-    rows = torch.nonzero(scale).squeeze(1)  # [n] the adapted rows (one host sync)
-    pairs = (slots.clamp(min=0) * E + expert_ids).index_select(0, rows)  # [n] slot * E + expert
+    # [N] slot * E + expert of each adapted row; S * E (sorted last) for the others
+    pairs = torch.where(scale != 0, slots.clamp(min=0) * E + expert_ids, S * E)
+    counts = torch.bincount(pairs, minlength=S * E + 1).tolist()  # the one host sync
+    n = len(pairs) - counts.pop()  # adapted rows
+    if n == 0:
+        return
+    rows = torch.argsort(pairs, stable=True)[:n]  # [n] the adapted rows, grouped by pair
+    pairs = pairs.index_select(0, rows)
     a_flat = buffers.lora_a.view(S * E, R, in_f)[:, :r]  # [S*E, r, in]
     b_flat = buffers.lora_b.view(S * E, out_f, R)[:, :, :r]  # [S*E, out, r]
-    counts = torch.bincount(pairs, minlength=S * E).tolist()  # [S*E] rows per pair
-    if use_segments(rows.shape[0], sum(1 for c in counts if c)):
-        _segments(y, x, a_flat, b_flat, scale, rows, pairs, counts)
+    if use_segments(n, sum(1 for c in counts if c)):
+        _segments(y, x, a_flat, b_flat, scale, rows, counts)
     else:
         _gathered(y, x, a_flat, b_flat, scale, rows, pairs)
 
 
-def _segments(y, x, a_flat, b_flat, scale, rows, pairs, counts: list[int]) -> None:
-    """Rows sorted by pair; per non-empty pair p: y[seg] += scale * (x[seg] @ a[p].T) @ b[p].T."""
-    order = torch.argsort(pairs, stable=True)
-    rows = rows.index_select(0, order)  # [n] grouped by pair
+def _segments(y, x, a_flat, b_flat, scale, rows, counts: list[int]) -> None:
+    """rows grouped by pair, counts[p] of pair p: y[seg] += scale * (x[seg] @ a[p].T) @ b[p].T."""
     start = 0
     for p, n in enumerate(counts):
         if not n:
