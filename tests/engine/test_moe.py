@@ -210,3 +210,44 @@ def test_the_graph_safe_expert_path_equals_the_grouped_one():
     ids, _ = ids.sort()
     grouped = experts._segments(ids)(rows, experts.gate_up_proj, ids)
     torch.testing.assert_close(experts._every_expert(rows, experts.gate_up_proj, ids), grouped)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_the_block_is_bit_exact_with_transformers_in_bfloat16(arch):
+    """Routing weights in the dtype transformers uses (Mixtral float32, the others the model's):
+    the other choice moves bf16 outputs by 0.25-0.5 here."""
+    from transformers import MixtralConfig, Qwen2MoeConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    from engine.layers.moe import Routing, SparseMoeBlock
+    from engine.models.llama import MLP, ModelArgs
+    from engine.parallel.shard import ONE
+
+    torch.manual_seed(0)
+    if arch == "mixtral":
+        hf = MixtralSparseMoeBlock(MixtralConfig(hidden_size=64, intermediate_size=96,
+                                                 num_local_experts=5, num_experts_per_tok=2))
+        ours = SparseMoeBlock(64, 96, Routing(5, 2, True, float32_weights=True))
+    else:
+        hf = Qwen2MoeSparseMoeBlock(Qwen2MoeConfig(
+            hidden_size=64, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+            num_experts=5, num_experts_per_tok=2))
+        shared = MLP(ModelArgs(1, 64, 80, 1, 4, 4, 16, 1e-6, False, False, False, 64), ONE)
+        ours = SparseMoeBlock(64, 48, Routing(5, 2, False), shared)
+    for p in hf.parameters():
+        p.data.normal_(0, 0.3)
+    hf, ours = hf.to(torch.bfloat16), ours.to(torch.bfloat16)
+    with torch.no_grad():
+        ours.gate.weight.copy_(hf.gate.weight)
+        ours.experts.gate_up_proj.copy_(hf.experts.gate_up_proj)
+        ours.experts.down_proj.copy_(hf.experts.down_proj)
+        if arch == "qwen2_moe":
+            theirs = hf.shared_expert
+            ours.shared_expert.gate_up_proj.weight.copy_(
+                torch.cat([theirs.gate_proj.weight, theirs.up_proj.weight]))
+            ours.shared_expert.down_proj.weight.copy_(theirs.down_proj.weight)
+            ours.shared_expert_gate.weight.copy_(hf.shared_expert_gate.weight)
+    x = torch.randn(37, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(ours(x), hf(x[None])[0])
