@@ -251,3 +251,16 @@ def test_the_block_is_bit_exact_with_transformers_in_bfloat16(arch):
     x = torch.randn(37, 64).to(torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(ours(x), hf(x[None])[0])
+
+
+def test_shared_expert_lora_is_refused_with_the_tensor_named(tiny_checkpoint, tmp_path):
+    """The model carries LoRA pools on the shared expert (lora_linears), but adapters/ does not
+    parse `mlp.shared_expert.*` keys yet: such an adapter is refused, never half applied."""
+    from adapters.errors import AdapterError
+
+    base = tiny_checkpoint("qwen2_moe")
+    dirs = save_peft_adapters(base, str(tmp_path), {"mlp": dict(
+        r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"])}, seed=1)
+    llm = LLM(base, device="cpu", dtype="float32", max_loras=1, max_lora_rank=8)
+    with pytest.raises(AdapterError, match=r"mlp\.shared_expert\.\w+_proj\.lora_A"):
+        llm.add_adapter("mlp", dirs["mlp"])
