@@ -28,12 +28,20 @@ import torch
 
 from adapters.errors import AdapterError
 from adapters.errors import short_repr as _show
+from adapters.expert_tensors import expert_factors
 from adapters.lora_config import parse_adapter_config
 from adapters.lora_tensors import check_lora_tensors
 from adapters.safetensors_check import CONFIG_FILE, check_safetensors
 from adapters.saved_modules import check_saved_modules, tied_to_embedding
 from adapters.sources import MAX_CONFIG_BYTES, read_adapter_files
-from adapters.types import EMBED_TOKENS, LM_HEAD, BaseModelSpec, LoraConfig, base_name
+from adapters.types import (
+    EMBED_TOKENS,
+    EXPERT_TARGETS,
+    LM_HEAD,
+    BaseModelSpec,
+    LoraConfig,
+    base_name,
+)
 
 # BaseModelSpec lives in adapters.types; the engine imports it from here with the loader.
 __all__ = [
@@ -47,12 +55,13 @@ logger = logging.getLogger(__name__)
 class LoraModuleWeights:
     """One adapted module: delta(x) = scaling * (x @ lora_a.T) @ lora_b.T. For embed_tokens x
     is the token's one-hot row, so delta = scaling * lora_a[:, token] @ lora_b.T (PEFT's
-    lora_embedding_A and lora_embedding_B)."""
+    lora_embedding_A and lora_embedding_B). An expert target (adapters.types.EXPERT_TARGETS)
+    holds one pair per expert: delta_e(x) = scaling * (x @ lora_a[e].T) @ lora_b[e].T."""
 
     layer: int | None  # None for the model-level targets: embed_tokens, lm_head
-    target: str  # one of adapters.types.SUPPORTED_TARGETS
-    lora_a: torch.Tensor  # [r, in]  float32, CPU (embed_tokens: in = vocab)
-    lora_b: torch.Tensor  # [out, r] float32, CPU (lm_head: out = vocab)
+    target: str  # one of adapters.types.SUPPORTED_TARGETS, EXPERT_TARGETS or ROUTER
+    lora_a: torch.Tensor  # [r, in]  float32, CPU (embed_tokens: in = vocab; experts [E, r, in])
+    lora_b: torch.Tensor  # [out, r] float32, CPU (lm_head: out = vocab; experts [E, out, r])
     scaling: float
     # a fused module (Phi-3's qkv_proj, gate_up_proj): (slice, rows of lora_b) in row order;
     # () otherwise (BaseModelSpec.fused)
@@ -60,7 +69,7 @@ class LoraModuleWeights:
 
     @property
     def rank(self) -> int:
-        return self.lora_a.shape[0]
+        return self.lora_a.shape[-2]
 
     def split(self) -> dict[str, LoraModuleWeights]:
         """A fused module as one LoRA per slice: the same A, that slice's rows of B (the
@@ -126,6 +135,8 @@ def load_adapter_bytes(config_raw: bytes, weights_raw: bytes, spec: BaseModelSpe
         b = tensors[b_key].to(torch.float32).contiguous()  # [out, r]
         for key, t in ((a_key, a), (b_key, b)):
             _check_finite(key, t, spec)
+        if target in EXPERT_TARGETS:
+            a, b = expert_factors(a, b, spec.num_experts)  # [E, r, in], [E, out, r]
         modules[(layer, target)] = LoraModuleWeights(
             layer, target, a, b, config.scaling(module_name), spec.fused.get(target, ())
         )

@@ -13,7 +13,13 @@ import re
 from adapters.errors import AdapterError
 from adapters.errors import short_repr as _show
 from adapters.saved_modules import parse_modules_to_save
-from adapters.types import ALL_LINEAR, SUPPORTED_TARGETS, LoraConfig
+from adapters.types import (
+    ALL_LINEAR,
+    EXPERT_PARAMS,
+    SUPPORTED_PARAMETERS,
+    SUPPORTED_TARGETS,
+    LoraConfig,
+)
 
 __all__ = ["parse_adapter_config"]
 
@@ -28,7 +34,7 @@ _UNSUPPORTED_FEATURES = {
     "use_dora": "DoRA", "lora_bias": "lora_bias", "use_qalora": "QA-LoRA",
     "alora_invocation_tokens": "aLoRA", "layer_replication": "layer_replication",
     "trainable_token_indices": "trainable_token_indices",
-    "target_parameters": "target_parameters", "use_bdlora": "block-diagonal LoRA",
+    "use_bdlora": "block-diagonal LoRA",
     "arrow_config": "Arrow routing", "kasa_config": "KaSA", "monteclora_config": "MonteCLoRA",
 }  # fmt: skip
 
@@ -115,7 +121,9 @@ def parse_adapter_config(raw: bytes | str | dict) -> LoraConfig:
     auto_mapping = c.get("auto_mapping")
     if auto_mapping is not None and not isinstance(auto_mapping, dict):
         raise _bad("auto_mapping", f"must be an object or null, got {_show(auto_mapping)}")
-    target_modules = _target_modules(c.get("target_modules"))
+    target_parameters = _target_parameters(c.get("target_parameters"))
+    target_modules = (() if target_parameters and c.get("target_modules") in (None, [])
+                      else _target_modules(c.get("target_modules")))
     layers = _layers(c.get("layers_to_transform"))
     if isinstance(target_modules, str) and layers is not None:
         raise _bad("layers_to_transform", "cannot be used when target_modules is a string")
@@ -138,6 +146,7 @@ def parse_adapter_config(raw: bytes | str | dict) -> LoraConfig:
         ensure_weight_tying=_bool(c, "ensure_weight_tying"),
         base_model_class=_name((auto_mapping or {}).get("base_model_class"),
                                "auto_mapping.base_model_class"),
+        target_parameters=target_parameters,
     )  # fmt: skip
 
 
@@ -185,6 +194,23 @@ def _target_modules(t: object) -> tuple[str, ...] | str:
         if name.rsplit(".", 1)[-1] not in SUPPORTED_TARGETS:
             raise _bad("target_modules", f"names {_show(name)}; lora-gateway supports only "
                        + ", ".join(SUPPORTED_TARGETS))  # fmt: skip
+    return tuple(t)
+
+
+def _target_parameters(t: object) -> tuple[str, ...]:
+    """PEFT's target_parameters: names of parameters, matched as dotted suffixes. PEFT writes
+    bare "down_proj" / "gate_up_proj" itself when it converts target_modules for a fused-expert
+    base (transformers_weight_conversion)."""
+    if t is None or t == []:
+        return ()
+    if not isinstance(t, list) or not all(isinstance(x, str) and x for x in t):
+        raise _bad("target_parameters", f"must be a list of parameter names, got {_show(t)}")
+    for name in t:
+        if name not in EXPERT_PARAMS and not any(
+                name == p or name.endswith("." + p) for p in SUPPORTED_PARAMETERS):
+            raise _bad("target_parameters", f"names {_show(name)}; lora-gateway serves"
+                       " parameter LoRAs only on an MoE block's experts.gate_up_proj and"
+                       " experts.down_proj (its fused experts) and gate.weight (its router)")
     return tuple(t)
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from adapters.errors import AdapterError
 from adapters.errors import short_repr as _show
+from adapters.expert_tensors import PARAM_LORA_KEY, check_parameter_tensors
 from adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE, TensorInfo
 from adapters.types import (
     BLOCK_OF,
@@ -126,6 +127,11 @@ def _lora_key(key: str, spec: BaseModelSpec) -> _LoraKey:
     layer, target = int(m["layer"]), m["target"]
     if target not in PROJECTIONS:
         raise _unsupported_target(target, key)
+    if BLOCK_OF[target] == "mlp" and layer in spec.moe_layers:
+        raise AdapterError(
+            f"tensor {_show(key)} is for {target}, which layer {layer} of this mixture-of-experts"
+            " base model does not have: its MLP is experts (target_parameters"
+            " experts.gate_up_proj, experts.down_proj)")
     if m["block"] != BLOCK_OF[target]:
         raise AdapterError(f"tensor {_show(key)} puts {target} under {m['block']}")
     if target not in spec.module_shapes:
@@ -166,7 +172,10 @@ def check_lora_tensors(
 
     Returns (layer, target) -> (module_name, lora_A key, lora_B key); layer is None for
     embed_tokens and lm_head. Copies of base weights (see the module docstring) are left out.
+    LoRAs on an MoE block's parameters are adapters.expert_tensors' (module_name: the
+    parameter's name).
     """
+    params, param_rank = check_parameter_tensors(header, config, spec)
     # PEFT's ensure_weight_tying on a tied base: lm_head gets the embedding LoRA, transposed
     # (lm_head lora_A = lora_embedding_B.T, lora_B = lora_embedding_A.T), saved as its own keys.
     tied = config.ensure_weight_tying and spec.tie_word_embeddings
@@ -175,7 +184,7 @@ def check_lora_tensors(
         if _BASE_COPY_KEY.fullmatch(key):
             _check_base_copy(key, info, spec)
             continue
-        if SAVED_KEY.fullmatch(key):  # adapters.saved_modules checked it
+        if SAVED_KEY.fullmatch(key) or PARAM_LORA_KEY.fullmatch(key):  # checked elsewhere
             continue
         k = _lora_key(key, spec)
         if info.dtype not in FLOAT_DTYPES:
@@ -194,7 +203,7 @@ def check_lora_tensors(
             where = f"layer {k.layer} {k.target}" if k.layer is not None else k.target
             raise AdapterError(f"tensor {_show(key)} duplicates the lora_{k.ab} of {where}")
         slot[k.ab] = key
-    if not found:
+    if not found and not params:
         raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA tensors")
     if tied and ((None, EMBED_TOKENS) in found) != ((None, LM_HEAD) in found):
         raise AdapterError(
@@ -203,7 +212,7 @@ def check_lora_tensors(
             " save the adapter again with PEFT"
         )
 
-    plan, worst_rank = {}, 0
+    plan, worst_rank = dict(params), param_rank
     for (layer, target), slot in sorted(found.items(), key=_order):
         module = slot["module"]
         for ab in ("A", "B"):

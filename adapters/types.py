@@ -34,6 +34,16 @@ FLOAT_DTYPES = ("F32", "F16", "BF16")
 BLOCK_OF = {t: "self_attn" for t in TARGET_MODULES[:4]} | {t: "mlp" for t in TARGET_MODULES[4:]}
 BLOCK_OF |= {"qkv_proj": "self_attn", "gate_up_proj": "mlp"}
 ALL_LINEAR = "all-linear"  # target_modules shorthand: every projection (not the vocabulary ends)
+# An MoE block's parameters a LoRA may target (PEFT's target_parameters): its fused experts'
+# 3D parameters, in the order PEFT wraps them (their order in the module: the first is the
+# innermost ParamWrapper, saved as "experts.base_layer.lora_A"), and its router's weight, a plain
+# 2D LoRA served on the engine Linear "gate". (layer, target) keys: "experts.gate_up_proj",
+# "experts.down_proj", "gate".
+EXPERTS, ROUTER = "experts", "gate"
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+EXPERT_TARGETS = tuple(f"{EXPERTS}.{p}" for p in EXPERT_PARAMS)
+ROUTER_PARAM = f"{ROUTER}.weight"
+SUPPORTED_PARAMETERS = (*EXPERT_TARGETS, ROUTER_PARAM)
 
 # -- PEFT keys that both adapters.lora_tensors and adapters.saved_modules read -----------------
 
@@ -76,7 +86,7 @@ class BaseModelSpec:
     # target -> (out_features, in_features); embed_tokens is (hidden, vocab), lm_head
     # (vocab, hidden): both absent when config.json gives no vocab_size. The projections the
     # base offers: the seven, or on a FUSED_ARCHITECTURES base qkv_proj, o_proj, gate_up_proj,
-    # down_proj
+    # down_proj. On an MoE base EXPERT_TARGETS give one expert's (out, in) and ROUTER (E, H)
     module_shapes: dict[str, tuple[int, int]]
     max_lora_rank: int
     tie_word_embeddings: bool = False  # lm_head reuses embed_tokens' weight
@@ -92,6 +102,9 @@ class BaseModelSpec:
     dtype: str = "float32"
     # fused target -> (slice, its rows of lora_B) for each slice, in order; {} when not fused
     fused: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+    num_experts: int = 0  # routed experts per MoE layer; 0 on a dense base
+    # the layers whose MLP is experts (no dense gate/up/down_proj there); () on a dense base
+    moe_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_hf_config(cls, hf_config: dict, max_lora_rank: int, max_full_module_slots: int = 0,
@@ -126,6 +139,8 @@ class BaseModelSpec:
                      for name, parts in FUSED_TARGETS.items()}
             shapes = {"qkv_proj": (q + 2 * kv, hidden), "o_proj": shapes["o_proj"],
                       "gate_up_proj": (2 * inter, hidden), "down_proj": shapes["down_proj"]}
+        experts, moe_layers = moe_shapes(cfg, hidden)
+        shapes |= experts
         vocab = cfg.get("vocab_size")
         if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
             shapes |= {EMBED_TOKENS: (hidden, vocab), LM_HEAD: (vocab, hidden)}
@@ -137,7 +152,26 @@ class BaseModelSpec:
             names.append(hf_config["_name_or_path"])
         names = tuple(dict.fromkeys(n for n in names if base_name(n)))  # distinct, in order
         return cls(cfg["num_hidden_layers"], shapes, max_lora_rank, tied, max_full_module_slots,
-                   arch or None, names, dtype, fused)
+                   arch or None, names, dtype, fused, experts.get(ROUTER, (0,))[0], moe_layers)
+
+
+def moe_shapes(cfg: dict, hidden: int) -> tuple[dict[str, tuple[int, int]], tuple[int, ...]]:
+    """An MoE config's expert and router shapes (see BaseModelSpec.module_shapes) and its
+    sparse layers; ({}, ()) when dense. Experts: num_local_experts (Mixtral) or num_experts
+    (Qwen2/3-MoE, OLMoE), of moe_intermediate_size, else intermediate_size (Mixtral, OLMoE);
+    layer i is sparse unless in mlp_only_layers or (i + 1) % decoder_sparse_step != 0."""
+    num = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if not num:
+        return {}, ()
+    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    for key, v in (("num_experts", num), ("moe_intermediate_size", inter)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"base model config.json: {key} is {v!r}, not a positive int")
+    step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(cfg["num_hidden_layers"])
+                   if i not in dense and (i + 1) % step == 0)
+    gate_up, down = EXPERT_TARGETS
+    return {ROUTER: (num, hidden), gate_up: (2 * inter, hidden), down: (hidden, inter)}, layers
 
 
 # -- the adapter's config ---------------------------------------------------------------------
@@ -194,6 +228,9 @@ class LoraConfig:
     # the class it was trained on, auto_mapping.base_model_class ('LlamaForCausalLM'); None
     # when absent (PEFT writes auto_mapping only for a LoraConfig without task_type)
     base_model_class: str | None = None
+    # parameter names PEFT wraps (suffix match, no layer filter): entries ending in one of
+    # SUPPORTED_PARAMETERS, e.g. "experts.gate_up_proj"; () if none
+    target_parameters: tuple[str, ...] = ()
 
     def rank_for(self, module_name: str) -> int:
         """Rank PEFT gives module_name, e.g. 'model.layers.3.self_attn.k_proj'."""
@@ -225,6 +262,13 @@ class LoraConfig:
             return False
         return self.layers_to_transform is None or (
             layer is not None and layer in self.layers_to_transform)
+
+
+    def targets_parameter(self, param_name: str) -> bool:
+        """Whether PEFT would have wrapped parameter param_name (e.g.
+        'model.layers.0.mlp.experts.gate_up_proj') with a LoRA: _inject_parameters' suffix
+        match on target_parameters, with no layers_to_transform or exclude_modules filter."""
+        return any(_suffix_match(t, param_name) for t in self.target_parameters)
 
 
 def _suffix_match(name: str, module_name: str) -> bool:

@@ -72,7 +72,7 @@ class DecodeGraphs:
         """The graph that serves a decode-only step of `rows` rows, None if none can."""
         if rows > self.buckets[-1]:
             return None
-        if lora is not None and (lora.embed or lora.full is not None):
+        if lora is not None and (lora.embed or lora.full is not None or lora.experts):
             return None  # their rows are picked on the host, step by step
         bucket = next(b for b in self.buckets if b >= rows)
         return GraphKey(bucket, lora is not None)

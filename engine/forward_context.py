@@ -61,6 +61,7 @@ class LoRAStep:
     # when no such row's slot has an lm_head LoRA
     sample: LoRAMeta | None = None
     full: FullModuleStep | None = None  # None when no row's adapter has a saved module
+    experts: bool = False  # some row's slot holds an expert LoRA (else the experts skip it)
     # token_slots grouped for the kernels (the projections, embed_tokens): made by the model
     # runner, which alone knows where the step's tensors live and how many rows it pads to
     tokens: LoRAMeta | None = None

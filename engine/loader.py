@@ -60,7 +60,8 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype, device: torc
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 filled.update(_assign(model, params, name, f.get_tensor(name)))
-    missing = sorted(required - filled)
+    # a fused tensor (`...experts.gate_up_proj`) fills every per-expert key of its name
+    missing = sorted(k for k in required - filled if k.split(":")[0] not in filled)
     if missing:
         raise ValueError(f"checkpoint {model_dir} does not provide {len(missing)} weights, "
                          f"e.g. {', '.join(missing[:5])}")
@@ -73,6 +74,8 @@ def _required_keys(model: nn.Module):
         owner = model.get_submodule(name.rsplit(".", 1)[0])
         if isinstance(owner, Linear) and len(owner.slice_names) > 1:
             yield from (f"{name}:{slice_name}" for slice_name in owner.slice_names)
+        elif hasattr(owner, "checkpoint_keys"):  # MoE experts: per expert and half
+            yield from owner.checkpoint_keys(name)
         else:
             yield name
 
@@ -83,6 +86,9 @@ def _assign(model: nn.Module, params: dict, name: str, tensor: torch.Tensor) -> 
         return [name]  # derived from config; some old checkpoints store it
     if name == "lm_head.weight" and model.args.tie_word_embeddings:
         return [name]
+    if hasattr(model, "checkpoint_target") and (found := model.checkpoint_target(name)):
+        _copy(found[0], tensor, name)  # MoE: a per-expert tensor into the fused experts
+        return [found[1]]
     for fragment, slices in model.fused_projections.items():
         if f".{fragment}." in name:
             return _assign_fused(model, params, name, tensor, slices)

@@ -1,10 +1,11 @@
 """The device side of the adapter slots: for every module an adapter can adapt, one buffer pool
 holding `max_loras` slots of up to `max_lora_rank`, preallocated and refilled in place.
 
-Three kinds of pool, each allocated once, when the first adapter that needs it is registered:
+Four kinds of pool, each allocated once, when the first adapter that needs it is registered:
     projections    every decoder layer's Linear.lora (LoRABuffers), with the first adapter
     embed_tokens   VocabEmbedding.lora (EmbeddingLoRABuffers), with the first embedding LoRA
     lm_head        LMHead.lora (LoRABuffers, one slice), with the first lm_head LoRA
+    experts        every MoE layer's Experts.lora (engine/expert_slots.py), with the first expert LoRA
 so a server whose adapters never touch the vocabulary ends holds no vocabulary-sized buffers.
 Per slot, in elements (R = max_lora_rank, V = vocab, H = hidden):
     projections    R * (sum over layers and Linears of n_slices * in + out)
@@ -27,6 +28,7 @@ import torch
 
 from adapters.format import LoraAdapter
 from adapters.types import EMBED_TOKENS, LM_HEAD
+from engine.expert_slots import ExpertSlots
 from engine.forward_context import LoRAStep
 from engine.full_modules import FullModuleSlots
 from engine.layers.embedding import EmbeddingLoRABuffers
@@ -51,6 +53,7 @@ class SlotPool:
         self.embed_slots: set[int] = set()  # slots whose adapter has an embed_tokens LoRA
         self.head_slots: set[int] = set()  # ... an lm_head LoRA
         self.full = FullModuleSlots(num_full_slots, device, dtype)  # ... saved modules
+        self.experts = ExpertSlots(model, num_slots, max_rank, device, dtype)  # MoE experts
 
     def _projections(self):
         return self.model.lora_linears()
@@ -63,7 +66,7 @@ class SlotPool:
         return {"projections": projections,
                 EMBED_TOKENS: self.embedding.lora.num_bytes if self.embedding.lora else 0,
                 LM_HEAD: self.head.lora.num_bytes if self.head.lora else 0,
-                "full_modules": self.full.num_bytes}
+                "full_modules": self.full.num_bytes, "experts": self.experts.num_bytes}
 
     # ---- allocation -------------------------------------------------------------------------
     def reserve(self, adapter: LoraAdapter) -> None:
@@ -84,6 +87,8 @@ class SlotPool:
         if HEAD in adapter.modules and self.head.lora is None:
             self.head.lora = self._linear_pool(1, self.head.hidden_size, self.head.local_vocab)
             allocated.append(LM_HEAD)
+        if self.experts.reserve(adapter):
+            allocated.append("experts")
         if allocated:
             sizes = self.num_bytes
             logger.info("LoRA slot pools (%d slots, rank %d): %s", self.num_slots, self.max_rank,
@@ -127,11 +132,13 @@ class SlotPool:
             lora.scales[0, index] = weights.scaling
         if adapter.saved_modules:
             self.full.fill(index, adapter.saved_modules)
+        self.experts.fill(index, adapter)
 
     def clear(self, index: int) -> None:
         self.embed_slots.discard(index)
         self.head_slots.discard(index)
         self.full.clear(index)
+        self.experts.clear(index)
         pools = [linear.lora for _, linear in self._projections()]
         pools += [self.head.lora, self.embedding.lora]
         for lora in pools:
@@ -166,7 +173,8 @@ class SlotPool:
                   if not self.head_slots.isdisjoint(sample_slots) else None)
         full = (self.full.step(token_slots, sample_slots)
                 if not self.full.held.keys().isdisjoint(used) else None)
-        return LoRAStep(token_slots, self.num_slots, embed=embed, sample=sample, full=full)
+        return LoRAStep(token_slots, self.num_slots, embed=embed, sample=sample, full=full,
+                        experts=not self.experts.held.isdisjoint(used))
 
 
 def _copy_linear(lora: LoRABuffers, i: int, index: int, rows: slice, lora_a: torch.Tensor,

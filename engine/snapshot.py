@@ -18,11 +18,23 @@ class EngineInfo:
     max_model_len: int
     block_size: int
     num_kv_blocks: int
+    # the base's parameters, and of them what one token multiplies by (MoE: top_k of E
+    # experts per sparse layer; dense: all); defaults for EngineInfos built without a model
+    total_parameters: int = 0
+    active_parameters: int = 0
 
 
 def engine_info(engine: LLMEngine) -> EngineInfo:
+    import torch
+
+    from engine.layers.moe import count_parameters
+    from engine.models import model_class
+
+    hf_config = engine.config.hf_config
+    with torch.device("meta"):  # the whole model, not this rank's part under TP; no memory
+        total, active = count_parameters(model_class(hf_config)(hf_config))
     return EngineInfo(engine.vocab_size, engine.config.max_model_len, engine.config.block_size,
-                      engine.block_manager.num_blocks)
+                      engine.block_manager.num_blocks, total, active)
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.snapshot import EngineSnapshot
+from engine.snapshot import EngineInfo, EngineSnapshot
 
 BASE_LABEL = "base"  # the adapter label of requests for the base model
 CLIENT_CLOSED_REQUEST = 499  # the status label of a request its client abandoned
@@ -63,6 +63,7 @@ class Metrics:
                                               buckets=LATENCY_BUCKETS, registry=r)
         self.tiers = TierStats()
         self.snapshot: EngineSnapshot | None = None  # set by the /metrics handler per scrape
+        self.info: EngineInfo | None = None  # set by the runtime once the engine is up
         self.gateway_inflight = 0  # sequences admitted by the gateway, set per scrape
         self.gateway_capacity = 0
         r.register(_LiveCollector(self))
@@ -93,6 +94,13 @@ class _LiveCollector(Collector):
         yield _gauge("loragw_gateway_capacity_sequences",
                      "Sequences admitted before 429 (max_num_seqs + max_waiting)",
                      m.gateway_capacity)
+        if m.info is not None:
+            params = GaugeMetricFamily("loragw_model_parameters", "Base model parameters: all, "
+                                       "and those one token multiplies by (MoE: top_k of E "
+                                       "experts; dense: all)", labels=["kind"])
+            params.add_metric(["total"], m.info.total_parameters)
+            params.add_metric(["active"], m.info.active_parameters)
+            yield params
         if snap is not None:
             yield _gauge("loragw_num_requests_waiting", "Sequences queued in the engine",
                          snap.num_waiting)

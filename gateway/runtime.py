@@ -79,6 +79,7 @@ class Runtime:
                 self.loop = asyncio.get_running_loop()
                 self.engine = await self._start_engine()
                 self.info = self.engine.info
+                self.metrics.info = self.info
                 self.tokenizer = await asyncio.to_thread(try_load_tokenizer, config.model)
                 self.token_text = TokenText(self.tokenizer)
                 self.adapters = AdapterManager(config, self.engine, self.metrics)

@@ -29,6 +29,9 @@ config.json, style "transformers5" (what save_pretrained writes in 5.x), rope ke
     "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
     "dtype": "float32"; "head_dim" present for llama, mistral and qwen3, absent for qwen2.
 Either way transformers 5 reads it back to the same model.
+Mixture-of-Experts archs (MOE_DEFAULTS: mixtral, qwen2_moe, qwen3_moe, olmoe) are saved with
+per-expert tensor names, as transformers 5's save_pretrained writes them
+(`block_sparse_moe.experts.<e>.w1` for Mixtral, `mlp.experts.<e>.gate_proj` for the others).
 Other architecture-specific keys: qwen2 has q/k/v biases in the weights ("attention_bias" is
 not a Qwen2 config key) and "use_sliding_window": false, "sliding_window": null; qwen3 has
 "attention_bias": false and q_norm/k_norm weights; mistral has "sliding_window": null (as
@@ -54,10 +57,29 @@ ARCHS = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, max_position_embeddings=512, rope_theta=10000.0,
             rms_norm_eps=1e-6, tie_word_embeddings=False)
+# Mixture-of-Experts: odd expert counts, expert widths unlike hidden (64) or the dense 128.
+MOE_DEFAULTS = {
+    "mixtral": {"num_local_experts": 5, "num_experts_per_tok": 2, "intermediate_size": 96,
+                "sliding_window": None},
+    # 3 layers, layer 1 dense (mlp_only_layers); experts 48 wide, the shared expert 80
+    "qwen2_moe": {"num_hidden_layers": 3, "num_experts": 5, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 48, "shared_expert_intermediate_size": 80,
+                  "mlp_only_layers": [1], "use_sliding_window": False, "sliding_window": None},
+    # 3 layers, decoder_sparse_step 2 keeps layers 0 and 2 dense; top-k renormalised
+    "qwen3_moe": {"num_hidden_layers": 3, "head_dim": 16, "num_experts": 3,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                  "decoder_sparse_step": 2, "norm_topk_prob": True,
+                  "use_sliding_window": False, "sliding_window": None},
+    "olmoe": {"num_experts": 5, "num_experts_per_tok": 2, "intermediate_size": 96},
+}
 ARCH_DEFAULTS = {
     "llama": {},
     "mistral": {"sliding_window": None},
@@ -66,6 +88,7 @@ ARCH_DEFAULTS = {
     # Phi-3's fused qkv_proj / gate_up_proj; a window past every test context (engine: no
     # sliding-window attention yet), original_max_position_embeddings for longrope overrides
     "phi3": {"sliding_window": 2047, "original_max_position_embeddings": 512},
+    **MOE_DEFAULTS,
 }
 HUB_OMITS_DEFAULT_HEAD_DIM = ("llama", "mistral", "qwen2")
 TOKENIZER_VOCAB = 512

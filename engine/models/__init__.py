@@ -10,15 +10,16 @@ Every model class offers what the loader, the runner and the adapter slots use:
     lora_linears()            (layer index, Linear) of every projection an adapter may adapt
     attention_layers()        the PagedAttention of every layer, in order
     forward / compute_logits
+MoE bases (engine/models/moe.py) add expert_modules() and checkpoint_target(name).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from engine.models import llama, phi3
+from engine.models import llama, moe, phi3
 
-FAMILIES = (llama, phi3)  # each with ARCHITECTURES: {config.json name: model class}
+FAMILIES = (llama, phi3, moe)  # each with ARCHITECTURES: {config.json name: model class}
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     name: cls for family in FAMILIES for name, cls in family.ARCHITECTURES.items()}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)

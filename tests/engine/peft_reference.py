@@ -113,6 +113,7 @@ def load_peft(base: str, dirs: dict[str, str], dtype: torch.dtype = torch.float3
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    hf.generation_config.eos_token_id = None  # every token counts, as under ignore_eos
     names = list(dirs)
     model = PeftModel.from_pretrained(hf, dirs[names[0]], adapter_name=names[0])
     for name in names[1:]:
@@ -171,8 +172,8 @@ class World:
                    of its own, as from_pretrained serves it: PEFT cannot hold a LoRA on lm_head
                    beside another adapter's saved lm_head (modules_to_save).
       prompt_seed  the seed of the random prompts.
-      base         another base checkpoint's directory (tests/checkpoints.py: Phi-3, say)
-                   instead of build_base's Llama; its vocabulary must hold VOCAB ids.
+      base         another base checkpoint's directory to serve instead of build_base's
+                   Llama (tests/checkpoints.py: Phi-3, an MoE); its vocabulary must hold VOCAB.
     """
 
     def __init__(self, root: str, specs: dict[str, dict], *, tied: bool = False,

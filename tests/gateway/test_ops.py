@@ -60,7 +60,9 @@ def test_probes_and_metrics(http, base_name):
                  'loragw_adapter_loads_total{tier="device"}',
                  'loragw_adapter_evictions_total{tier="device"}',
                  'loragw_adapter_hits_total{tier="device"}',
-                 'loragw_lora_device_bytes{pool="projections"}'):
+                 'loragw_lora_device_bytes{pool="projections"}',
+                 'loragw_model_parameters{kind="total"}',
+                 'loragw_model_parameters{kind="active"}'):
         assert line in text, f"{line!r} missing from /metrics"
     assert 'adapter="nope"' not in text  # unknown names never become label values
 
@@ -280,7 +282,7 @@ def test_config_reads_flags_then_environment(tmp_path, capsys):
 
 def test_full_module_slots_flag_reaches_the_engine(tmp_path):
     """Saved modules (modules_to_save) are opt-in: off by default, on with the flag or env."""
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     off = serve_config(["--model", str(tmp_path)], {})
     assert off.engine_config().max_full_module_slots == 0
     on = serve_config(["--model", str(tmp_path), "--max-full-module-slots", "2"], {})
