@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.backends import AttentionShape, resolve_backends
+from engine.backends import AttentionShape, kernel_gaps, resolve_backends
 from engine.config import Config
 from engine.cuda_graphs import DecodeGraphs, GraphKey, graph_buckets, graphs_off_reason
 from engine.forward_context import AttentionMetadata, ForwardContext, LoRAStep, forward_context
@@ -52,9 +52,11 @@ class ModelRunner:
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.model.model.rotary_emb.reserve(config.max_model_len)
+        # Every layer slides: blocks before the window are freed (engine/block_manager.py).
+        self.kv_window = kv_window(self.model.attention_layers())
         self.backends = resolve_backends(
             config.lora_backend, config.attention_backend, self.device, self.dtype,
-            self.heads)
+            self.heads, kernel_gaps(self.model.attention_layers()))
         self.max_blocks = -(-config.max_model_len // self.block_size)  # of one sequence
         self.decode_buffers = DecodeBuffers(config.max_num_seqs, self.max_blocks, self.block_size,
                                             pad_block=self.num_kv_blocks, device=self.device)
@@ -195,6 +197,13 @@ class ModelRunner:
         logger.info("captured %d decode graphs (1 to %d rows) in %.1f s",
                     len(self.graphs.buckets), self.graphs.buckets[-1],
                     time.perf_counter() - started)
+
+
+def kv_window(layers) -> int | None:
+    """The window every layer's attention stays within (the widest), or None if some layer
+    sees its whole context."""
+    windows = [layer.sliding_window for layer in layers]
+    return None if None in windows else max(windows)
 
 
 def _available_host_memory() -> int:

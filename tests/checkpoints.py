@@ -32,7 +32,11 @@ Either way transformers 5 reads it back to the same model.
 Other architecture-specific keys: qwen2 has q/k/v biases in the weights ("attention_bias" is
 not a Qwen2 config key) and "use_sliding_window": false, "sliding_window": null; qwen3 has
 "attention_bias": false and q_norm/k_norm weights; mistral has "sliding_window": null (as
-Mistral-7B-v0.2 and later).
+Mistral-7B-v0.2 and later). gemma2 and gemma3 have head_dim 16, untied embeddings (Gemma ties them, but
+a tied random Gemma mostly repeats its last token: tie them by override), layers
+[sliding, full] with "sliding_window": 8 and "query_pre_attn_scalar": 24; gemma2 caps scores at
+5 and logits at 8; gemma3 (no caps, q/k norms) has, hub style, "rope_theta" (full layers)
+and "rope_local_base_freq": 100 (sliding layers).
 
 `with_weight(src_dir, out_dir, name, index, value)` copies a checkpoint with one weight changed
 (past float16's range, NaN), for the loader's checks.
@@ -50,6 +54,8 @@ ARCHS = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, max_position_embeddings=512, rope_theta=10000.0,
@@ -59,6 +65,11 @@ ARCH_DEFAULTS = {
     "mistral": {"sliding_window": None},
     "qwen2": {"use_sliding_window": False, "sliding_window": None},
     "qwen3": {"head_dim": 16, "use_sliding_window": False, "sliding_window": None},
+    # layers [sliding, full]; a window shorter than the tests' prompts; caps that bite
+    "gemma2": {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
+               "attn_logit_softcapping": 5.0, "final_logit_softcapping": 8.0},
+    "gemma3": {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
+               "sliding_window_pattern": 2, "rope_local_base_freq": 100.0},
 }
 HUB_OMITS_DEFAULT_HEAD_DIM = ("llama", "mistral", "qwen2")
 TOKENIZER_VOCAB = 512
@@ -94,7 +105,7 @@ def make_tiny_checkpoint(out_dir: str, arch: str, *, sharded: bool = False,
     model.save_pretrained(out_dir, max_shard_size=total // 3 if sharded else "10GB")
     if config_style == "hub":
         written = _read_json(os.path.join(out_dir, "config.json"))
-        hub = hub_style_config(written)
+        hub = hub_style_config(_gemma3_hub_rope(written) if arch == "gemma3" else written)
         default_head_dim = hub["hidden_size"] // hub["num_attention_heads"]
         if arch in HUB_OMITS_DEFAULT_HEAD_DIM and hub.get("head_dim") == default_head_dim:
             del hub["head_dim"]
@@ -132,6 +143,17 @@ def randomize_(model, std: float) -> None:
                 param.uniform_(0.5, 1.5)
             else:
                 param.normal_(0.0, std)
+
+
+def _gemma3_hub_rope(config: dict) -> dict:
+    """Gemma 3's per-layer-kind rope_parameters as the Hub has them: rope_theta and
+    rope_scaling (full layers), rope_local_base_freq (sliding layers)."""
+    config = dict(config)
+    nested = config.pop("rope_parameters")
+    full, local = dict(nested["full_attention"]), nested["sliding_attention"]
+    config["rope_local_base_freq"] = local["rope_theta"]
+    config["rope_parameters"] = full  # hub_style_config splits it into rope_theta / rope_scaling
+    return config
 
 
 def _read_json(path: str) -> dict:

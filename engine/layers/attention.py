@@ -11,6 +11,16 @@ backend the engine chose at start-up (ForwardContext.backends.attention, engine/
     torch   gather each decode row's whole blocks (decode_block_ids) into a padded
             [B, L, n_kv, D] copy, then one batched SDPA call under decode_mask. The default on
             CPU (the Triton interpreter is far too slow to serve with).
+
+Two per-layer options (Mistral / Qwen2 sliding windows, Gemma 2 / 3):
+    sliding_window W  the query at position p sees keys k with p - W < k <= p (W keys, itself
+                      included: transformers' sliding_window_overlay, `kv_idx > q_idx - W`).
+    softcap C         scores become tanh(s / C) * C before the softmax (Gemma 2). SDPA has no
+                      hook for that, so such layers compute their scores explicitly; layers
+                      without it keep the fused SDPA call.
+The Triton decode kernel takes neither: engine/backends.py keeps such models on torch decode.
+Blocks wholly before every window may have been freed (engine/block_manager.py): their table
+entries then name the padding block, whose keys the window mask never lets through.
 """
 
 from __future__ import annotations
@@ -25,10 +35,13 @@ from engine.forward_context import get_forward_context
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, softcap: float | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        self.sliding_window = sliding_window  # keys (p - W, p] for the query at p; None: all
+        self.softcap = softcap  # tanh(s / C) * C on the scores; None: plain softmax
         # Bound by the model runner: [num_blocks, block_size, n_kv_heads, D] each.
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
@@ -52,7 +65,8 @@ class PagedAttention(nn.Module):
                                          self.scale, out=out[:decoded])
         elif decoded:
             assert meta.decode_block_ids is not None, "the model runner built no torch decode addressing"
-            out[:decoded] = self._decode(q[:decoded], meta.decode_block_ids, meta.decode_mask)
+            out[:decoded] = self._decode(q[:decoded], meta.decode_block_ids, meta.decode_mask,
+                                         meta.decode_context_lens)
         for start, q_len, ctx_len, table in zip(meta.prefill_query_starts, meta.prefill_query_lens,
                                                 meta.prefill_context_lens,
                                                 meta.prefill_block_tables):
@@ -71,25 +85,47 @@ class PagedAttention(nn.Module):
         k = self._gather(self.k_cache, table, ctx_len).transpose(0, 1)  # [n_kv, L, D]
         v = self._gather(self.v_cache, table, ctx_len).transpose(0, 1)
         q = q.transpose(0, 1)  # [n_heads, Q, D]
-        if ctx_len == q_len:
+        if self.softcap is None and self.sliding_window is None and ctx_len == q_len:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, scale=self.scale,
                                                  enable_gqa=True)
         else:
             # Query i sits at position ctx_len - q_len + i and sees keys up to there.
             rows = torch.arange(q_len, device=q.device)[:, None] + (ctx_len - q_len)
-            mask = torch.arange(ctx_len, device=q.device)[None, :] <= rows  # [Q, L]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
-                                                 enable_gqa=True)
+            keys = torch.arange(ctx_len, device=q.device)[None, :]
+            mask = keys <= rows  # [Q, L]
+            if self.sliding_window is not None:
+                mask &= keys > rows - self.sliding_window
+            out = self._attend(q, k, v, mask)
         return out.transpose(0, 1)  # [Q, n_heads, D]
 
-    def _decode(self, q: torch.Tensor, block_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        # q: [B, n_heads, D]  block_ids: [B * max_blocks]  mask: [B, 1, 1, L]
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        # q: [..., n_heads, Q, D]  k, v: [..., n_kv, L, D]  mask: bool, broadcast to [..., n_heads, Q, L]
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                                  enable_gqa=True)
+        group = self.num_heads // self.num_kv_heads
+        k = k.repeat_interleave(group, dim=-3)  # [..., n_heads, L, D]: query head h reads kv h // G
+        v = v.repeat_interleave(group, dim=-3)
+        scores = (q @ k.transpose(-1, -2)) * self.scale  # [..., n_heads, Q, L]
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        # softmax in float32, as transformers' eager attention does, then back to q's dtype
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return probs @ v
+
+    def _decode(self, q: torch.Tensor, block_ids: torch.Tensor, mask: torch.Tensor,
+                context_lens: torch.Tensor) -> torch.Tensor:
+        # q: [B, n_heads, D]  block_ids: [B * max_blocks]  mask: [B, 1, 1, L]  context_lens: [B]
         batch, length = q.shape[0], mask.shape[-1]
         # Whole blocks (block_size * n_kv * D contiguous values each): one index per block, not
         # per position, makes the gather ~10% cheaper on CPU.
         k = self.k_cache.flatten(1).index_select(0, block_ids).view(batch, length, self.num_kv_heads, -1)
         v = self.v_cache.flatten(1).index_select(0, block_ids).view(batch, length, self.num_kv_heads, -1)
-        out = F.scaled_dot_product_attention(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask, scale=self.scale,
-                                             enable_gqa=True)  # [B, n_heads, 1, D]
+        if self.sliding_window is not None:  # the query sits at context_len - 1
+            keys = torch.arange(length, device=q.device)
+            first = (context_lens.long() - self.sliding_window)[:, None, None, None]
+            mask = mask & (keys >= first)  # device ops only: a CUDA graph can replay it
+        out = self._attend(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+                           mask)  # [B, n_heads, 1, D]
         return out[:, :, 0, :]

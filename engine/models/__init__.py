@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.models import llama
+from engine.models import gemma, llama
 
-FAMILIES = (llama,)  # each with ARCHITECTURES: {config.json name: model class}
+FAMILIES = (llama, gemma)  # each with ARCHITECTURES: {config.json name: model class}
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     name: cls for family in FAMILIES for name, cls in family.ARCHITECTURES.items()}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
