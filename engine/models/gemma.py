@@ -6,7 +6,9 @@ What Gemma changes (checked against transformers' modeling_gemma2.py / modeling_
     norms         RMSNorm as x * (1 + w) in float32 (GemmaRMSNorm); four per layer: around
                   attention (input, post_attention) and around the MLP (pre_ / post_feedforward)
     attention     scale query_pre_attn_scalar ** -0.5; Gemma 2 soft-caps the scores
-                  (attn_logit_softcapping); Gemma 3 RMSNorms q and k per head before rope
+                  (attn_logit_softcapping); Gemma 3 RMSNorms q and k per head before rope and
+                  caps no scores: its config keeps the key, but transformers' Gemma 3
+                  attention never passes it on (qk-norm took its place), so neither do we
     layer kinds   "sliding_attention" layers see the last `sliding_window` keys only, the others
                   everything: `layer_types` in config.json, else Gemma 2 alternates (layer 0
                   slides) and Gemma 3 makes every sliding_window_pattern-th layer (6) full
@@ -36,7 +38,7 @@ ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 DEFAULTS = {
     "Gemma2ForCausalLM": dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                               sliding_window=4096, sliding_window_pattern=2),
-    "Gemma3ForCausalLM": dict(attn_logit_softcapping=None, final_logit_softcapping=None,
+    "Gemma3ForCausalLM": dict(final_logit_softcapping=None,
                               sliding_window=4096, sliding_window_pattern=6),
 }
 
@@ -75,7 +77,8 @@ class GemmaArgs(ModelArgs):
             layer_windows=tuple(window if kind == SLIDING else None for kind in kinds),
             layer_kinds=kinds, sliding_window=window,
             query_pre_attn_scalar=cfg.get("query_pre_attn_scalar", 256),
-            attn_softcap=cfg.get("attn_logit_softcapping", defaults["attn_logit_softcapping"]),
+            attn_softcap=cfg.get("attn_logit_softcapping", defaults["attn_logit_softcapping"])
+            if arch == "Gemma2ForCausalLM" else None,  # Gemma 3 ignores it (module docstring)
             final_softcap=cfg.get("final_logit_softcapping", defaults["final_logit_softcapping"]),
             activation=activation)})
 

@@ -9,44 +9,17 @@ most queries lies outside the window.
 import pytest
 import torch
 from peft_reference import hf_greedy
+from window_parity import GREEDY, MAX_TOKENS, WINDOW, check_schedules, make_prompts
 
 from engine import LLM, SamplingParams
 from engine.backends import AttentionShape, kernel_gaps, resolve_attention_backend
 from engine.layers.attention import PagedAttention
 
-MAX_TOKENS = 20
-WINDOW = 8
 VARIANTS = {
     "mistral-window": ("mistral", {"sliding_window": WINDOW}),  # every layer: blocks are freed
     "qwen2-window-layer-1": ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW,
                                        "max_window_layers": 1}),  # layer 0 full, layer 1 slides
 }
-SCHEDULES = {
-    "batched": {},
-    "chunked-prefill": {"max_num_batched_tokens": 8},
-    "preempted": {"num_kv_blocks": 30, "block_size": 2},  # tight even with blocks freed
-}
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-
-
-def make_prompts(vocab_size: int, lengths=(1, 5, 17, 40, 3, 29)) -> list[list[int]]:
-    g = torch.Generator().manual_seed(7)
-    return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
-
-
-def check_schedules(path: str, label: str, schedules: dict = SCHEDULES) -> None:
-    """Greedy engine output equals transformers' under every schedule, leaking no block."""
-    prompts = make_prompts(500)
-    expected = hf_greedy(path, prompts, MAX_TOKENS)
-    assert len({tuple(e) for e in expected}) > 1, "degenerate checkpoint: every output is equal"
-    for name, schedule in schedules.items():
-        llm = LLM(path, device="cpu", dtype="float32", **schedule)
-        for prompt, out, ref in zip(prompts, llm.generate(prompts, GREEDY), expected):
-            assert out.token_ids == ref, f"{label}/{name}: prompt of {len(prompt)} tokens differs"
-        engine = llm.engine
-        assert engine.num_free_kv_blocks == engine.block_manager.num_blocks, "leaked KV blocks"
-        if name == "preempted":
-            assert engine.scheduler.num_preemptions > 0, "the schedule did not force preemption"
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
