@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.backends import AttentionShape, kernel_gaps, resolve_backends
+from engine.backends import attention_shape, resolve_backends
 from engine.config import Config
 from engine.cuda_graphs import DecodeGraphs, GraphKey, graph_buckets, graphs_off_reason
 from engine.forward_context import AttentionMetadata, ForwardContext, LoRAStep, forward_context
@@ -44,7 +44,7 @@ class ModelRunner:
         self.model = load_model(config.model, config.hf_config, self.dtype, self.device, shard)
         self.args = self.model.args
         attn = self.model.attention_layers()[0]
-        self.heads = AttentionShape(attn.num_heads, attn.num_kv_heads, attn.head_dim)  # this rank's
+        self.heads = attention_shape(self.model.attention_layers())  # this rank's
         self.num_kv_blocks = config.num_kv_blocks or self._size_kv_cache(config)
         # One block more than the block manager hands out: graph padding rows write there.
         shape = (self.num_kv_blocks + 1, self.block_size, attn.num_kv_heads, attn.head_dim)
@@ -56,7 +56,7 @@ class ModelRunner:
         self.kv_window = kv_window(self.model.attention_layers())
         self.backends = resolve_backends(
             config.lora_backend, config.attention_backend, self.device, self.dtype,
-            self.heads, kernel_gaps(self.model.attention_layers()))
+            self.heads)
         self.max_blocks = -(-config.max_model_len // self.block_size)  # of one sequence
         self.decode_buffers = DecodeBuffers(config.max_num_seqs, self.max_blocks, self.block_size,
                                             pad_block=self.num_kv_blocks, device=self.device)

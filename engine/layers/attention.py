@@ -18,7 +18,7 @@ Two per-layer options (Mistral / Qwen2 sliding windows, Gemma 2 / 3):
     softcap C         scores become tanh(s / C) * C before the softmax (Gemma 2). SDPA has no
                       hook for that, so such layers compute their scores explicitly; layers
                       without it keep the fused SDPA call.
-The Triton decode kernel takes neither: engine/backends.py keeps such models on torch decode.
+The Triton decode kernel takes both as runtime arguments (kernels/paged_attention.py).
 Blocks wholly before every window may have been freed (engine/block_manager.py): their table
 entries then name the padding block, whose keys the window mask never lets through.
 """
@@ -32,6 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_context import get_forward_context
+
+# Query rows per score matrix in soft-capped layers: [n_heads, 256, L] fp32 at a time.
+CAPPED_QUERY_ROWS = 256
 
 
 class PagedAttention(nn.Module):
@@ -62,7 +65,8 @@ class PagedAttention(nn.Module):
             paged = importlib.import_module("kernels.paged_attention")  # triton only when used
             paged.paged_attention_decode(q[:decoded], self.k_cache, self.v_cache,
                                          meta.decode_block_tables, meta.decode_context_lens,
-                                         self.scale, out=out[:decoded])
+                                         self.scale, out=out[:decoded],
+                                         sliding_window=self.sliding_window, softcap=self.softcap)
         elif decoded:
             assert meta.decode_block_ids is not None, "the model runner built no torch decode addressing"
             out[:decoded] = self._decode(q[:decoded], meta.decode_block_ids, meta.decode_mask,
@@ -107,12 +111,16 @@ class PagedAttention(nn.Module):
         group = self.num_heads // self.num_kv_heads
         k = k.repeat_interleave(group, dim=-3)  # [..., n_heads, L, D]: query head h reads kv h // G
         v = v.repeat_interleave(group, dim=-3)
-        scores = (q @ k.transpose(-1, -2)) * self.scale  # [..., n_heads, Q, L]
-        scores = torch.tanh(scores / self.softcap) * self.softcap
-        scores = scores.masked_fill(~mask, float("-inf"))
-        # softmax in float32, as transformers' eager attention does, then back to q's dtype
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return probs @ v
+        # Scores are materialised, so a long prompt goes CAPPED_QUERY_ROWS queries at a time.
+        outs = []
+        for i in range(0, q.shape[-2], CAPPED_QUERY_ROWS):
+            rows = slice(i, i + CAPPED_QUERY_ROWS)
+            scores = (q[..., rows, :] @ k.transpose(-1, -2)) * self.scale  # [..., n_heads, q, L]
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+            scores = scores.masked_fill(~mask[..., rows, :], float("-inf"))
+            # softmax in float32, as transformers' eager attention does, then back to q's dtype
+            outs.append(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 
     def _decode(self, q: torch.Tensor, block_ids: torch.Tensor, mask: torch.Tensor,
                 context_lens: torch.Tensor) -> torch.Tensor:

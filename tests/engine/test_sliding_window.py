@@ -6,13 +6,15 @@ Tiny checkpoints with an 8-token window and prompts up to 40 tokens, so most of 
 most queries lies outside the window.
 """
 
+import os
+
 import pytest
 import torch
 from peft_reference import hf_greedy
 from window_parity import GREEDY, MAX_TOKENS, WINDOW, check_schedules, make_prompts
 
 from engine import LLM, SamplingParams
-from engine.backends import AttentionShape, kernel_gaps, resolve_attention_backend
+from engine.backends import AttentionShape, attention_shape
 from engine.layers.attention import PagedAttention
 
 VARIANTS = {
@@ -58,6 +60,33 @@ def test_window_mask_is_transformers_convention():
     torch.testing.assert_close(decoded[0], out[-1], msg="decode query")
 
 
+def test_capped_prefill_in_query_chunks(monkeypatch):
+    """Soft-capped scores (tanh(s / C) * C before a float32 softmax), windowed, computed a few
+    query rows at a time: the same as one eager computation over the whole prompt."""
+    from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
+    from engine.layers import attention
+
+    monkeypatch.setattr(attention, "CAPPED_QUERY_ROWS", 4)
+    torch.manual_seed(0)
+    heads, kv_heads, dim, length, window, cap = 4, 2, 8, 11, 5, 1.5
+    attn = PagedAttention(heads, kv_heads, dim, scale=0.5, sliding_window=window, softcap=cap)
+    attn.k_cache = torch.zeros(3, 4, kv_heads, dim)
+    attn.v_cache = torch.zeros(3, 4, kv_heads, dim)
+    q, k, v = torch.randn(length, heads, dim), torch.randn(length, kv_heads, dim), torch.randn(
+        length, kv_heads, dim)
+    table = torch.tensor([0, 1, 2])
+    meta = AttentionMetadata(torch.arange(length), 0, None, None, None, None, [0], [length],
+                             [length], [table])
+    with forward_context(ForwardContext(attn=meta)):
+        out = attn(q, k, v).view(length, heads, dim)
+    kk, vv = (x.repeat_interleave(2, dim=1).transpose(0, 1) for x in (k, v))  # [heads, L, D]
+    scores = torch.tanh((q.transpose(0, 1) @ kk.transpose(1, 2)) * 0.5 / cap) * cap
+    p, key = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    scores = scores.masked_fill(~((key <= p) & (key > p - window)), float("-inf"))
+    want = (scores.softmax(-1) @ vv).transpose(0, 1)  # [L, heads, D]
+    torch.testing.assert_close(out, want)
+
+
 def test_kv_blocks_stay_bounded_past_the_window(tiny_checkpoint):
     """A sequence decoding 150 tokens past an 8-token window holds at most
     window / block_size + 2 blocks, and still gives transformers' tokens."""
@@ -91,16 +120,28 @@ def test_shared_prefix_past_the_window(tiny_checkpoint):
     assert llm.engine.block_manager.cache.stats.hits > 0, "the prefix was not shared"
 
 
-def test_triton_decode_refuses_what_it_cannot_do():
-    """The Triton kernel has no window or soft-capping: auto keeps torch, forced is an error."""
-    shape = AttentionShape(4, 2, 16)
-    windowed = [PagedAttention(4, 2, 16, 0.25, sliding_window=8)]
-    capped = [PagedAttention(4, 2, 16, 0.25, softcap=50.0)]
-    assert kernel_gaps([PagedAttention(4, 2, 16, 0.25)]) is None
-    assert "sliding-window" in kernel_gaps(windowed)
-    assert "soft-capped" in kernel_gaps(capped)
-    cuda = torch.device("cuda")
-    assert resolve_attention_backend("auto", cuda, torch.float16, shape,
-                                     kernel_gaps(windowed)) == "torch"
-    with pytest.raises(ValueError, match="soft-capped"):
-        resolve_attention_backend("triton", cuda, torch.float16, shape, kernel_gaps(capped))
+@pytest.mark.parametrize("arch,overrides", [("mistral", {"sliding_window": WINDOW}),
+                                            ("gemma2", {})], ids=["mistral-window", "gemma2"])
+def test_triton_decode_matches_torch(tiny_checkpoint, arch, overrides):
+    """The Triton decode kernel (under the interpreter on CPU) takes the window and the cap:
+    the same greedy tokens as the torch path, with blocks before the window freed."""
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("the Triton kernel needs TRITON_INTERPRET=1 on CPU")
+    device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    path = tiny_checkpoint(arch, **overrides)
+    prompts = make_prompts(500, (3, 21, 12))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(path, device=device, dtype="float32", block_size=4, attention_backend=backend)
+        assert llm.engine.runner.backends.attention == backend
+        outputs[backend] = [out.token_ids for out in llm.generate(prompts, params)]
+    assert outputs["triton"] == outputs["torch"]
+
+
+def test_attention_shape_names_window_and_cap():
+    """What the Triton self-check must also verify: the narrowest window, the cap."""
+    layers = [PagedAttention(4, 2, 16, 0.25, sliding_window=8, softcap=50.0),
+              PagedAttention(4, 2, 16, 0.25), PagedAttention(4, 2, 16, 0.25, sliding_window=4)]
+    assert attention_shape(layers) == AttentionShape(4, 2, 16, 4, 50.0)
+    assert attention_shape(layers[1:2]) == AttentionShape(4, 2, 16)
