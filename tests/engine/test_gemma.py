@@ -60,8 +60,11 @@ ADAPTERS = {
     "attn-r2": dict(r=2, lora_alpha=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
     "all-r8": dict(r=8, lora_alpha=16, target_modules=ALL_SEVEN),
     "mlp-r4": dict(r=4, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"]),
+    # embed_tokens' LoRA is scaled by sqrt(hidden) with the embedding, as PEFT does for Gemma
+    "embed-q-r4": dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"]),
 }
-REQUESTS = ["attn-r2", None, "all-r8", "mlp-r4", None, "all-r8", "attn-r2", "mlp-r4"]
+REQUESTS = ["attn-r2", None, "all-r8", "mlp-r4", "embed-q-r4", None, "all-r8", "attn-r2",
+            "mlp-r4", "embed-q-r4"]
 LORA_TOKENS = 12
 
 
@@ -72,7 +75,7 @@ def gemma_world(tiny_checkpoint, tmp_path_factory):
     dirs = save_peft_adapters(base, str(tmp_path_factory.mktemp("gemma-adapters")), ADAPTERS, 1)
     oracle = load_peft(base, dirs)
     oracle.base_model.model.generation_config.eos_token_id = None  # the engine ignores EOS
-    prompts = make_prompts(500, (13, 2, 27, 9, 31, 18, 5, 22))
+    prompts = make_prompts(500, (13, 2, 27, 9, 31, 18, 5, 22, 11, 16))
     with torch.inference_mode():
         expected = peft_greedy(oracle, prompts, REQUESTS, LORA_TOKENS)
         plain = peft_greedy(oracle, prompts, [None] * len(prompts), LORA_TOKENS)
