@@ -70,7 +70,7 @@ class PagedAttention(nn.Module):
         elif decoded:
             assert meta.decode_block_ids is not None, "the model runner built no torch decode addressing"
             out[:decoded] = self._decode(q[:decoded], meta.decode_block_ids, meta.decode_mask,
-                                         meta.decode_context_lens)
+                                         meta.decode_block_tables, meta.decode_context_lens)
         for start, q_len, ctx_len, table in zip(meta.prefill_query_starts, meta.prefill_query_lens,
                                                 meta.prefill_context_lens,
                                                 meta.prefill_block_tables):
@@ -123,17 +123,36 @@ class PagedAttention(nn.Module):
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 
     def _decode(self, q: torch.Tensor, block_ids: torch.Tensor, mask: torch.Tensor,
-                context_lens: torch.Tensor) -> torch.Tensor:
-        # q: [B, n_heads, D]  block_ids: [B * max_blocks]  mask: [B, 1, 1, L]  context_lens: [B]
+                tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        # q: [B, n_heads, D]  block_ids: [B * W]  mask: [B, 1, 1, W * block_size]
+        # tables: [B, W] int32 (block_ids unflattened)  context_lens: [B] int32
+        if self.sliding_window is not None:
+            block_ids, mask = self._window_blocks(tables, context_lens, block_ids, mask)
         batch, length = q.shape[0], mask.shape[-1]
         # Whole blocks (block_size * n_kv * D contiguous values each): one index per block, not
         # per position, makes the gather ~10% cheaper on CPU.
         k = self.k_cache.flatten(1).index_select(0, block_ids).view(batch, length, self.num_kv_heads, -1)
         v = self.v_cache.flatten(1).index_select(0, block_ids).view(batch, length, self.num_kv_heads, -1)
-        if self.sliding_window is not None:  # the query sits at context_len - 1
-            keys = torch.arange(length, device=q.device)
-            first = (context_lens.long() - self.sliding_window)[:, None, None, None]
-            mask = mask & (keys >= first)  # device ops only: a CUDA graph can replay it
         out = self._attend(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
                            mask)  # [B, n_heads, 1, D]
         return out[:, :, 0, :]
+
+    def _window_blocks(self, tables: torch.Tensor, context_lens: torch.Tensor,
+                       block_ids: torch.Tensor, mask: torch.Tensor):
+        """The blocks and mask of a sliding layer's decode rows: only the N = cdiv(W, block_size)
+        + 1 blocks that can hold a row's window are gathered once the tables are wider than
+        that, so the gather stays bounded however long the context. Device ops only: a CUDA
+        graph can replay them. Returns (block_ids [B * N'], mask [B, 1, 1, N' * block_size])."""
+        # the query sits at context_len - 1 and sees keys [context_len - W, context_len)
+        block_size, window = self.k_cache.shape[1], self.sliding_window
+        ctx = context_lens.long()[:, None]  # [B, 1]
+        width, span = tables.shape[1], -(-window // block_size) + 1
+        if span >= width:  # the whole table is no wider than a window: mask what is gathered
+            keys = torch.arange(mask.shape[-1], device=mask.device)[None, :]
+            return block_ids, mask & (keys >= ctx - window)[:, None, None, :]
+        first = (ctx - window).clamp(min=0) // block_size  # [B, 1]: the window's first block
+        cols = (first + torch.arange(span, device=tables.device)).clamp(max=width - 1)  # [B, N]
+        keys = first * block_size + torch.arange(span * block_size, device=tables.device)
+        # columns clamped past a table's end sit at positions >= context_len: masked out
+        window_mask = (keys < ctx) & (keys >= ctx - window)  # [B, N * block_size]
+        return tables.gather(1, cols).reshape(-1).long(), window_mask[:, None, None, :]

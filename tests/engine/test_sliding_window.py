@@ -56,7 +56,8 @@ def test_window_mask_is_transformers_convention():
     # decode: the query at the last position, through the torch path's gathered blocks
     ids = table  # [max_blocks]: one decode row
     mask = (torch.arange(3 * block) < length)[None, None, None, :]
-    decoded = attn._decode(q[-1:], ids, mask, torch.tensor([length], dtype=torch.int32))
+    decoded = attn._decode(q[-1:], ids, mask, table[None, :].int(),
+                           torch.tensor([length], dtype=torch.int32))
     torch.testing.assert_close(decoded[0], out[-1], msg="decode query")
 
 
