@@ -86,8 +86,13 @@ class PagedAttention(nn.Module):
     def _prefill(self, q: torch.Tensor, table: torch.Tensor, ctx_len: int) -> torch.Tensor:
         # q: [Q, n_heads, D], context of ctx_len tokens whose last Q are this chunk.
         q_len = q.shape[0]
-        k = self._gather(self.k_cache, table, ctx_len).transpose(0, 1)  # [n_kv, L, D]
-        v = self._gather(self.v_cache, table, ctx_len).transpose(0, 1)
+        start = 0  # the first gathered key: a sliding layer skips blocks before the chunk's window
+        if self.sliding_window is not None:
+            block_size = self.k_cache.shape[1]
+            start = max(0, ctx_len - q_len - self.sliding_window + 1) // block_size * block_size
+            table = table[start // block_size:]
+        k = self._gather(self.k_cache, table, ctx_len - start).transpose(0, 1)  # [n_kv, L, D]
+        v = self._gather(self.v_cache, table, ctx_len - start).transpose(0, 1)
         q = q.transpose(0, 1)  # [n_heads, Q, D]
         if self.softcap is None and self.sliding_window is None and ctx_len == q_len:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=q_len > 1, scale=self.scale,
@@ -95,7 +100,7 @@ class PagedAttention(nn.Module):
         else:
             # Query i sits at position ctx_len - q_len + i and sees keys up to there.
             rows = torch.arange(q_len, device=q.device)[:, None] + (ctx_len - q_len)
-            keys = torch.arange(ctx_len, device=q.device)[None, :]
+            keys = torch.arange(start, ctx_len, device=q.device)[None, :]
             mask = keys <= rows  # [Q, L]
             if self.sliding_window is not None:
                 mask &= keys > rows - self.sliding_window
