@@ -19,9 +19,10 @@ back, so a decoding sequence holds about window / block_size + 1 blocks however 
 Their table entries then name `pad_block` (the model runner's padding block, never handed out)
 so that positions still index the table; attention masks those keys out and never uses them.
 A handed-back block is released like any other: one in the prefix cache stays there (its K/V
-are still right for its prefix, whoever shares it next) until evicted. A prefill computes its
-whole chunk at once, so a preempted or new long prompt still needs blocks for its whole chunk
-(chunked prefill, --max-num-batched-tokens, bounds that too).
+are still right for its prefix, whoever shares it next) until evicted; a sequence that matches
+a cached prefix takes references only on the matched blocks its window still needs. So a
+sequence never holds more than `peak_blocks` at once: its window plus one step's chunk (at
+most `max_chunk` tokens, the scheduler's budget), which is what a request must fit.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ from engine.sequence import Sequence
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window: int | None = None):
+                 window: int | None = None, max_chunk: int | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.window = window  # every layer's widest sliding window; None: some layer sees all
+        self.max_chunk = max_chunk  # most tokens one step computes for one sequence (None: any)
         self.pad_block = num_blocks  # what a handed-back table entry names (never handed out)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))  # unreferenced, unhashed
@@ -56,6 +58,22 @@ class BlockManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def peak_blocks(self, num_tokens: int) -> int:
+        """The most blocks a sequence of num_tokens tokens holds at once: all of them, or under
+        a window the window's (window - 1 keys before a chunk) plus one chunk's, + 1 for the
+        alignment of their ends to blocks."""
+        held = self.blocks_for(num_tokens)
+        if self.window is None or self.max_chunk is None:
+            return held
+        return min(held, self.blocks_for(self.window - 1 + self.max_chunk) + 1)
+
+    def _window_start(self, num_computed: int) -> int:
+        """Index of the first block the query at position num_computed reads (0 without a
+        window): the blocks before it lie wholly before p - window + 1."""
+        if self.window is None:
+            return 0
+        return max(0, num_computed - self.window + 1) // self.block_size
 
     def num_missing_blocks(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
@@ -90,7 +108,8 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_tokens: int, cached: Ids[int] = ()) -> bool:
         """Whether `seq` can hold its first `num_tokens` tokens, sharing `cached` (from match())
         as its first blocks. A cached block nobody references leaves the free pool when shared."""
-        revived = sum(self.blocks[b].ref_count == 0 for b in cached)
+        kept = cached[self._window_start(len(cached) * self.block_size):]  # what _share takes
+        revived = sum(self.blocks[b].ref_count == 0 for b in kept)
         missing = max(0, self.blocks_for(num_tokens) - len(seq.block_table) - len(cached))
         return missing + revived <= self.num_free_blocks
 
@@ -128,12 +147,11 @@ class BlockManager:
         """Hand back `seq`'s blocks that lie wholly before its next query's window."""
         if self.window is None:
             return
-        first_key = seq.num_computed_tokens - self.window + 1  # the oldest key it still reads
-        table = seq.block_table
-        for i in range(seq.num_dropped_blocks, max(0, first_key) // self.block_size):
+        start, table = self._window_start(seq.num_computed_tokens), seq.block_table
+        for i in range(seq.num_dropped_blocks, start):
             self._release(table[i])
             table[i] = self.pad_block
-        seq.num_dropped_blocks = max(seq.num_dropped_blocks, max(0, first_key) // self.block_size)
+        seq.num_dropped_blocks = max(seq.num_dropped_blocks, start)
 
     def _release(self, block_id: int) -> None:
         """Drop one reference; an unreferenced block goes to the prefix cache's LRU if hashed,
@@ -155,12 +173,16 @@ class BlockManager:
                 self.registered_this_step.append(block)
 
     def _share(self, seq: Sequence, cached: Ids[int]) -> None:
-        for block_id in cached:
+        """Take the matched blocks; under a window only those its next query reads (the
+        others stay where they are, their table entries naming the padding block)."""
+        skip = self._window_start(len(cached) * self.block_size)
+        for block_id in cached[skip:]:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 self.cache.revive(block)
             block.ref_count += 1
-        seq.block_table.extend(cached)
+        seq.block_table.extend([self.pad_block] * skip + list(cached[skip:]))
+        seq.num_dropped_blocks = skip
         seq.num_computed_tokens = len(cached) * self.block_size
         if seq.num_cached_tokens is None:  # the first admission; a preempted one re-matches
             seq.num_cached_tokens = seq.num_computed_tokens

@@ -90,13 +90,16 @@ def test_capped_prefill_in_query_chunks(monkeypatch):
 
 def test_kv_blocks_stay_bounded_past_the_window(tiny_checkpoint):
     """A sequence decoding 150 tokens past an 8-token window holds at most
-    window / block_size + 2 blocks, and still gives transformers' tokens."""
+    window / block_size + 2 blocks, and still gives transformers' tokens; so a cache of 6 blocks
+    serves a request that would need 45 without the window."""
     path = tiny_checkpoint("mistral", sliding_window=WINDOW)
     prompt = make_prompts(500, (30,))[0]
     expected = hf_greedy(path, [prompt], 150)[0]
-    llm = LLM(path, device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=8)
+    llm = LLM(path, device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=8,
+              num_kv_blocks=6)
     engine = llm.engine
     assert engine.block_manager.window == WINDOW
+    assert engine.block_manager.peak_blocks(180) == 5  # blocks_for(7 + 8) + 1
     engine.add_request(prompt, SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True))
     held, tokens = [], []
     while engine.has_unfinished():
