@@ -10,8 +10,9 @@ and read by every layer from the forward context.
 the Triton kernel only after it matched the float64 reference on a small random cache of the
 model's shapes (kernels.paged_attention.self_check); otherwise it warns and keeps torch, so a
 kernel that fails to compile or is wrong on some GPU never serves. A forced backend is used as
-it is. Triton on CPU runs under its interpreter only: TRITON_INTERPRET=1 must be set before
-the kernels are first imported (tests do this).
+it is. A model with sliding-window or soft-capped layers (Mistral, Gemma) has the self-check
+run with its window and cap too (AttentionShape). Triton on CPU runs under its interpreter
+only: TRITON_INTERPRET=1 must be set before the kernels are first imported (tests do this).
 """
 
 from __future__ import annotations
@@ -37,6 +38,17 @@ class AttentionShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    sliding_window: int | None = None  # the narrowest window of a sliding layer, if any
+    softcap: float | None = None  # the score cap of a capped layer, if any
+
+
+def attention_shape(layers) -> AttentionShape:
+    """What decode attention must serve for these PagedAttention layers (this rank's heads)."""
+    windows = [layer.sliding_window for layer in layers if layer.sliding_window is not None]
+    caps = [layer.softcap for layer in layers if layer.softcap is not None]
+    first = layers[0]
+    return AttentionShape(first.num_heads, first.num_kv_heads, first.head_dim,
+                          min(windows, default=None), caps[0] if caps else None)
 
 
 def resolve_lora_backend(name: str, device: torch.device) -> str:
@@ -56,7 +68,7 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
         return "torch"
     paged = importlib.import_module("kernels.paged_attention")  # triton only on CUDA
     problem = paged.self_check(device, dtype, shape.num_heads, shape.num_kv_heads,
-                               shape.head_dim)
+                               shape.head_dim, shape.sliding_window, shape.softcap)
     if problem is not None:
         logger.warning("Triton paged decode attention is off, torch serves decode: %s (force "
                        "it with attention_backend=triton)", problem)

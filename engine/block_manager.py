@@ -11,6 +11,18 @@ that step ran (as vLLM V1 does): requests admitted in the same step then share i
 which matters most for a burst of requests with one system prompt. That is sound because each
 layer writes every row's new K/V into the cache before any row's attention reads it. If the
 step fails, `rollback()` drops the blocks it registered: their K/V were never written.
+
+Sliding window (`window`: set when every layer of the model attends to at most the last
+`window` keys). Before a step, a sequence's leading blocks that lie wholly before the window of
+its next query (position num_computed_tokens, which sees keys > position - window) are handed
+back, so a decoding sequence holds about window / block_size + 1 blocks however long it gets.
+Their table entries then name `pad_block` (the model runner's padding block, never handed out)
+so that positions still index the table; attention masks those keys out and never uses them.
+A handed-back block is released like any other: one in the prefix cache stays there (its K/V
+are still right for its prefix, whoever shares it next) until evicted; a sequence that matches
+a cached prefix takes references only on the matched blocks its window still needs. So a
+sequence never holds more than `peak_blocks` at once: its window plus one step's chunk (at
+most `max_chunk` tokens, the scheduler's budget), which is what a request must fit.
 """
 
 from __future__ import annotations
@@ -23,10 +35,14 @@ from engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None, max_chunk: int | None = None):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window  # every layer's widest sliding window; None: some layer sees all
+        self.max_chunk = max_chunk  # most tokens one step computes for one sequence (None: any)
+        self.pad_block = num_blocks  # what a handed-back table entry names (never handed out)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))  # unreferenced, unhashed
         self.cache = PrefixCache()
@@ -42,6 +58,22 @@ class BlockManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def peak_blocks(self, num_tokens: int) -> int:
+        """The most blocks a sequence of num_tokens tokens holds at once: all of them, or under
+        a window the window's (window - 1 keys before a chunk) plus one chunk's, + 1 for the
+        alignment of their ends to blocks."""
+        held = self.blocks_for(num_tokens)
+        if self.window is None or self.max_chunk is None:
+            return held
+        return min(held, self.blocks_for(self.window - 1 + self.max_chunk) + 1)
+
+    def _window_start(self, num_computed: int) -> int:
+        """Index of the first block the query at position num_computed reads (0 without a
+        window): the blocks before it lie wholly before p - window + 1."""
+        if self.window is None:
+            return 0
+        return max(0, num_computed - self.window + 1) // self.block_size
 
     def num_missing_blocks(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
@@ -76,7 +108,8 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_tokens: int, cached: Ids[int] = ()) -> bool:
         """Whether `seq` can hold its first `num_tokens` tokens, sharing `cached` (from match())
         as its first blocks. A cached block nobody references leaves the free pool when shared."""
-        revived = sum(self.blocks[b].ref_count == 0 for b in cached)
+        kept = cached[self._window_start(len(cached) * self.block_size):]  # what _share takes
+        revived = sum(self.blocks[b].ref_count == 0 for b in kept)
         missing = max(0, self.blocks_for(num_tokens) - len(seq.block_table) - len(cached))
         return missing + revived <= self.num_free_blocks
 
@@ -88,6 +121,7 @@ class BlockManager:
             self._share(seq, cached)
         else:
             assert not cached, "a running sequence matched its prefix again"
+        self._drop_out_of_window(seq)
         for _ in range(self.num_missing_blocks(seq, num_tokens)):
             seq.block_table.append(self._take().block_id)
         if self.enable_prefix_caching:
@@ -95,8 +129,10 @@ class BlockManager:
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """can_allocate + allocate for a running sequence (no prefix to share), in one pass:
-        False, changing nothing, when the free blocks do not cover it. Every running sequence
+        False, changing nothing (but handing back blocks before its window), when the free
+        blocks do not cover it. Every running sequence
         takes this path every step, most often needing no block at all."""
+        self._drop_out_of_window(seq)  # first, so that the blocks it frees can serve the step
         missing = self.blocks_for(num_tokens) - len(seq.block_table)
         if missing > 0:
             if missing > self.num_free_blocks:
@@ -107,6 +143,28 @@ class BlockManager:
             self._register_filled(seq, num_tokens)
         return True
 
+    def _drop_out_of_window(self, seq: Sequence) -> None:
+        """Hand back `seq`'s blocks that lie wholly before its next query's window."""
+        if self.window is None:
+            return
+        start, table = self._window_start(seq.num_computed_tokens), seq.block_table
+        for i in range(seq.num_dropped_blocks, start):
+            self._release(table[i])
+            table[i] = self.pad_block
+        seq.num_dropped_blocks = max(seq.num_dropped_blocks, start)
+
+    def _release(self, block_id: int) -> None:
+        """Drop one reference; an unreferenced block goes to the prefix cache's LRU if hashed,
+        else to the free list."""
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"block {block_id} freed more often than taken"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self.cache.park(block)
+            else:
+                self.free_block_ids.append(block_id)
+
     def _register_filled(self, seq: Sequence, num_tokens: int) -> None:
         """Put the blocks this step's tokens will fill in the prefix cache (module docstring)."""
         for i in range(seq.num_computed_tokens // self.block_size, num_tokens // self.block_size):
@@ -115,12 +173,16 @@ class BlockManager:
                 self.registered_this_step.append(block)
 
     def _share(self, seq: Sequence, cached: Ids[int]) -> None:
-        for block_id in cached:
+        """Take the matched blocks; under a window only those its next query reads (the
+        others stay where they are, their table entries naming the padding block)."""
+        skip = self._window_start(len(cached) * self.block_size)
+        for block_id in cached[skip:]:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 self.cache.revive(block)
             block.ref_count += 1
-        seq.block_table.extend(cached)
+        seq.block_table.extend([self.pad_block] * skip + list(cached[skip:]))
+        seq.num_dropped_blocks = skip
         seq.num_computed_tokens = len(cached) * self.block_size
         if seq.num_cached_tokens is None:  # the first admission; a preempted one re-matches
             seq.num_cached_tokens = seq.num_computed_tokens
@@ -154,15 +216,8 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references. Cached blocks are freed tail first, so a sequence's last
         blocks are evicted before its prefix, the part other requests are likelier to share."""
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            assert block.ref_count > 0, f"block {block_id} freed more often than taken"
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is not None:
-                    self.cache.park(block)
-                else:
-                    self.free_block_ids.append(block_id)
+        for block_id in reversed(seq.block_table[seq.num_dropped_blocks:]):
+            self._release(block_id)
         seq.block_table.clear()
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_dropped_blocks = 0
         assert self.num_free_blocks <= self.num_blocks

@@ -59,7 +59,8 @@ class LLMEngine:
             self.runner = ModelRunner(config)
         self.vocab_size = self.runner.args.vocab_size
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, self.runner.kv_window,
+                                          config.max_num_batched_tokens)
         self.lora = LoRAManager(config, self.runner.model, self.runner.device, self.runner.dtype)
         if config.tensor_parallel_size > 1:
             self.runner.mirror(self.lora.pool)  # every rank fills its slots in this order

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.backends import AttentionShape, resolve_backends
+from engine.backends import attention_shape, resolve_backends
 from engine.config import Config
 from engine.cuda_graphs import DecodeGraphs, GraphKey, graph_buckets, graphs_off_reason
 from engine.forward_context import AttentionMetadata, ForwardContext, LoRAStep, forward_context
@@ -44,7 +44,7 @@ class ModelRunner:
         self.model = load_model(config.model, config.hf_config, self.dtype, self.device, shard)
         self.args = self.model.args
         attn = self.model.attention_layers()[0]
-        self.heads = AttentionShape(attn.num_heads, attn.num_kv_heads, attn.head_dim)  # this rank's
+        self.heads = attention_shape(self.model.attention_layers())  # this rank's
         self.num_kv_blocks = config.num_kv_blocks or self._size_kv_cache(config)
         # One block more than the block manager hands out: graph padding rows write there.
         shape = (self.num_kv_blocks + 1, self.block_size, attn.num_kv_heads, attn.head_dim)
@@ -52,6 +52,8 @@ class ModelRunner:
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.model.model.rotary_emb.reserve(config.max_model_len)
+        # Every layer slides: blocks before the window are freed (engine/block_manager.py).
+        self.kv_window = kv_window(self.model.attention_layers())
         self.backends = resolve_backends(
             config.lora_backend, config.attention_backend, self.device, self.dtype,
             self.heads)
@@ -195,6 +197,13 @@ class ModelRunner:
         logger.info("captured %d decode graphs (1 to %d rows) in %.1f s",
                     len(self.graphs.buckets), self.graphs.buckets[-1],
                     time.perf_counter() - started)
+
+
+def kv_window(layers) -> int | None:
+    """The window every layer's attention stays within (the widest), or None if some layer
+    sees its whole context."""
+    windows = [layer.sliding_window for layer in layers]
+    return None if None in windows else max(windows)
 
 
 def _available_host_memory() -> int:

@@ -27,7 +27,7 @@ def check_request(config: Config, vocab_size: int, blocks: BlockManager,
             f"{prompt_len} prompt tokens{plus}; shorten the prompt or lower max_tokens",
             code="context_length_exceeded")
     max_tokens = asked or limit - prompt_len
-    needed = blocks.blocks_for(prompt_len + max_tokens)
+    needed = blocks.peak_blocks(prompt_len + max_tokens)  # fewer than all under a window
     if needed > blocks.num_blocks:
         raise InvalidParam("max_tokens", f"request needs {needed} KV blocks for its prompt "
                            f"and max_tokens but the cache holds "

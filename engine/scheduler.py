@@ -143,7 +143,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         # The engine checked that the whole request fits the cache, so preemption always ends.
-        assert self.block_manager.blocks_for(seq.num_prompt_tokens + seq.params.max_tokens) \
+        assert self.block_manager.peak_blocks(seq.num_prompt_tokens + seq.params.max_tokens) \
             <= self.block_manager.num_blocks
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)

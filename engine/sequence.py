@@ -48,6 +48,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    # leading block_table entries handed back for lying before every layer's window (they
+    # name the padding block now); the block manager's, under a sliding window only
+    num_dropped_blocks: int = 0
     # The adapter weights its K/V come from: (adapter, version), None for the base model.
     cache_key: tuple[str, int] | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # of its full blocks, under cache_key

@@ -187,7 +187,8 @@ def decode_variants(dtype: str, n_heads: int, n_kv: int, head_dim: int, block_si
     p, group, block_d = f"*{dtype}", n_heads // n_kv, max(16, _pow2_at_least(head_dim))
     args = dict(q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, tables_ptr="*i32", lens_ptr="*i32",
                 out_ptr=p, part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32",
-                scale_log2=0.5, stride_qb=n_heads * head_dim, stride_qh=head_dim,
+                scale_log2=0.5, softcap_log2=0.5, window=0,
+                stride_qb=n_heads * head_dim, stride_qh=head_dim,
                 stride_cb=block_size * n_kv * head_dim, stride_ct=n_kv * head_dim,
                 stride_ch=head_dim, stride_tb=None, stride_ob=n_heads * head_dim,
                 stride_oh=head_dim, num_splits=cfg.num_splits)

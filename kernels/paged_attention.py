@@ -2,9 +2,14 @@
 
 Meaning (one query token per sequence b; GQA group size G = n_heads / n_kv_heads; query head h
 reads kv head h // G, as SDPA's enable_gqa does):
-    out[b, h] = softmax(scale * q[b, h] @ K[b, :, h // G].T) @ V[b, :, h // G]
-    K[b, t] = k_cache[block_tables[b, t // block_size], t % block_size]   for t < context_lens[b]
-kernels/reference.py `oracle_paged_attention` is that line in float64.
+    out[b, h] = softmax(cap(scale * q[b, h] @ K[b, :, h // G].T)) @ V[b, :, h // G]
+    K[b, t] = k_cache[block_tables[b, t // block_size], t % block_size]
+              for context_lens[b] - window <= t < context_lens[b]
+    cap(s) = softcap * tanh(s / softcap)   (identity when softcap is None; window None: all t)
+kernels/reference.py `oracle_paged_attention` is that line in float64. The window (Mistral's,
+Gemma's sliding layers) starts the tile loop at the window's first tile and masks the rest of
+that tile, so table entries before the window (freed blocks) are never read; both are runtime
+arguments (0 = off), one binary for every model.
 
 Layout. The cache is [num_blocks, block_size, n_kv_heads, D] (the engine's, unchanged); each
 sequence's row of block_tables names its blocks in order. A program walks its share of one
@@ -47,7 +52,6 @@ program at a time).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -55,26 +59,31 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+# re-exported: callers know the decode config from here
+from kernels.decode_config import (  # noqa: F401
+    DECODE_TARGET_PROGRAMS,
+    MAX_SPLITS,
+    PROGRAMS_PER_SM,
+    DecodeConfig,
+    decode_config,
+    decode_grid,
+    num_splits_for,
+)
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as @triton.jit does
 LOG2E = 1.4426950408889634
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Split each context until the grid has about PROGRAMS_PER_SM programs per SM of the device
-# (DECODE_TARGET_PROGRAMS when the device is unknown), at most MAX_SPLITS ways. With 8 kv heads
-# on a 132-SM H100/H200 (target 1056): B=64 -> 4 splits, B=256 -> 1, B=1 -> 32.
-PROGRAMS_PER_SM = 8
-DECODE_TARGET_PROGRAMS = 1024
-MAX_SPLITS = 32
 
 
 # Per-step arguments (the tables' width and offset in the engine's packed buffer, the split
 # count) are never specialized: one binary per head shape serves every step.
-DECODE_RUNTIME_ARGS = ("tables_ptr", "stride_tb", "num_splits")
+DECODE_RUNTIME_ARGS = ("tables_ptr", "stride_tb", "num_splits", "window")
 REDUCE_RUNTIME_ARGS = ("num_splits",)
 
 
 @triton.jit(do_not_specialize=DECODE_RUNTIME_ARGS)
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_ptr,
-                   part_acc_ptr, part_m_ptr, part_l_ptr, scale_log2,
+                   part_acc_ptr, part_m_ptr, part_l_ptr, scale_log2, softcap_log2, window,
                    stride_qb, stride_qh, stride_cb, stride_ct, stride_ch, stride_tb,
                    stride_ob, stride_oh, num_splits,
                    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -86,12 +95,17 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
     tables: [B, W] int32   lens: [B] int32   out: [B, n_heads, D] (q.dtype), num_splits == 1
     part_acc: [B, n_heads, num_splits, D] fp32   part_m, part_l: [B, n_heads, num_splits] fp32
     SPLIT: num_splits > 1 (then the partials are written, for the reduce kernel)
+    softcap_log2: softcap * log2(e), 0.0 = no cap   window: keys [ctx - window, ctx), 0 = all
     """
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(lens_ptr + b)
     num_tiles = tl.cdiv(ctx, BLOCK_N)
+    lo = 0  # the first key the query sees
+    if window > 0:
+        lo = tl.maximum(ctx - window, 0)
+    first_tile = lo // BLOCK_N
 
     offs_g = tl.arange(0, BLOCK_H)
     g_mask = offs_g < GROUP
@@ -109,9 +123,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for tile in range(split, num_tiles, num_splits):  # every tile holds >= 1 context token
+    for tile in range(first_tile + split, num_tiles, num_splits):  # each holds >= 1 key it sees
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < ctx
+        n_mask = (offs_n < ctx) & (offs_n >= lo)
         block = tl.load(table_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         row = block * stride_cb + (offs_n % BLOCK_SIZE) * stride_ct + head_offset  # [BN]
         kv_mask = n_mask[:, None] & d_mask[None, :]
@@ -120,6 +134,8 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, tables_ptr, lens_ptr, out_pt
         if CAST_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2     # [BH, BN] fp32
+        if softcap_log2 > 0:  # cap * tanh(s / cap) in the log2 domain; tanh(x) = 2 sigmoid(2x) - 1
+            s = softcap_log2 * (2.0 * tl.sigmoid(2.0 * s / softcap_log2) - 1.0)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))                             # finite
         alpha = tl.exp2(m_i - m_new)
@@ -171,55 +187,17 @@ def _reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, stride_ob, str
              result.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-@dataclass(frozen=True, slots=True)
-class DecodeConfig:
-    block_n: int      # context tokens per loop step (a power of 2 >= 16)
-    num_splits: int   # programs sharing one (sequence, kv head)'s context; > 1 adds the reduce
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-def num_splits_for(batch: int, num_kv_heads: int, target_programs: int = DECODE_TARGET_PROGRAMS,
-                   max_splits: int = MAX_SPLITS) -> int:
-    """Smallest power of 2 that brings B * n_kv_heads * splits to target_programs (capped)."""
-    splits = 1
-    while batch * num_kv_heads * splits < target_programs and splits < max_splits:
-        splits *= 2
-    return splits
-
-
-@cache
-def _target_programs(device_index: int) -> int:
-    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def decode_config(batch: int, num_kv_heads: int, head_dim: int, device: torch.device | None = None,
-                  interpret: bool = INTERPRET) -> DecodeConfig:
-    """64-token tiles (32 past head_dim 128, to bound registers) and num_splits_for(...) on a GPU;
-    one split of 128-token tiles under the interpreter (one program at a time)."""
-    if interpret:
-        return DecodeConfig(block_n=128, num_splits=1)
-    target = DECODE_TARGET_PROGRAMS
-    if device is not None and device.type == "cuda":
-        target = _target_programs(device.index if device.index is not None else torch.cuda.current_device())
-    return DecodeConfig(block_n=64 if head_dim <= 128 else 32,
-                        num_splits=num_splits_for(batch, num_kv_heads, target),
-                        num_warps=4 if head_dim <= 128 else 8)
-
-
-def decode_grid(batch: int, num_kv_heads: int, cfg: DecodeConfig) -> tuple[int, int, int]:
-    return (batch, num_kv_heads, cfg.num_splits)
-
-
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 caches get fp32 products
 
 
 def paged_attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
                            context_lens: Tensor, scale: float, out: Tensor | None = None,
-                           config: DecodeConfig | None = None) -> Tensor:
-    """out[b, h] = softmax(scale * q[b, h] @ K[b, :, h // G].T) @ V[b, :, h // G], K/V read
-    through block_tables[b] up to context_lens[b] (see the module docstring).
+                           config: DecodeConfig | None = None, sliding_window: int | None = None,
+                           softcap: float | None = None) -> Tensor:
+    """out[b, h] = softmax(cap(scale * q[b, h] @ K[b, :, h // G].T)) @ V[b, :, h // G], K/V
+    read through block_tables[b], the last `sliding_window` (default: all) of context_lens[b]
+    (see the module docstring).
 
     q: [B, n_heads, D] (last dim contiguous)   k_cache, v_cache: [N, block_size, n_kv, D]
     (q.dtype: fp32/fp16/bf16, last dim contiguous, same strides)   block_tables: [B, W] int32
@@ -256,7 +234,8 @@ def paged_attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     part_l = torch.empty_like(part_m)
     _decode_kernel[decode_grid(B, n_kv, cfg)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_m, part_l,
-        scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        scale * LOG2E, (softcap or 0.0) * LOG2E, sliding_window or 0,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1), cfg.num_splits,
         GROUP=group, BLOCK_SIZE=block_size, HEAD_DIM=D,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n, BLOCK_D=block_d,
@@ -272,12 +251,17 @@ def paged_attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
 
 @cache
 def self_check(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-               head_dim: int) -> str | None:
+               head_dim: int, sliding_window: int | None = None,
+               softcap: float | None = None) -> str | None:
     """Why the kernel must not serve these shapes on `device`, or None when it may: one small
     random paged cache (ragged contexts across block boundaries, shuffled blocks) run through
-    the kernel and compared with the float64 reference. Compiles the kernel as a side effect."""
+    the kernel and compared with the float64 reference, plainly and, when given, with a window
+    (at most 24 keys, so that it cuts the contexts) and the cap. Compiles the kernel."""
     from kernels.reference import oracle_paged_attention
 
+    cases = [(None, None)]
+    if sliding_window is not None or softcap is not None:
+        cases.append((min(sliding_window, 24) if sliding_window is not None else None, softcap))
     try:
         g = torch.Generator(device="cpu").manual_seed(0)
         block_size, lens = 16, [1, 17, 40]
@@ -288,12 +272,16 @@ def self_check(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_
         tables = blocks.to(device)
         context = torch.tensor(lens, dtype=torch.int32, device=device)
         scale = head_dim ** -0.5
-        out = paged_attention_decode(q, k_cache, v_cache, tables, context, scale)
-        want = oracle_paged_attention(q, k_cache, v_cache, tables, context, scale)
-        error = (out.double() - want).abs().max().item()
+        errors = []
+        for window, cap in cases:
+            out = paged_attention_decode(q, k_cache, v_cache, tables, context, scale,
+                                         sliding_window=window, softcap=cap)
+            want = oracle_paged_attention(q, k_cache, v_cache, tables, context, scale, window, cap)
+            errors.append((out.double() - want).abs().max().item())
     except Exception as exc:  # a compile or launch failure on this GPU / Triton
         return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
     tolerance = 1e-3 if dtype == torch.float32 else 3e-2
-    if not error <= tolerance:  # also catches NaN
-        return f"max error {error:.3g} vs the float64 reference exceeds {tolerance:g}"
+    for error in errors:
+        if not error <= tolerance:  # also catches NaN
+            return f"max error {error:.3g} vs the float64 reference exceeds {tolerance:g}"
     return None

@@ -214,13 +214,17 @@ def oracle_embedding_lora(out: Tensor, ids: Tensor, lora_a: Tensor, lora_b: Tens
 
 
 def oracle_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
-                           context_lens: Tensor, scale: float) -> Tensor:
-    """out[b, h] = softmax(scale * q[b, h] @ K[b, :, h // G].T) @ V[b, :, h // G] in float64,
-    K[b, t] = k_cache[block_tables[b, t // block_size], t % block_size] for t < context_lens[b].
+                           context_lens: Tensor, scale: float, sliding_window: int | None = None,
+                           softcap: float | None = None) -> Tensor:
+    """out[b, h] = softmax(cap(scale * q[b, h] @ K[b, :, h // G].T)) @ V[b, :, h // G] in
+    float64, K[b, t] = k_cache[block_tables[b, t // block_size], t % block_size] for t <
+    context_lens[b] (and t >= context_lens[b] - sliding_window); cap(s) = softcap * tanh(s /
+    softcap), the identity when softcap is None.
 
     q: [B, n_heads, D]   k_cache, v_cache: [N, block_size, n_kv, D]   block_tables: [B, W]
     context_lens: [B]. Returns out: [B, n_heads, D] float64 on q's device (zeros where the
-    context is empty). Only the table's blocks, up to the context length, are read.
+    context is empty). Only the table's blocks, up to the context length, are read; of them,
+    only the window's keys are used.
     """
     B, n_heads, D = q.shape
     block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
@@ -234,6 +238,10 @@ def oracle_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         v = v_cache[blocks].flatten(0, 1)[:length].double()
         k = k.repeat_interleave(group, dim=1).transpose(0, 1)                # [n_heads, L, D]
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        first = max(0, length - sliding_window) if sliding_window is not None else 0
+        k, v = k[:, first:], v[:, first:]                                    # the window's keys
         scores = scale * (k @ q[b].double().unsqueeze(2)).squeeze(2)         # [n_heads, L]
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         out[b] = (scores.softmax(dim=-1).unsqueeze(1) @ v).squeeze(1)        # [n_heads, D]
     return out

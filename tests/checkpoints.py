@@ -38,7 +38,12 @@ not a Qwen2 config key) and "use_sliding_window": false, "sliding_window": null;
 Mistral-7B-v0.2 and later); phi3 has fused qkv_proj / gate_up_proj weights (as transformers
 saves Phi3ForCausalLM), "sliding_window": 2047 (past every test context) and a top-level
 "original_max_position_embeddings" (512 unless overridden, for longrope), and an overridden
-partial_rotary_factor is written top-level, as Phi-4-mini carries it.
+partial_rotary_factor is written top-level, as Phi-4-mini carries it. gemma2 and gemma3 have
+head_dim 16, untied embeddings (Gemma ties them, but a tied random Gemma mostly repeats its
+last token: tie them by override), layers
+[sliding, full] with "sliding_window": 8 and "query_pre_attn_scalar": 24; gemma2 caps scores at
+5 and logits at 8; gemma3 (no caps, q/k norms) has, hub style, "rope_theta" (full layers)
+and "rope_local_base_freq": 100 (sliding layers).
 
 `with_weight(src_dir, out_dir, name, index, value)` copies a checkpoint with one weight changed
 (past float16's range, NaN), for the loader's checks.
@@ -61,6 +66,8 @@ ARCHS = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, max_position_embeddings=512, rope_theta=10000.0,
@@ -85,10 +92,15 @@ ARCH_DEFAULTS = {
     "mistral": {"sliding_window": None},
     "qwen2": {"use_sliding_window": False, "sliding_window": None},
     "qwen3": {"head_dim": 16, "use_sliding_window": False, "sliding_window": None},
-    # Phi-3's fused qkv_proj / gate_up_proj; a window past every test context (engine: no
-    # sliding-window attention yet), original_max_position_embeddings for longrope overrides
+    # Phi-3's fused qkv_proj / gate_up_proj; a window past every test context (override it to
+    # slide), original_max_position_embeddings for longrope overrides
     "phi3": {"sliding_window": 2047, "original_max_position_embeddings": 512},
     **MOE_DEFAULTS,
+    # layers [sliding, full]; a window shorter than the tests' prompts; caps that bite
+    "gemma2": {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
+               "attn_logit_softcapping": 5.0, "final_logit_softcapping": 8.0},
+    "gemma3": {"head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 24,
+               "sliding_window_pattern": 2, "rope_local_base_freq": 100.0},
 }
 HUB_OMITS_DEFAULT_HEAD_DIM = ("llama", "mistral", "qwen2")
 TOKENIZER_VOCAB = 512
@@ -125,7 +137,7 @@ def make_tiny_checkpoint(out_dir: str, arch: str, *, sharded: bool = False,
     if config_style == "hub":
         written = _read_json(os.path.join(out_dir, "config.json"))
         partial = (written.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
-        hub = hub_style_config(written)
+        hub = hub_style_config(_gemma3_hub_rope(written) if arch == "gemma3" else written)
         (hub.get("rope_scaling") or {}).pop("partial_rotary_factor", None)
         if partial != 1.0:
             hub["partial_rotary_factor"] = partial  # top-level, as Phi-4-mini carries it
@@ -166,6 +178,17 @@ def randomize_(model, std: float) -> None:
                 param.uniform_(0.5, 1.5)
             else:
                 param.normal_(0.0, std)
+
+
+def _gemma3_hub_rope(config: dict) -> dict:
+    """Gemma 3's per-layer-kind rope_parameters as the Hub has them: rope_theta and
+    rope_scaling (full layers), rope_local_base_freq (sliding layers)."""
+    config = dict(config)
+    nested = config.pop("rope_parameters")
+    full, local = dict(nested["full_attention"]), nested["sliding_attention"]
+    config["rope_local_base_freq"] = local["rope_theta"]
+    config["rope_parameters"] = full  # hub_style_config splits it into rope_theta / rope_scaling
+    return config
 
 
 def _read_json(path: str) -> dict:

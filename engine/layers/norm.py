@@ -1,4 +1,4 @@
-"""RMSNorm, computed the way Hugging Face Llama does (float32 statistics)."""
+"""RMSNorm, computed the way Hugging Face Llama and Gemma do (float32 statistics)."""
 
 import torch
 from torch import nn
@@ -15,3 +15,14 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is an offset from 1 and the scaling happens in float32
+    before the cast back, (x * (1 + w)).to(dtype), where Llama casts first, x.to(dtype) * w."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x * (1.0 + self.weight.float())).to(dtype)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from engine.models import llama, moe, phi3
+from engine.models import gemma, llama, moe, phi3
 
-FAMILIES = (llama, phi3, moe)  # each with ARCHITECTURES: {config.json name: model class}
+FAMILIES = (llama, phi3, gemma, moe)  # each with ARCHITECTURES: {config.json name: model class}
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     name: cls for family in FAMILIES for name, cls in family.ARCHITECTURES.items()}
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)

@@ -1,6 +1,7 @@
 """The Llama family (Llama, Mistral, Qwen2, Qwen3) as one model.
 
-Differences are config switches: Qwen2 adds q/k/v biases, Qwen3 adds per-head q/k RMSNorm.
+Differences are config switches: Qwen2 adds q/k/v biases, Qwen3 adds per-head q/k RMSNorm,
+Mistral (`sliding_window`) and Qwen2 (`use_sliding_window`) may slide some layers' attention.
 Projections are merged (qkv_proj, gate_up_proj) with named output slices, so checkpoint
 tensors and LoRA adapters attach by their Hugging Face names; embed_tokens and lm_head carry
 LoRAs too (engine/layers/embedding.py).
@@ -8,6 +9,7 @@ LoRAs too (engine/layers/embedding.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,7 @@ class ModelArgs:
     qk_norm: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
+    layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None = full
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelArgs:
@@ -55,11 +58,32 @@ class ModelArgs:
             qk_norm=arch == "Qwen3ForCausalLM",
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            layer_windows=layer_windows(cfg, arch),
         )
 
 
+def layer_windows(cfg: dict, arch: str) -> tuple[int | None, ...]:
+    """Each layer's sliding window as transformers decides it: `layer_types` when config.json
+    names them; else Mistral and Phi-3 slide every layer when `sliding_window` is set, Qwen2/3 the layers
+    from `max_window_layers` on when `use_sliding_window` is true."""
+    num_layers, window = cfg["num_hidden_layers"], cfg.get("sliding_window")
+    if window is None:
+        return (None,) * num_layers
+    if cfg.get("layer_types"):
+        return tuple(window if kind == "sliding_attention" else None for kind in cfg["layer_types"])
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        return (window,) * num_layers
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window"):
+        first = cfg.get("max_window_layers", 28)
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return (None,) * num_layers
+
+
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, shard: Shard):
+    def __init__(self, args: ModelArgs, shard: Shard, *, scale: float | None = None,
+                 sliding_window: int | None = None, softcap: float | None = None,
+                 norm: type[nn.Module] = RMSNorm):
+        """scale: of the scores (default head_dim ** -0.5); norm: the q/k norm's class."""
         super().__init__()
         d = args.head_dim
         q0, heads = shard.split(args.num_heads, "num_attention_heads")
@@ -74,9 +98,10 @@ class Attention(nn.Module):
         self.o_proj = Linear(heads * d, {"o_proj": args.hidden_size},
                              sources={"*": q0 * d} if tp else None, row_parallel=tp)
         if args.qk_norm:
-            self.q_norm = RMSNorm(d, args.rms_norm_eps)
-            self.k_norm = RMSNorm(d, args.rms_norm_eps)
-        self.attn = PagedAttention(heads, kv_heads, d, scale=d ** -0.5)
+            self.q_norm = norm(d, args.rms_norm_eps)
+            self.k_norm = norm(d, args.rms_norm_eps)
+        self.attn = PagedAttention(heads, kv_heads, d, scale=d ** -0.5 if scale is None else scale,
+                                   sliding_window=sliding_window, softcap=softcap)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]  rope: (cos, sin) [T, 1, D] each
@@ -92,8 +117,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs, shard: Shard):
+    def __init__(self, args: ModelArgs, shard: Shard,
+                 act: Callable[[torch.Tensor], torch.Tensor] = F.silu):
         super().__init__()
+        self.act = act  # SwiGLU; Gemma's GeGLU passes gelu
         i0, inter = shard.split(args.intermediate_size, "intermediate_size")
         tp = shard.size > 1
         self.gate_up_proj = Linear(args.hidden_size, {"gate_proj": inter, "up_proj": inter},
@@ -103,14 +130,14 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, shard: Shard):
+    def __init__(self, args: ModelArgs, shard: Shard, window: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args, shard)
+        self.self_attn = Attention(args, shard, sliding_window=window)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args, shard)
 
@@ -123,7 +150,8 @@ class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, hf_config: dict, shard: Shard):
         super().__init__()
         self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size, shard)
-        self.layers = nn.ModuleList(DecoderLayer(args, shard) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, shard, window)
+                                    for window in args.layer_windows)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.head_dim, hf_config)  # shared by every layer
 
@@ -145,13 +173,21 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, hf_config: dict, shard: Shard = ONE):
         super().__init__()
-        self.args = ModelArgs.from_hf_config(hf_config)
+        self.args = self.make_args(hf_config)
         self.shard = shard
-        self.model = LlamaModel(self.args, hf_config, shard)
+        self.model = self.make_model(hf_config, shard)
         # tied: no weight of its own ("lm_head.weight" is not a parameter), only its LoRA pool
         self.lm_head = LMHead(self.args.hidden_size, self.args.vocab_size, shard,
                               tied_to=self.model.embed_tokens if self.args.tie_word_embeddings
                               else None)
+
+    @classmethod
+    def make_args(cls, hf_config: dict) -> ModelArgs:
+        return ModelArgs.from_hf_config(hf_config)
+
+    def make_model(self, hf_config: dict, shard: Shard) -> nn.Module:
+        """The backbone: embed_tokens, layers, norm, rotary_emb (a family's own, e.g. Gemma)."""
+        return LlamaModel(self.args, hf_config, shard)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)  # [T, hidden]

@@ -34,7 +34,7 @@ PER_EXPERT_KEY = re.compile(r"(?P<layer>model\.layers\.\d+)\.(?:mlp|block_sparse
                             r"(?P<expert>\d+)\.(?P<proj>\w+)\.weight")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # after ModelArgs's defaulted fields
 class MoeArgs(ModelArgs):
     moe_intermediate_size: int
     shared_expert_intermediate_size: int  # 0: no shared expert

@@ -9,9 +9,8 @@ too (qkv_proj, gate_up_proj: adapters.types.FUSED_TARGETS); the slot pool gives 
 adapter's A and its rows of B.
 
 Rope: default or longrope, over partial_rotary_factor of each head (engine/layers/rotary.py).
-Phi-3 configs carry `sliding_window` (2047 for Phi-3-mini-4k): it is read by no code here;
-sliding-window attention belongs to the attention layer, for every family (another change).
-Until then contexts longer than the window attend to more than Hugging Face's model does.
+Phi-3 configs carry `sliding_window` (2047 for Phi-3-mini-4k): every layer slides, as in
+transformers (engine/models/llama.py layer_windows; the attention layer applies it).
 """
 
 from __future__ import annotations

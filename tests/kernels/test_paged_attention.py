@@ -278,3 +278,40 @@ def test_auto_keeps_torch_when_the_self_check_fails(monkeypatch, caplog):
         assert resolve_attention_backend("auto", cuda, torch.float32, shape) == "torch"
     assert "no luck" in caplog.text
     assert resolve_attention_backend("triton", cuda, torch.float32, shape) == "triton"  # forced: no check
+
+
+@on_device
+@pytest.mark.parametrize("config", list(SMALL_CONFIGS))
+@pytest.mark.parametrize("window,softcap", [(5, None), (16, None), (None, 2.0), (9, 2.0)],
+                         ids=["window5", "window16", "cap2", "window9-cap2"])
+def test_decode_window_and_softcap_match_oracle(window, softcap, config):
+    """Sliding window and score cap (Mistral, Gemma): the oracle's meaning, and table entries
+    wholly before the window (blocks the engine freed) point at a NaN block, never read."""
+    block_size = 4
+    p = make_problem(ragged_lens(block_size), block_size, 4, 2, 16, torch.float32)
+    poisoned = p.block_tables[0, -1].item()  # every table's padding names the NaN block
+    if window is not None:
+        for b, n in enumerate(p.context_lens.tolist()):
+            p.block_tables[b, :max(0, n - window) // block_size] = poisoned
+    out = pa.paged_attention_decode(p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens,
+                                    p.scale, config=SMALL_CONFIGS[config],
+                                    sliding_window=window, softcap=softcap)
+    want = oracle_paged_attention(p.q, p.k_cache, p.v_cache, p.block_tables, p.context_lens,
+                                  p.scale, window, softcap)
+    assert torch.isfinite(out).all(), "a NaN crossed in: the kernel read before the window"
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@on_device
+def test_self_check_covers_window_and_cap(monkeypatch):
+    """A kernel that ignores the window passes the plain check but not the model's."""
+    device = torch.device(DEVICE)
+    kernel = pa.paged_attention_decode
+    monkeypatch.setattr(pa, "paged_attention_decode",
+                        lambda *a, sliding_window=None, softcap=None, **kw: kernel(*a, **kw))
+    pa.self_check.cache_clear()
+    try:
+        assert pa.self_check(device, torch.float32, 4, 2, 16) is None
+        assert "max error" in pa.self_check(device, torch.float32, 4, 2, 16, 8, None)
+    finally:
+        pa.self_check.cache_clear()
