@@ -129,8 +129,10 @@ def test_steps_past_the_largest_bucket_or_with_embedding_loras_run_eagerly():
     assert graphs.key_for(3, None) == GraphKey(4, False)
 
     class Step:
-        embed, full = True, None
+        embed, full, experts = True, None, False
 
     assert graphs.key_for(3, Step()) is None
     Step.embed = False
     assert graphs.key_for(5, Step()) == GraphKey(8, True)
+    Step.experts = True  # expert LoRA picks its rows on the host: eager
+    assert graphs.key_for(5, Step()) is None
