@@ -2,7 +2,9 @@
 config and the served base model: keys, targets, layers, shapes, ranks, dtypes.
 
 Targets: the projections of every decoder layer the base offers (the seven, or Phi-3's fused
-qkv_proj and gate_up_proj beside o_proj and down_proj: BaseModelSpec.module_shapes), and two
+qkv_proj and gate_up_proj beside o_proj and down_proj: BaseModelSpec.module_shapes; on an MoE
+base's sparse layers no dense MLP, but Qwen2-MoE's shared expert, ``mlp.shared_expert.gate_proj``
+etc., target "shared_expert.gate_proj", and its gate ``mlp.shared_expert_gate``), and two
 model-level modules,
 ``embed_tokens`` (PEFT's lora.Embedding: ``...embed_tokens.lora_embedding_A`` [r, vocab] and
 ``lora_embedding_B`` [hidden, r], no ``.weight``) and ``lm_head`` (a Linear LoRA: ``lora_A``
@@ -34,6 +36,7 @@ from adapters.types import (
     MODEL_TARGETS,
     PROJECTIONS,
     SAVED_KEY,
+    SHARED_TARGETS,
     SUPPORTED_TARGETS,
     BaseModelSpec,
     LoraConfig,
@@ -42,10 +45,11 @@ from adapters.types import (
 
 # A LoRA on a decoder-layer projection. PEFT saves keys without the adapter name; some exporters
 # keep ".default". The module name (group "module") is what PEFT matched target_modules /
-# rank_pattern against.
+# rank_pattern against; the target is "shared_expert.<projection>" under a shared expert.
 _KEY = re.compile(
     r"base_model\.model\.(?P<module>(?:model\.)?layers\.(?P<layer>0|[1-9][0-9]{0,5})\."
-    r"(?P<block>self_attn|mlp)\.(?P<target>\w+))\.lora_(?P<ab>[AB])(?:\.default)?\.weight"
+    r"(?P<block>self_attn|mlp)\.(?P<target>(?:shared_expert\.)?\w+))"
+    r"\.lora_(?P<ab>[AB])(?:\.default)?\.weight"
 )
 _BASE_COPY_KEY = re.compile(
     r"base_model\.model\.(?P<module>(?:model\.)?embed_tokens|lm_head)\.base_layer\.weight"
@@ -99,11 +103,27 @@ def _not_offered(target: str, key: str, spec: BaseModelSpec) -> AdapterError:
     fused_into = next((name for name, parts in FUSED_TARGETS.items()
                        if target in parts and name in spec.module_shapes), None)
     why = f"it fuses {target} into {fused_into}" if fused_into else f"it has no {target}"
+    if target in SHARED_TARGETS:
+        why = "it has no shared expert (only Qwen2-MoE bases with shared_expert_intermediate_size)"
     return AdapterError(
         f"adapter targets module {_show(target)} (tensor {_show(key)}), which {base} does not"
         f" offer: {why}; its projections are {offered}. Use an adapter trained on this base"
         " model's architecture"
     )
+
+
+def _not_in_layer(key: str, target: str, layer: int, spec: BaseModelSpec) -> AdapterError:
+    """An MLP module the layer lacks: a dense one on a sparse layer, a shared expert's on a dense
+    one (mlp_only_layers, decoder_sparse_step)."""
+    if target in SHARED_TARGETS:
+        has = "a dense MLP (mlp.gate_proj, mlp.up_proj, mlp.down_proj), no shared expert"
+    else:
+        shared = SHARED_TARGETS[0] in spec.module_shapes
+        has = "experts (target_parameters experts.gate_up_proj, experts.down_proj)" + (
+            " and a shared expert (mlp.shared_expert.gate_proj, ...)" if shared else "")
+    return AdapterError(
+        f"tensor {_show(key)} is for mlp.{target}, which layer {layer} of this mixture-of-experts"
+        f" base model does not have: its MLP there is {has}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,11 +147,6 @@ def _lora_key(key: str, spec: BaseModelSpec) -> _LoraKey:
     layer, target = int(m["layer"]), m["target"]
     if target not in PROJECTIONS:
         raise _unsupported_target(target, key)
-    if BLOCK_OF[target] == "mlp" and layer in spec.moe_layers:
-        raise AdapterError(
-            f"tensor {_show(key)} is for {target}, which layer {layer} of this mixture-of-experts"
-            " base model does not have: its MLP is experts (target_parameters"
-            " experts.gate_up_proj, experts.down_proj)")
     if m["block"] != BLOCK_OF[target]:
         raise AdapterError(f"tensor {_show(key)} puts {target} under {m['block']}")
     if target not in spec.module_shapes:
@@ -141,6 +156,8 @@ def _lora_key(key: str, spec: BaseModelSpec) -> _LoraKey:
             f"tensor {_show(key)} is for layer {layer} but the base model has {spec.num_layers}"
             " layers; the adapter was trained for a different base model"
         )
+    if BLOCK_OF[target] == "mlp" and (layer in spec.moe_layers) != (target in SHARED_TARGETS):
+        raise _not_in_layer(key, target, layer, spec)
     return _LoraKey(layer, target, m["module"], m["ab"])
 
 

@@ -26,13 +26,19 @@ TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 # base of FUSED_ARCHITECTURES adapters target these (PEFT sees no q_proj there), elsewhere never.
 FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
-PROJECTIONS = TARGET_MODULES + tuple(FUSED_TARGETS)  # every decoder-layer module a LoRA may target
+# Qwen2-MoE's shared expert on a sparse layer (an MLP every token runs, of
+# shared_expert_intermediate_size) and its sigmoid gate [1, H]: ordinary Linear LoRAs, keyed
+# "shared_expert.gate_proj" etc. so they never meet a dense layer's gate_proj (intermediate_size)
+SHARED_EXPERT = "shared_expert"
+SHARED_TARGETS = (*(f"{SHARED_EXPERT}.{t}" for t in TARGET_MODULES[4:]), "shared_expert_gate")
+SHARED_ARCHITECTURES = ("Qwen2MoeForCausalLM",)
+PROJECTIONS = TARGET_MODULES + tuple(FUSED_TARGETS) + SHARED_TARGETS  # every decoder-layer one
 EMBED_TOKENS, LM_HEAD = "embed_tokens", "lm_head"  # the vocabulary ends
 MODEL_TARGETS = (EMBED_TOKENS, LM_HEAD)  # one per model, outside the decoder layers
 SUPPORTED_TARGETS = PROJECTIONS + MODEL_TARGETS
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 BLOCK_OF = {t: "self_attn" for t in TARGET_MODULES[:4]} | {t: "mlp" for t in TARGET_MODULES[4:]}
-BLOCK_OF |= {"qkv_proj": "self_attn", "gate_up_proj": "mlp"}
+BLOCK_OF |= {"qkv_proj": "self_attn", "gate_up_proj": "mlp"} | {t: "mlp" for t in SHARED_TARGETS}
 ALL_LINEAR = "all-linear"  # target_modules shorthand: every projection (not the vocabulary ends)
 # An MoE block's parameters a LoRA may target (PEFT's target_parameters): its fused experts'
 # 3D parameters, in the order PEFT wraps them (their order in the module: the first is the
@@ -86,7 +92,8 @@ class BaseModelSpec:
     # target -> (out_features, in_features); embed_tokens is (hidden, vocab), lm_head
     # (vocab, hidden): both absent when config.json gives no vocab_size. The projections the
     # base offers: the seven, or on a FUSED_ARCHITECTURES base qkv_proj, o_proj, gate_up_proj,
-    # down_proj. On an MoE base EXPERT_TARGETS give one expert's (out, in) and ROUTER (E, H)
+    # down_proj. On an MoE base EXPERT_TARGETS give one expert's (out, in) and ROUTER (E, H);
+    # with a shared expert also SHARED_TARGETS (its gate_proj [S, H] ... and its gate [1, H])
     module_shapes: dict[str, tuple[int, int]]
     max_lora_rank: int
     tie_word_embeddings: bool = False  # lm_head reuses embed_tokens' weight
@@ -139,7 +146,7 @@ class BaseModelSpec:
                      for name, parts in FUSED_TARGETS.items()}
             shapes = {"qkv_proj": (q + 2 * kv, hidden), "o_proj": shapes["o_proj"],
                       "gate_up_proj": (2 * inter, hidden), "down_proj": shapes["down_proj"]}
-        experts, moe_layers = moe_shapes(cfg, hidden)
+        experts, moe_layers = moe_shapes(cfg, hidden, arch)
         shapes |= experts
         vocab = cfg.get("vocab_size")
         if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
@@ -155,11 +162,13 @@ class BaseModelSpec:
                    arch or None, names, dtype, fused, experts.get(ROUTER, (0,))[0], moe_layers)
 
 
-def moe_shapes(cfg: dict, hidden: int) -> tuple[dict[str, tuple[int, int]], tuple[int, ...]]:
-    """An MoE config's expert and router shapes (see BaseModelSpec.module_shapes) and its
-    sparse layers; ({}, ()) when dense. Experts: num_local_experts (Mixtral) or num_experts
-    (Qwen2/3-MoE, OLMoE), of moe_intermediate_size, else intermediate_size (Mixtral, OLMoE);
-    layer i is sparse unless in mlp_only_layers or (i + 1) % decoder_sparse_step != 0."""
+def moe_shapes(cfg: dict, hidden: int, arch: str | None = None
+               ) -> tuple[dict[str, tuple[int, int]], tuple[int, ...]]:
+    """An MoE config's expert, router and shared-expert shapes (see BaseModelSpec.module_shapes)
+    and its sparse layers; ({}, ()) when dense. Experts: num_local_experts (Mixtral) or
+    num_experts (Qwen2/3-MoE, OLMoE), of moe_intermediate_size, else intermediate_size (Mixtral,
+    OLMoE); layer i is sparse unless in mlp_only_layers or (i + 1) % decoder_sparse_step != 0.
+    A shared expert: shared_expert_intermediate_size > 0 on a SHARED_ARCHITECTURES base."""
     num = cfg.get("num_local_experts") or cfg.get("num_experts")
     if not num:
         return {}, ()
@@ -171,7 +180,16 @@ def moe_shapes(cfg: dict, hidden: int) -> tuple[dict[str, tuple[int, int]], tupl
     layers = tuple(i for i in range(cfg["num_hidden_layers"])
                    if i not in dense and (i + 1) % step == 0)
     gate_up, down = EXPERT_TARGETS
-    return {ROUTER: (num, hidden), gate_up: (2 * inter, hidden), down: (hidden, inter)}, layers
+    shapes = {ROUTER: (num, hidden), gate_up: (2 * inter, hidden), down: (hidden, inter)}
+    shared = cfg.get("shared_expert_intermediate_size") if arch in SHARED_ARCHITECTURES else 0
+    if shared:
+        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+            raise ValueError(f"base model config.json: shared_expert_intermediate_size is"
+                             f" {shared!r}, not a positive int")
+        s_gate, s_up, s_down, s_sg = SHARED_TARGETS  # [S, H], [S, H], [H, S], [1, H]
+        shapes |= {s_gate: (shared, hidden), s_up: (shared, hidden), s_down: (hidden, shared),
+                   s_sg: (1, hidden)}
+    return shapes, layers
 
 
 # -- the adapter's config ---------------------------------------------------------------------

@@ -112,13 +112,13 @@ class SlotPool:
         self.reserve(adapter)
         slices = adapter.by_slice()  # a fused module (Phi-3's qkv_proj) as q, k, v slices
         for layer_index, linear in self._projections():
-            for i, target in enumerate(linear.slice_names):
+            for i, (name, target) in enumerate(zip(linear.slice_names, linear.lora_names)):
                 weights = slices.get((layer_index, target))
                 if weights is not None:
                     # this rank's part (engine/layers/linear.py): A by input columns, B by rows
-                    _copy_linear(linear.lora, i, index, linear.slice_rows(target),
-                                 linear.local(target, weights.lora_a, 1),
-                                 linear.local(target, weights.lora_b, 0), weights)
+                    _copy_linear(linear.lora, i, index, linear.slice_rows(name),
+                                 linear.local(name, weights.lora_a, 1),
+                                 linear.local(name, weights.lora_b, 0), weights)
         if (weights := adapter.modules.get(HEAD)) is not None:
             _copy_linear(self.head.lora, 0, index, slice(None), weights.lora_a,
                          self.head.local(weights.lora_b), weights)  # B by vocabulary rows

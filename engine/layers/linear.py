@@ -57,6 +57,9 @@ class Linear(nn.Module):
         self.row_parallel = row_parallel
         self.in_features = in_features
         self.slice_names = tuple(slices)
+        # the adapter target (adapters.types) each slice's LoRA is keyed by: its slice name,
+        # but "shared_expert.gate_proj" etc. on Qwen2-MoE's shared expert (engine/models/moe.py)
+        self.lora_names = self.slice_names
         offsets = [0]
         for width in slices.values():
             offsets.append(offsets[-1] + width)

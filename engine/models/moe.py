@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from adapters.types import SHARED_EXPERT
 from engine.layers.attention import PagedAttention
 from engine.layers.embedding import LMHead, VocabEmbedding
 from engine.layers.moe import PER_EXPERT, Routing, SparseMoeBlock
@@ -121,6 +122,8 @@ class MoeDecoderLayer(nn.Module):
         if args.shared_expert_intermediate_size:
             shared = MLP(replace(args, intermediate_size=args.shared_expert_intermediate_size),
                          shard)
+            for linear in (shared.gate_up_proj, shared.down_proj):
+                linear.lora_names = tuple(f"{SHARED_EXPERT}.{s}" for s in linear.slice_names)
         self.mlp = SparseMoeBlock(args.hidden_size, args.moe_intermediate_size, args.routing,
                                   shared)
 

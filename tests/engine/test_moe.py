@@ -1,7 +1,8 @@
 """Mixture-of-Experts bases (engine/models/moe.py): greedy tokens equal transformers' for every
 MoE architecture under batching, chunked prefill and preemption, with top-k 1 and 2; a fused
-checkpoint loads to the same tokens as a per-expert one; attention LoRAs equal PEFT's in a batch
-mixed with base rows; parameter counts; what is refused at start-up."""
+checkpoint loads to the same tokens as a per-expert one; attention LoRAs, and Qwen2-MoE's shared
+expert and its gate as LoRA targets, equal PEFT's in a batch mixed with base rows; parameter
+counts; what is refused at start-up."""
 
 import json
 import os
@@ -10,7 +11,8 @@ import shutil
 import pytest
 import safetensors.torch
 import torch
-from peft_reference import hf_greedy, load_peft, peft_greedy, save_peft_adapters
+from peft_reference import MAX_TOKENS as PEFT_MAX_TOKENS
+from peft_reference import World, hf_greedy, load_peft, peft_greedy, save_peft_adapters
 
 from engine import LLM, SamplingParams
 from engine.layers.moe import count_parameters
@@ -142,6 +144,8 @@ def test_router_and_shared_expert_are_lora_targets(tiny_checkpoint):
         assert {(sparse, "gate"), (sparse, "shared_expert_gate"), (sparse, "gate_proj"),
                 (sparse, "down_proj"), (sparse, "q_proj")} <= slices
     assert (1, "gate") not in slices and (1, "up_proj") in slices  # mlp_only_layers: dense
+    shared = model.model.layers[0].mlp.shared_expert.gate_up_proj  # adapter targets of its slices
+    assert shared.lora_names == ("shared_expert.gate_proj", "shared_expert.up_proj")
     assert [i for i, _ in model.expert_modules()] == [0, 2]
 
 
@@ -253,14 +257,37 @@ def test_the_block_is_bit_exact_with_transformers_in_bfloat16(arch):
         assert torch.equal(ours(x), hf(x[None])[0])
 
 
-def test_shared_expert_lora_is_refused_with_the_tensor_named(tiny_checkpoint, tmp_path):
-    """The model carries LoRA pools on the shared expert (lora_linears), but adapters/ does not
-    parse `mlp.shared_expert.*` keys yet: such an adapter is refused, never half applied."""
-    from adapters.errors import AdapterError
+# PEFT names the shared expert's projections gate_proj / up_proj / down_proj, so these also hit
+# layer 1's dense MLP (mlp_only_layers, intermediate_size 128 against the shared expert's 80);
+# all-linear takes the shared expert and its gate (an nn.Linear), never the router (not one).
+# No adapter is named "mlp": PEFT 0.21 saving one adapter of several drops keys that hold
+# another adapter's name as a path component ("...mlp.shared_expert_gate.lora_A.gate-q").
+SHARED_EXPERT_ADAPTERS = {
+    "ffn": dict(r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"]),
+    "gate-q": dict(r=8, lora_alpha=4, target_modules=["shared_expert_gate", "q_proj"]),
+    "all-linear": dict(r=2, lora_alpha=4, target_modules="all-linear",
+                       rank_pattern={"shared_expert.down_proj": 6}),
+}
+
+
+def test_shared_expert_lora_matches_peft_beside_base_rows(tiny_checkpoint, tmp_path):
+    from adapters.format import BaseModelSpec, load_adapter
 
     base = tiny_checkpoint("qwen2_moe")
-    dirs = save_peft_adapters(base, str(tmp_path), {"mlp": dict(
-        r=4, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"])}, seed=1)
-    llm = LLM(base, device="cpu", dtype="float32", max_loras=1, max_lora_rank=8)
-    with pytest.raises(AdapterError, match=r"mlp\.shared_expert\.\w+_proj\.lora_A"):
-        llm.add_adapter("mlp", dirs["mlp"])
+    world = World(str(tmp_path), SHARED_EXPERT_ADAPTERS, base=base)
+    with open(os.path.join(base, "config.json")) as f:
+        spec = BaseModelSpec.from_hf_config(json.load(f), max_lora_rank=16)
+    held = {name: set(load_adapter(path, spec).modules) for name, path in world.dirs.items()}
+    shared = {(i, f"shared_expert.{t}") for i in (0, 2) for t in ("gate_proj", "up_proj",
+                                                                   "down_proj")}
+    dense = {(1, t) for t in ("gate_proj", "up_proj", "down_proj")}
+    assert held["ffn"] == shared | dense
+    assert held["gate-q"] == {(i, "shared_expert_gate") for i in (0, 2)} | {
+        (i, "q_proj") for i in range(3)}
+    assert shared | dense | {(0, "shared_expert_gate"), (0, "o_proj")} <= held["all-linear"]
+    assert not any(t == "gate" for _, t in held["all-linear"]), "PEFT's all-linear has no router"
+    params = SamplingParams(max_tokens=PEFT_MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    for options in ({}, {"max_loras": 2, "max_num_batched_tokens": 8}):
+        llm = world.llm(**options)
+        world.check(llm.generate(world.prompts, params, adapters=world.requests),
+                    f"qwen2_moe shared expert {options}")
