@@ -29,7 +29,14 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Timer, build_random_llama, machine, write_adapters, write_json  # noqa: E402
+from common import (  # noqa: E402
+    Timer,
+    build_random_llama,
+    machine,
+    save_random,
+    write_adapters,
+    write_json,
+)
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.forward_context import get_forward_context  # noqa: E402
@@ -50,16 +57,7 @@ MOE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_
 def build_random_mixtral(out_dir: str, seed: int = 0) -> str:
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    if os.path.isfile(os.path.join(out_dir, "config.json")):
-        return out_dir
-    torch.manual_seed(seed)
-    model = MixtralForCausalLM(MixtralConfig(**MOE))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.05)
-    model.save_pretrained(out_dir)
-    return out_dir
+    return save_random(out_dir, seed, lambda: MixtralForCausalLM(MixtralConfig(**MOE)))
 
 
 def write_expert_adapters(root: str, base: str, count: int) -> list[str]:

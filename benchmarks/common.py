@@ -18,15 +18,20 @@ def build_random_llama(out_dir: str, hidden: int = 512, layers: int = 8, heads: 
     """A random ~25M-parameter Llama in Hugging Face format (built once, reused)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    marker = os.path.join(out_dir, "config.json")
-    if os.path.isfile(marker):
-        return out_dir
-    torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                          num_hidden_layers=layers, num_attention_heads=heads,
                          num_key_value_heads=kv_heads, max_position_embeddings=2048,
                          tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
+    return save_random(out_dir, seed, lambda: LlamaForCausalLM(config))
+
+
+def save_random(out_dir: str, seed: int, make) -> str:
+    """The Hugging Face model `make()` builds, its matrices redrawn from N(0, 0.05), saved into
+    out_dir once (reused when there)."""
+    if os.path.isfile(os.path.join(out_dir, "config.json")):
+        return out_dir
+    torch.manual_seed(seed)
+    model = make()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:

@@ -86,7 +86,7 @@ def _assign(model: nn.Module, params: dict, name: str, tensor: torch.Tensor) -> 
         return [name]  # derived from config; some old checkpoints store it
     if name == "lm_head.weight" and model.args.tie_word_embeddings:
         return [name]
-    if hasattr(model, "checkpoint_target") and (found := model.checkpoint_target(name)):
+    if found := model.checkpoint_target(name):
         _copy(found[0], tensor, name)  # MoE: a per-expert tensor into the fused experts
         return [found[1]]
     for fragment, slices in model.fused_projections.items():

@@ -10,7 +10,8 @@ Every model class offers what the loader, the runner and the adapter slots use:
     lora_linears()            (layer index, Linear) of every projection an adapter may adapt
     attention_layers()        the PagedAttention of every layer, in order
     forward / compute_logits
-MoE bases (engine/models/moe.py) add expert_modules() and checkpoint_target(name).
+    checkpoint_target(name)   a family's own placement of a checkpoint tensor (MoE experts)
+MoE bases (engine/models/moe.py) add expert_modules().
 """
 
 from __future__ import annotations

@@ -147,11 +147,13 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: ModelArgs, hf_config: dict, shard: Shard):
+    def __init__(self, args: ModelArgs, hf_config: dict, shard: Shard,
+                 layers: list[nn.Module] | None = None):
+        """layers: a family's own decoder layers (MoE's), else Llama's."""
         super().__init__()
         self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size, shard)
-        self.layers = nn.ModuleList(DecoderLayer(args, shard, window)
-                                    for window in args.layer_windows)
+        self.layers = nn.ModuleList(layers if layers is not None else (
+            DecoderLayer(args, shard, window) for window in args.layer_windows))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(args.head_dim, hf_config)  # shared by every layer
 
@@ -198,6 +200,11 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def checkpoint_target(self, name: str) -> tuple[torch.Tensor, str] | None:
+        """For the loader: a family's own placement of checkpoint tensor `name` (our tensor, the
+        key it fills), or None for the merged/fused/plain rules (MoE's per-expert tensors)."""
+        return None
 
     def lora_linears(self):
         """(layer index, Linear) of every projection an adapter may adapt."""

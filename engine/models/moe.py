@@ -22,12 +22,17 @@ import torch
 from torch import nn
 
 from adapters.types import SHARED_EXPERT
-from engine.layers.attention import PagedAttention
-from engine.layers.embedding import LMHead, VocabEmbedding
 from engine.layers.moe import PER_EXPERT, Routing, SparseMoeBlock
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding, apply_rotary
-from engine.models.llama import MLP, Attention, LlamaForCausalLM, ModelArgs
+from engine.layers.rotary import apply_rotary
+from engine.models.llama import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    ModelArgs,
+)
 from engine.parallel.shard import ONE, Shard
 
 # model.layers.<i>.(mlp|block_sparse_moe).experts.<e>.<projection>.weight
@@ -127,48 +132,26 @@ class MoeDecoderLayer(nn.Module):
         self.mlp = SparseMoeBlock(args.hidden_size, args.moe_intermediate_size, args.routing,
                                   shared)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    forward = DecoderLayer.forward  # pre-norm residual blocks, as Llama's
 
 
-class MoeModel(nn.Module):
-    def __init__(self, args: MoeArgs, hf_config: dict, shard: Shard):
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size, shard)
-        self.layers = nn.ModuleList(MoeDecoderLayer(args, i, shard)
-                                    for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(args.head_dim, hf_config)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        rope = self.rotary_emb(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(rope, x)
-        return self.norm(x)
-
-
-class MoeForCausalLM(nn.Module):
-    merged_projections = LlamaForCausalLM.merged_projections
-    fused_projections = LlamaForCausalLM.fused_projections
-    forward = LlamaForCausalLM.forward
-    compute_logits = LlamaForCausalLM.compute_logits
+class MoeForCausalLM(LlamaForCausalLM):
+    """Llama's model with MoeDecoderLayers: checkpoint names, attention layers, forward and
+    logits are Llama's; the expert and LoRA maps below are the MoE's own."""
 
     def __init__(self, hf_config: dict, shard: Shard = ONE):
-        super().__init__()
         if shard.size > 1:
             raise ValueError(f"{hf_config['architectures'][0]}: Mixture-of-Experts bases are not "
                              "split across ranks; serve them with tensor_parallel_size 1")
-        self.args = MoeArgs.from_hf_config(hf_config)
-        self.shard = shard
-        self.model = MoeModel(self.args, hf_config, shard)
-        self.lm_head = LMHead(self.args.hidden_size, self.args.vocab_size, shard,
-                              tied_to=self.model.embed_tokens if self.args.tie_word_embeddings
-                              else None)
+        super().__init__(hf_config, shard)
 
-    def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+    @classmethod
+    def make_args(cls, hf_config: dict) -> MoeArgs:
+        return MoeArgs.from_hf_config(hf_config)
+
+    def make_model(self, hf_config: dict, shard: Shard) -> nn.Module:
+        layers = [MoeDecoderLayer(self.args, i, shard) for i in range(self.args.num_layers)]
+        return LlamaModel(self.args, hf_config, shard, layers)
 
     def expert_modules(self):
         """(layer index, Experts) of every sparse layer."""

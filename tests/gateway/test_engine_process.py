@@ -20,6 +20,7 @@ import psutil
 import pytest
 from fleet_harness import redis_fixture
 
+from gateway.bench.server import wait_ready
 from gateway.config import ServerConfig, parse_cpu_list
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,7 +45,7 @@ def test_a_killed_engine_process_ends_every_stream_and_the_server(model_dir, tmp
     pin = ["--engine-cpus", str(cpus[0])] if len(cpus) > 1 else []
     port = redis_fixture.free_port()
     url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "server.log", "wb")
+    log = open(tmp_path / "server.log", "w+b")
     server = subprocess.Popen(
         [sys.executable, "-m", "gateway.server", "--model", model_dir, "--device", "cpu",
          "--max-model-len", "512", "--port", str(port), "--adapter-dir", str(tmp_path / "s"),
@@ -52,16 +53,7 @@ def test_a_killed_engine_process_ends_every_stream_and_the_server(model_dir, tmp
         cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
         stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()
-            assert time.monotonic() < deadline, "the server never became ready"
-            try:
-                if httpx.get(url + "/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_ready(url, server, log)
         (engine,) = psutil.Process(server.pid).children()
         if pin:
             for thread in engine.threads():

@@ -6,18 +6,14 @@ total and active parameters."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
-from fleet_harness import redis_fixture
 
 from engine import LLM, SamplingParams
 from engine.snapshot import engine_info
+from gateway.bench.server import serve_subprocess
 
-REPO = Path(__file__).resolve().parents[2]
 PROMPT = [5, 17, 42, 99, 7, 300, 12, 64]
 
 
@@ -45,26 +41,8 @@ def test_an_uploaded_expert_lora_serves_what_the_engine_gives(tiny_checkpoint, t
     info = engine_info(offline.engine)
     assert 0 < info.active_parameters < info.total_parameters
 
-    port = redis_fixture.free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "server.log", "wb")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "gateway.server", "--model", base, "--device", "cpu",
-         "--max-model-len", "256", "--port", str(port), "--adapter-dir", str(tmp_path / "s")],
-        cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
-        stderr=subprocess.STDOUT)
-    log.close()
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()
-            assert time.monotonic() < deadline, "the server never became ready"
-            try:
-                if httpx.get(url + "/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
+    with serve_subprocess(["--model", base, "--device", "cpu", "--max-model-len", "256",
+                           "--adapter-dir", str(tmp_path / "s")]) as url:
         files = {part: (name, (Path(folder) / name).read_bytes()) for part, name in
                  (("adapter_config", "adapter_config.json"),
                   ("adapter_model", "adapter_model.safetensors"))}
@@ -82,6 +60,3 @@ def test_an_uploaded_expert_lora_serves_what_the_engine_gives(tiny_checkpoint, t
         metrics = httpx.get(url + "/metrics").text
         assert f'loragw_model_parameters{{kind="total"}} {float(info.total_parameters)}' in metrics
         assert f'loragw_model_parameters{{kind="active"}} {float(info.active_parameters)}' in metrics
-    finally:
-        server.terminate()
-        server.wait(timeout=30)

@@ -18,6 +18,7 @@ import psutil
 from fleet_harness import redis_fixture
 
 from engine import SamplingParams
+from gateway.bench.server import wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "Once upon a time"
@@ -26,24 +27,16 @@ PROMPT = "Once upon a time"
 def start(model_dir: str, tmp_path: Path) -> tuple[subprocess.Popen, str]:
     port = redis_fixture.free_port()
     url = f"http://127.0.0.1:{port}"
-    log = open(tmp_path / "server.log", "wb")
+    log = open(tmp_path / "server.log", "w+b")
     server = subprocess.Popen(
         [sys.executable, "-m", "gateway.server", "--model", model_dir, "--device", "cpu",
          "--max-model-len", "512", "--port", str(port), "--adapter-dir", str(tmp_path / "s"),
          "--tensor-parallel-size", "2"],
         cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
         stderr=subprocess.STDOUT)
-    log.close()
-    deadline = time.monotonic() + 180
-    while True:
-        assert server.poll() is None, (tmp_path / "server.log").read_text()
-        assert time.monotonic() < deadline, "the server never became ready"
-        try:
-            if httpx.get(url + "/ready").status_code == 200:
-                return server, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
+    with log:
+        wait_ready(url, server, log)
+    return server, url
 
 
 def test_tp2_serves_uploads_and_dies_cleanly_with_a_rank(model_dir, adapter_dirs, offline,
