@@ -49,7 +49,16 @@ class ServerConfig(EngineOptions):
     api_key: str | None = option(None, "Bearer key required on /v1/*")
     admin_key: str | None = option(None, "Bearer key required on /admin/* and adapter "
                                    "load/unload")
-    max_upload_mb: int = option(512, "largest request body (adapter uploads), in MB")
+    max_upload_mb: int = option(512, "largest adapter upload (POST /admin/adapters), in MB")
+    max_request_mb: int = option(16, "largest JSON request body on every other route, in MB "
+                                 "(413 past it)")
+    upload_timeout_s: float = option(60.0, "an upload body that sends nothing for this many "
+                                     "seconds is cut off (408)")
+    metrics_key: str | None = option(None, "Bearer key required on /metrics (its labels name "
+                                     "adapters; default: open)")
+    health_timeout_s: float = option(30.0, "/health answers 503 once the engine loop has not "
+                                     "answered a ping for this many seconds (a liveness probe "
+                                     "then restarts the pod)")
     max_waiting: int = option(256, "requests queued beyond --max-num-seqs before 429")
     engine_process: bool = option(True, "run the engine loop in a process of its own, so the "
                                   "HTTP server never shares a GIL with it (--no-engine-process: "
@@ -70,8 +79,14 @@ class ServerConfig(EngineOptions):
             raise ValueError("--model and --demo exclude each other; pass one")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        if self.max_upload_mb < 1:
-            raise ValueError(f"--max-upload-mb must be at least 1, got {self.max_upload_mb}")
+        for name in ("max_upload_mb", "max_request_mb"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{self.option_name(name)} must be at least 1, got "
+                                 f"{getattr(self, name)}")
+        for name in ("upload_timeout_s", "health_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{self.option_name(name)} must be positive, got "
+                                 f"{getattr(self, name)}")
         if self.max_waiting < 0:
             raise ValueError(f"--max-waiting must be at least 0, got {self.max_waiting}")
         if self.tensor_parallel_size > 1 and not self.engine_process:
@@ -85,7 +100,7 @@ class ServerConfig(EngineOptions):
         if self.adapter_store_url is not None and not self.adapter_store_url.startswith("s3://"):
             raise ValueError(f"--adapter-store-url must be s3://BUCKET[/PREFIX], got "
                              f"{self.adapter_store_url!r}")
-        for name in ("api_key", "admin_key"):
+        for name in ("api_key", "admin_key", "metrics_key"):
             if getattr(self, name) == "":
                 raise ValueError(f"{self.option_name(name)} is empty; give a key or leave the "
                                  "flag out")
