@@ -34,6 +34,17 @@ from engine.prefix_cache import Block, PrefixCache, block_hash
 from engine.sequence import Sequence
 
 
+def peak_blocks(num_tokens: int, block_size: int, window: int | None,
+                max_chunk: int | None) -> int:
+    """The most blocks a sequence of num_tokens tokens holds at once: all of them, or under a
+    window the window's (window - 1 keys before a chunk) plus one chunk's, + 1 for the
+    alignment of their ends to blocks."""
+    held = -(-num_tokens // block_size)
+    if window is None or max_chunk is None:
+        return held
+    return min(held, -(-(window - 1 + max_chunk) // block_size) + 1)
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  window: int | None = None, max_chunk: int | None = None):
@@ -60,13 +71,7 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def peak_blocks(self, num_tokens: int) -> int:
-        """The most blocks a sequence of num_tokens tokens holds at once: all of them, or under
-        a window the window's (window - 1 keys before a chunk) plus one chunk's, + 1 for the
-        alignment of their ends to blocks."""
-        held = self.blocks_for(num_tokens)
-        if self.window is None or self.max_chunk is None:
-            return held
-        return min(held, self.blocks_for(self.window - 1 + self.max_chunk) + 1)
+        return peak_blocks(num_tokens, self.block_size, self.window, self.max_chunk)
 
     def _window_start(self, num_computed: int) -> int:
         """Index of the first block the query at position num_computed reads (0 without a

@@ -18,7 +18,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.lora import LoRAManager
 from engine.model_runner import ModelRunner
 from engine.prompt_logprobs import record_prompt_logprobs
-from engine.request_checks import check_request
+from engine.request_checks import RequestLimits, check_request
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -67,6 +67,10 @@ class LLMEngine:
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                    self.block_manager, slots=self.lora)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
+        blocks = self.block_manager
+        self.limits = RequestLimits(self.vocab_size, config.max_model_len, config.max_logprobs,
+                                    frozenset(self.eos_token_ids), blocks.num_blocks,
+                                    blocks.block_size, blocks.window, blocks.max_chunk)
         self.sampler = Sampler(config.seed, self.eos_token_ids)
         self.requests: dict[str, _Request] = {}
         self._grammars: GrammarCompiler | None = None  # built by the first guided request
@@ -81,8 +85,7 @@ class LLMEngine:
         """The engine's admission rules (engine/request_checks.py); `add_requests` runs them on
         every request before queueing any, so the gateway and the offline API get the same
         refusals. What they passed, the rest of the engine trusts (and asserts)."""
-        check_request(self.config, self.vocab_size, self.block_manager, self.eos_token_ids,
-                      prompt_ids, params)
+        check_request(self.limits, prompt_ids, params)
 
     def add_requests(self, requests: list[EngineRequest]) -> list[str]:
         """Check every request, then queue them all (so a bad one changes nothing); returns

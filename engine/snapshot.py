@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.request_checks import RequestLimits
+
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
 
@@ -18,6 +20,7 @@ class EngineInfo:
     max_model_len: int
     block_size: int
     num_kv_blocks: int
+    limits: RequestLimits  # what a server checks a request against before sending it
     # the base's parameters, and of them what one token multiplies by (MoE: top_k of E
     # experts per sparse layer; dense: all); defaults for EngineInfos built without a model
     total_parameters: int = 0
@@ -34,7 +37,7 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
     with torch.device("meta"):  # the whole model, not this rank's part under TP; no memory
         total, active = count_parameters(model_class(hf_config)(hf_config))
     return EngineInfo(engine.vocab_size, engine.config.max_model_len, engine.config.block_size,
-                      engine.block_manager.num_blocks, total, active)
+                      engine.block_manager.num_blocks, engine.limits, total, active)
 
 
 @dataclass(frozen=True, slots=True)

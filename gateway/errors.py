@@ -42,6 +42,11 @@ class APIError(Exception):
                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @classmethod
+    def engine_gone(cls, detail: str, code: str = "engine_exited") -> APIError:
+        """The engine died (its process, or a tensor-parallel rank) or stopped answering."""
+        return cls(503, detail, code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @classmethod
     def overloaded(cls, capacity: int) -> APIError:
         return cls(429, f"the server is at capacity ({capacity} sequences running or queued); "
                         f"retry after {RETRY_AFTER_S} s", code="rate_limit_exceeded",

@@ -29,6 +29,7 @@ from engine.tokenizer import TokenText, try_load_tokenizer
 from gateway.config import ServerConfig
 from gateway.errors import APIError
 from gateway.fleet.router import Router
+from gateway.health import EngineWatchdog
 from gateway.jobs import GenerationJob
 from gateway.metrics import Metrics
 from gateway.residency.manager import AdapterManager
@@ -53,6 +54,7 @@ class Runtime:
         self.ready = False
         self.status = "starting"
         self.engine_death: str | None = None  # why the engine process exited, once it has
+        self.watchdog: EngineWatchdog | None = None  # pings the engine once it runs
         self.started_at = int(time.time())
         self.inflight = 0  # sequences admitted and not yet closed
         self.jobs: set[GenerationJob] = set()
@@ -78,6 +80,8 @@ class Runtime:
                 bar.set_postfix_str(os.path.basename(str(config.model)))
                 self.loop = asyncio.get_running_loop()
                 self.engine = await self._start_engine()
+                self.watchdog = EngineWatchdog(self.engine, config.health_timeout_s)
+                self.watchdog.start()
                 self.info = self.engine.info
                 self.metrics.info = self.info
                 self.tokenizer = await asyncio.to_thread(try_load_tokenizer, config.model)
@@ -129,6 +133,8 @@ class Runtime:
         for job in list(self.jobs):
             job.abort()  # clients still connected get finish_reason "abort", not a hang
         await self._stack.aclose()
+        if self.watchdog is not None:
+            await self.watchdog.stop()
         if self.adapters is not None:
             await self.adapters.close()
         if self.engine is not None:
@@ -137,6 +143,15 @@ class Runtime:
     def check_ready(self) -> None:
         if not self.ready:
             raise APIError.not_ready(self.status)
+
+    def check_alive(self) -> None:
+        """/health: 503 once the engine has died (naming why: a tensor-parallel rank names
+        itself) or has not answered the watchdog's ping within --health-timeout-s."""
+        if self.engine_death is not None:
+            raise APIError.engine_gone(self.engine_death)
+        stuck = self.watchdog.stuck() if self.watchdog is not None else None
+        if stuck is not None:
+            raise APIError.engine_gone(stuck, code="engine_unresponsive")
 
     async def probe(self, timeout: float = ENGINE_PROBE_TIMEOUT_S) -> None:
         """/ready: loaded, and the engine loop answers between two steps within `timeout`."""
@@ -148,6 +163,8 @@ class Runtime:
         except asyncio.TimeoutError:
             raise APIError.not_ready(f"the engine loop has not answered in {timeout:.0f} s "
                                      "(wedged, or one step is that slow)") from None
+        except EngineDied as exc:  # it died while we asked: the death handler runs next
+            raise APIError.engine_gone(str(exc)) from None
 
     async def snapshot(self) -> EngineSnapshot | None:
         return await self.engine.snapshot() if self.engine is not None else None

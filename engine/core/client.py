@@ -1,9 +1,11 @@
 """The server's side of an engine process: `await EngineProcess.start(config)`.
 
 The same interface as engine.async_engine.AsyncEngine (submit_many, abort, snapshot, probe, the
-adapter calls, shutdown, info, adapter_spec), over one socket pair: the event loop reads it
-(loop.add_reader), so a step's outputs for every stream arrive as one message and wake the loop
-once; each stream then reads its own queue. Cancelling a stream (a client that disconnects)
+adapter calls, shutdown, info, adapter_spec), over one socket pair (engine/core/channel.py:
+frames written and read whole, whatever their size): the event loop reads it, so a step's
+outputs for every stream arrive as one message and wake the loop once; each stream then reads
+its own queue. A message that cannot be encoded fails its caller alone, before anything is
+sent. Cancelling a stream (a client that disconnects)
 aborts its request. Streams and calls may come from other event loops too (a second front end
 on the same engine): what is theirs is handed over with call_soon_threadsafe. When the process
 dies, every open stream and pending call fails with a RuntimeError that says so, and `on_death`
@@ -19,11 +21,9 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from multiprocessing.connection import Connection
 
 import msgspec
 
@@ -31,6 +31,7 @@ from adapters.format import LoraAdapter
 from adapters.types import BaseModelSpec
 from engine.async_engine import read_stream
 from engine.config import Config
+from engine.core.channel import ChannelClosed, ServerChannel
 from engine.core.messages import (
     Abort,
     Call,
@@ -56,9 +57,9 @@ class EngineDied(RuntimeError):
 
 
 class EngineProcess:
-    def __init__(self, config: Config, proc: subprocess.Popen, conn: Connection,
+    def __init__(self, config: Config, proc: subprocess.Popen, sock: socket.socket,
                  on_death: Callable[[EngineDied], None] | None):
-        self.config, self.proc, self.conn, self.on_death = config, proc, conn, on_death
+        self.config, self.proc, self.on_death = config, proc, on_death
         self.adapter_spec: BaseModelSpec = config.adapter_spec()
         self.info: EngineInfo | None = None
         self.died: EngineDied | None = None
@@ -66,11 +67,10 @@ class EngineProcess:
         self._last_failure = ""  # a fatal step failure's message, for EngineDied
         self._calls: dict[int, asyncio.Future] = {}  # each on its caller's loop
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._send_lock = threading.Lock()  # frames from several loops never interleave
         self._ids = itertools.count(1)
         self._ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(conn.fileno(), self._on_readable)
+        self.channel = ServerChannel(sock, self._loop, self._on_frame, self._on_closed)
 
     @property
     def pid(self) -> int:
@@ -86,25 +86,26 @@ class EngineProcess:
                                  str(theirs.fileno())], pass_fds=[theirs.fileno()],
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         theirs.close()
-        conn = Connection(ours.detach())
-        conn.send_bytes(msgspec.msgpack.encode({"model": config.model, "cpus": sorted(cpus or ()),
-                                                **config.engine_options()}))
-        engine = cls(config, proc, conn, on_death)
+        engine = cls(config, proc, ours, on_death)
+        engine.channel.send(msgspec.msgpack.encode(
+            {"model": config.model, "cpus": sorted(cpus or ()), **config.engine_options()}))
         await engine._ready
         logger.info("engine process %d ready", proc.pid)
         return engine
 
     # ---- the socket ----------------------------------------------------------------------
-    def _on_readable(self) -> None:
+    def _on_closed(self) -> None:
+        if self._stopping:
+            return
+        why = f": {self._last_failure}" if self._last_failure else ""
+        self._fail(EngineDied(f"the engine process exited (status {self.proc.wait()}){why}; "
+                              "see its log above"))
+
+    def _on_frame(self, payload: bytes) -> None:
         try:
-            message = decode_from_engine(self.conn.recv_bytes())
-        except (EOFError, OSError):
-            if self._stopping:
-                self._loop.remove_reader(self.conn.fileno())
-                return
-            why = f": {self._last_failure}" if self._last_failure else ""
-            self._fail(EngineDied(f"the engine process exited (status "
-                                  f"{self.proc.wait()}){why}; see its log above"))
+            message = decode_from_engine(payload)
+        except msgspec.DecodeError:  # a bug in the engine's side; the frames stay whole
+            logger.exception("a message from the engine process does not decode; dropped")
             return
         if isinstance(message, Outputs):
             for out in message.items:
@@ -129,7 +130,7 @@ class EngineProcess:
         if self.died is not None:
             return
         self.died = exc
-        self._loop.remove_reader(self.conn.fileno())
+        self.channel.close()
         logger.error("%s", exc)
         if not self._ready.done():
             self._ready.set_exception(exc)
@@ -157,8 +158,10 @@ class EngineProcess:
             frame = encode(message)
         except (OverflowError, TypeError) as exc:  # e.g. an integer past 64 bits: bad input
             raise ValueError(f"the request holds a value the engine cannot take: {exc}") from None
-        with self._send_lock:
-            self.conn.send_bytes(frame)
+        try:
+            self.channel.send(frame)
+        except ChannelClosed:
+            raise self.died or EngineDied("the engine process has closed its channel") from None
 
     async def _call(self, method: str, *args):
         call = next(self._ids)
@@ -228,9 +231,8 @@ class EngineProcess:
         self._stopping = True
         if self.died is None and self.proc.poll() is None:
             try:
-                with self._send_lock:
-                    self.conn.send_bytes(encode(Stop()))
-            except OSError:
+                self.channel.send(encode(Stop()))
+            except ChannelClosed:
                 pass
         try:
             self.proc.wait(timeout=STOP_TIMEOUT_S)

@@ -1,9 +1,11 @@
 """The engine process: `python -m engine.core.process FD`, started by engine/core/client.py.
 
 It reads the engine's Config from the socket FD, builds the LLMEngine, answers Ready, then runs
-one loop on one thread: take every message that has arrived (waiting for one only when there is
-nothing to step), handle them, run one step, and send everything that step produced for every
-stream in one Outputs message. No other thread holds the GIL while a step runs: adapter files
+one loop on one thread: take every message that has arrived whole (waiting for one only when
+there is nothing to step; engine/core/channel.py keeps a frame still arriving for later), handle
+them, run one step, and send everything that step produced for every stream in one Outputs
+message. A message that does not decode is answered with an error (if it names a call) and
+dropped; a reply that cannot be encoded is answered with the error instead. No other thread holds the GIL while a step runs: adapter files
 are parsed on a worker thread only while one is being loaded, and it wakes the loop through a
 pipe. A step that fails fails its requests, never the process. When the server goes away (its
 end of the socket closes), the process exits.
@@ -13,10 +15,11 @@ from __future__ import annotations
 
 import logging
 import os
+import select
+import socket
 import sys
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from multiprocessing.connection import Connection, wait
 
 import msgspec
 import torch
@@ -24,6 +27,7 @@ import torch
 from adapters.format import load_adapter
 from engine.config import Config
 from engine.core import pin_threads
+from engine.core.channel import ChannelClosed, EngineChannel
 from engine.core.messages import (
     Abort,
     Call,
@@ -54,8 +58,8 @@ class _Loaded(msgspec.Struct):
 
 
 class EngineCore:
-    def __init__(self, conn: Connection, config: Config):
-        self.conn, self.engine = conn, LLMEngine(config)
+    def __init__(self, channel: EngineChannel, config: Config):
+        self.channel, self.engine = channel, LLMEngine(config)
         self.loaded: deque[_Loaded] = deque()  # appended by the worker thread
         self.wake_r, self.wake_w = os.pipe()  # the worker's "a load is done"
         self.loads = ThreadPoolExecutor(1, thread_name_prefix="adapter-load")
@@ -68,7 +72,21 @@ class EngineCore:
                       "probe": lambda: True}
 
     def send(self, message) -> None:
-        self.conn.send_bytes(encode(message))
+        try:
+            frame = encode(message)
+        except (OverflowError, TypeError) as exc:  # a value msgpack cannot carry: a bug here
+            logger.exception("a message to the server does not encode")
+            if isinstance(message, Reply):
+                frame = encode(Reply(message.call, error=error_info(exc)))
+            elif isinstance(message, Outputs):
+                ids = [out.request_id for out in message.items]
+                for request_id in ids:
+                    self.engine.abort(request_id)
+                self.engine.drain_aborted()
+                frame = encode(Failed(ids, f"the engine's output could not be sent: {exc}"))
+            else:
+                raise
+        self.channel.send(frame)
 
     def done_loading(self, loaded: _Loaded) -> None:
         """On the worker thread: hand a parsed adapter back and wake the loop."""
@@ -76,23 +94,40 @@ class EngineCore:
         os.write(self.wake_w, b"x")
 
     def arrived(self, block: bool) -> list:
-        """Every message that has arrived (waiting for one if `block`), parsed adapters too; a
-        closed socket reads as Stop."""
-        ready = wait([self.conn, self.wake_r], timeout=None if block else 0)
-        messages = []
+        """Every message that has arrived whole (waiting for something if `block`), parsed
+        adapters too; a closed socket reads as Stop."""
+        ready, _, _ = select.select([self.channel, self.wake_r], [], [], None if block else 0)
+        messages: list = []
         if self.wake_r in ready:
             os.read(self.wake_r, 4096)
         while self.loaded:
             messages.append(self.loaded.popleft())
-        if self.conn in ready:
+        if self.channel in ready:
             try:
-                while True:
-                    messages.append(decode_to_engine(self.conn.recv_bytes()))
-                    if not self.conn.poll(0):
-                        break
-            except (EOFError, OSError):
-                messages.append(Stop())
+                frames = self.channel.receive()
+            except ChannelClosed:
+                return [*messages, Stop()]
+            for frame in frames:
+                message = self.decode(frame)
+                if message is not None:
+                    messages.append(message)
         return messages
+
+    def decode(self, frame: bytes):
+        """A whole frame's message, or None after answering its call (if it names one) with
+        the decoding error: a bad message fails its caller, not the engine."""
+        try:
+            return decode_to_engine(frame)
+        except msgspec.DecodeError as exc:
+            logger.error("a message from the server does not decode: %s", exc)
+            try:
+                call = msgspec.msgpack.decode(frame).get("call")
+            except Exception:
+                call = None
+            if isinstance(call, int):
+                self.send(Reply(call, error=error_info(
+                    ValueError(f"the engine could not read this message: {exc}"))))
+            return None
 
     def run(self) -> None:
         self.send(Ready(engine_info(self.engine)))
@@ -159,9 +194,9 @@ class EngineCore:
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    conn = Connection(int(argv[0]))
+    channel = EngineChannel(socket.socket(fileno=int(argv[0])))
     try:
-        options = msgspec.msgpack.decode(conn.recv_bytes())
+        options = msgspec.msgpack.decode(channel.receive_one())
     except (EOFError, OSError):
         return 0  # the server went away before it sent a config
     model, cpus = options.pop("model"), options.pop("cpus")
@@ -169,12 +204,15 @@ def main(argv: list[str]) -> int:
         pin_threads(set(cpus))
         torch.set_num_threads(len(cpus))
     try:
-        core = EngineCore(conn, Config(model, **options))
+        core = EngineCore(channel, Config(model, **options))
     except Exception as exc:
         logger.error("the engine failed to start: %s", exc, exc_info=not isinstance(exc, ValueError))
-        conn.send_bytes(encode(Reply(0, error=error_info(exc))))
+        channel.send(encode(Reply(0, error=error_info(exc))))
         return 1
-    core.run()
+    try:
+        core.run()
+    except (BrokenPipeError, ConnectionResetError):
+        logger.info("the server closed the channel; the engine process exits")
     return 0
 
 

@@ -11,10 +11,14 @@
     5. the request's own options   request_params: tools, logprobs, the guided constraint,
                                    SamplingParams (one per request)         400 naming the param
     6. prompts                     prompts: text, token ids, chat template  400
-    7. capacity                    Runtime.admit(job)                       400 / 429
-    8. the engine's rules          AsyncEngine.submit_many -> LLMEngine.check_request on every
-                                   choice before any is queued (context window, KV cache, token
-                                   ids in the vocabulary)                   400 naming the param
+    7. the engine's rules, here    check_request(EngineInfo.limits) on      400 naming the param
+                                   every prompt (context window, KV cache,
+                                   token ids and their counts, stop strings)
+                                   before anything crosses to the engine;
+                                   off the loop when the prompts are long
+    8. capacity                    Runtime.admit(job)                       400 / 429
+    9. queued                      engine.submit_many: the engine runs the same rules again
+                                   (it trusts no caller) and queues every choice or none
 
 The endpoints differ only in steps 5-6 and in how the job's increments are shaped (a Format);
 `serve` runs the rest for both.
@@ -32,7 +36,8 @@ from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from engine.llm_engine import EngineRequest
-from engine.sampling_params import SamplingParams
+from engine.request_checks import check_request
+from engine.sampling_params import InvalidParam, SamplingParams
 from gateway.errors import APIError
 from gateway.http.format_chat import ChatFormat
 from gateway.http.format_completions import CompletionFormat
@@ -53,6 +58,7 @@ from gateway.http.streaming import collect, stream_sse
 from gateway.jobs import Choice, GenerationJob
 from gateway.runtime import Runtime
 
+CHECK_INLINE_MAX_TOKENS = 16_384  # longer prompts are checked on a worker thread
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Steps 5-6 of one endpoint: the body -> (prompts, first choice's params, the Format of the
 # job's response; its response id is the job's).
@@ -118,7 +124,9 @@ async def serve(request: Request, data: SamplingRequest, runtime: Runtime, kind:
 
 async def start(request: Request, runtime: Runtime, prompts: list[list[int]],
                 first: SamplingParams, n: int, adapter: str | None, kind: str) -> GenerationJob:
-    """Steps 7-8: one engine request per choice (prompts x n), admitted and queued at once."""
+    """Steps 7-9: one engine request per choice (prompts x n), checked, admitted and queued at
+    once."""
+    await check_prompts(runtime, prompts, first)
     params, prompt_of = choice_params(first, len(prompts), n)
     job_id = f"{kind}-{uuid.uuid4().hex}"
     choices = [Choice(i, f"{job_id}-{i}", p, len(prompts[p])) for i, p in enumerate(prompt_of)]
@@ -139,6 +147,22 @@ async def start(request: Request, runtime: Runtime, prompts: list[list[int]],
         choice.stream = stream
     runtime.metrics.prompt_tokens.labels(adapter or "base").inc(sum(len(p) for p in prompts))
     return job
+
+
+async def check_prompts(runtime: Runtime, prompts: list[list[int]],
+                        first: SamplingParams) -> None:
+    """Step 7. The n choices of a prompt differ only in their seeds, which no rule reads."""
+    def check() -> None:
+        for prompt in prompts:
+            check_request(runtime.info.limits, prompt, first)
+
+    try:
+        if sum(map(len, prompts)) <= CHECK_INLINE_MAX_TOKENS:
+            check()
+        else:
+            await asyncio.to_thread(check)
+    except InvalidParam as exc:
+        raise APIError.from_engine(exc) from None
 
 
 async def _disconnect(request: Request) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from litestar import Controller, Response, get
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway.http.error_handlers import error_response, error_responses
+from gateway.http.error_handlers import error_responses
 from gateway.http.response_bodies import Health
 from gateway.runtime import Runtime
 
@@ -15,14 +15,15 @@ class OpsController(Controller):
     tags = ["Operations"]
 
     @get("/health", responses=error_responses(
-        503, e503="the engine is gone (its process, or a tensor-parallel rank, died): the message "
-                  "says which; the server is exiting"))
-    async def health(self, runtime: Runtime) -> Response[Health]:
-        """The process is alive (a liveness probe); says nothing about the model, unless the
-        engine has died (503, with the reason: a tensor-parallel rank names itself)."""
-        if runtime.engine_death is not None:
-            return error_response(503, runtime.engine_death, code="engine_exited")
-        return Response(Health(status="ok"))
+        503, e503="the engine is gone (its process, or a tensor-parallel rank, died; the server "
+                  "is exiting) or has not answered a ping within --health-timeout-s: the "
+                  "message says which"))
+    async def health(self, runtime: Runtime) -> Health:
+        """Liveness: 200 while the server runs and its engine answers (or is still loading);
+        503 once the engine has died or been silent past --health-timeout-s (a wedged pod that
+        a liveness probe should restart)."""
+        runtime.check_alive()
+        return Health(status="ok")
 
     @get("/ready", responses=error_responses(
         503, e503="not ready: loading, or the engine loop does not answer"))

@@ -82,11 +82,16 @@ def test_tp2_serves_uploads_and_dies_cleanly_with_a_rank(model_dir, adapter_dirs
         assert events[-1] == "[DONE]", events[-3:]
         error = json.loads(events[-2])["error"]
         assert "tensor-parallel rank 1 exited" in error["message"], error
-        try:  # once the engine process is gone /health says why, while the server still answers
+        try:  # once the engine process is gone both probes say why (503, never a 500), while
+            # the server still answers
             while (health := httpx.get(url + "/health")).status_code == 200:
+                assert httpx.get(url + "/ready").status_code in (200, 503)
                 time.sleep(0.05)
             assert health.status_code == 503
             assert "tensor-parallel rank 1 exited" in health.json()["error"]["message"]
+            ready = httpx.get(url + "/ready")
+            assert ready.status_code == 503
+            assert "tensor-parallel rank 1 exited" in ready.json()["error"]["message"]
         except httpx.TransportError:
             pass
         assert server.wait(timeout=30) != 0
