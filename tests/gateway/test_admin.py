@@ -165,6 +165,8 @@ def _corrupt(files: tuple[bytes, bytes], kind: str) -> tuple[str, bytes, bytes, 
             weights, 422
     if kind == "rank-too-large":
         return "bad", json.dumps(cfg | {"r": 4096}).encode(), weights, 422
+    if kind == "seq-cls":  # a classifier's LoRA: its head is not served
+        return "bad", json.dumps(cfg | {"task_type": "SEQ_CLS"}).encode(), weights, 422
     if kind == "pickle":
         return "bad", config, b"\x80\x04\x95" + b"\x00" * 64, 422
     if kind == "dotdot":
@@ -181,7 +183,7 @@ def _corrupt(files: tuple[bytes, bytes], kind: str) -> tuple[str, bytes, bytes, 
 
 
 MALFORMED = ["bad-json", "truncated", "lying-header", "wrong-shape", "unknown-target",
-             "rank-too-large", "pickle", "dotdot", "slash-abuse", "leading-slash",
+             "rank-too-large", "seq-cls", "pickle", "dotdot", "slash-abuse", "leading-slash",
              "control-char", "base-name"]
 
 
