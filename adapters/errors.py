@@ -24,6 +24,18 @@ class InvalidAdapterId(AdapterError):
     status = 400
 
 
+NAME_SHOWN = 64  # characters of a client's model or adapter name an error message echoes
+
+
+def short_name(name: str) -> str:
+    """A name a client sent (a model, an adapter id) as an error message shows it: quoted, with
+    control and non-ASCII characters escaped, and cut to NAME_SHOWN characters plus its length,
+    so a 200,000-character `model` is not echoed back whole."""
+    if len(name) <= NAME_SHOWN:
+        return ascii(name)
+    return f"{ascii(name[:NAME_SHOWN])}... ({len(name)} characters)"
+
+
 def short_repr(value: object, limit: int = 160) -> str:
     """repr() of an untrusted value, cut short so error messages and logs stay small."""
     text = repr(value)

@@ -108,6 +108,29 @@ def test_bad_requests_get_4xx_in_openai_shape_and_the_server_keeps_serving(http,
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
+HUGE_NAME = "m" * 200_000  # a client's model name, echoed back only cut short
+HUGE_PATH_NAME = "m" * 50_000  # in a URL: httpx sends at most 64 KB of one
+
+
+@pytest.mark.parametrize(("method", "path", "body", "status"), [
+    ("POST", "/v1/completions", {"model": HUGE_NAME, "prompt": "hi"}, 404),
+    ("POST", "/v1/chat/completions", {"model": HUGE_NAME, "messages": [
+        {"role": "user", "content": "hi"}]}, 404),
+    ("POST", "/v1/responses", {"model": HUGE_NAME, "input": "hi"}, 404),
+    ("POST", "/tokenize", {"model": HUGE_NAME, "prompt": "hi"}, 404),
+    ("POST", "/v1/unload_lora_adapter", {"lora_name": HUGE_NAME}, 404),
+    ("POST", "/v1/load_lora_adapter", {"lora_name": HUGE_NAME, "lora_path": "/nowhere"}, 400),
+    ("GET", f"/v1/models/{HUGE_PATH_NAME}", None, 404),
+    ("GET", f"/admin/adapters/{HUGE_PATH_NAME}", None, 400),
+])
+def test_a_huge_model_name_is_echoed_cut_short(server, method, path, body, status):
+    r = httpx.request(method, server.url + path, json=body, timeout=60)
+    error = assert_openai_error(r, status)
+    assert len(r.content) < 1024, r.content[:300]
+    length = len(HUGE_NAME if body else HUGE_PATH_NAME)
+    assert f"'{'m' * 64}'... ({length} characters)" in error["message"], error["message"]
+
+
 @pytest.mark.parametrize("field", [
     {"response_format": {"type": "yaml"}},
     {"tool_choice": "required"},  # without tools
