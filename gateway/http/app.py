@@ -128,7 +128,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=[RequestContextMiddleware(runtime.metrics)],
         before_send=[_unrouted_request_id, served_by_hook(config.replica)],
-        request_max_body_size=config.max_upload_mb * MB,
+        request_max_body_size=config.max_request_mb * MB,  # the upload route has its own
         openapi_config=OpenAPIConfig(title="lora-gateway", version="0.1.0",
                                      description="OpenAI-compatible multi-LoRA serving"),
         logging_config=None,

@@ -20,7 +20,8 @@ from gateway.config import ServerConfig
 from gateway.flags import add_options
 from gateway.http.app import create_app
 from gateway.runtime import Runtime
-from gateway.server import serve_main
+from gateway.server import BackgroundServer, serve_main
+from tests.gateway.raw_http import RawRequest
 
 BASE = "demo-base"  # conftest's served model name
 ADAPTER = "lora-0"
@@ -129,6 +130,46 @@ def test_a_huge_model_name_is_echoed_cut_short(server, method, path, body, statu
     assert len(r.content) < 1024, r.content[:300]
     length = len(HUGE_NAME if body else HUGE_PATH_NAME)
     assert f"'{'m' * 64}'... ({length} characters)" in error["message"], error["message"]
+
+
+MB = 1024 * 1024
+JSON_BODIES = {"/v1/completions": {"model": BASE, "prompt": "hi", **SMALL},
+               "/v1/chat/completions": {"model": BASE, "messages": [
+                   {"role": "user", "content": "hi"}], **SMALL},
+               "/v1/responses": {"model": BASE, "input": "hi", "max_output_tokens": 2},
+               "/tokenize": {"model": BASE, "prompt": "hi"}}
+
+
+@pytest.fixture(scope="module")
+def one_mb_server(server, server_config):
+    """A second front end on the live engine with --max-request-mb 1."""
+    app = create_app(replace(server_config, max_request_mb=1), runtime=server.runtime)
+    with BackgroundServer(app) as background:
+        yield background
+
+
+def assert_too_large(status: int, body: dict) -> None:
+    assert status == 413, body
+    error = body["error"]
+    assert error["code"] == "request_too_large" and error["type"] == "invalid_request_error"
+    assert "larger than --max-request-mb 1 MB" in error["message"], error
+
+
+@pytest.mark.parametrize("path", list(JSON_BODIES))
+def test_a_json_body_over_max_request_mb_is_a_413_naming_the_flag(one_mb_server, path):
+    json_type = {"Content-Type": "application/json"}
+    declared = {**json_type, "Content-Length": str(MB + 1)}
+    with RawRequest(one_mb_server.url, "POST", path, declared) as r:  # refused unread
+        assert_too_large(*r.response())
+    chunked = {**json_type, "Transfer-Encoding": "chunked"}
+    with RawRequest(one_mb_server.url, "POST", path, chunked) as r:  # no length: counted
+        chunk = b" " * (64 * 1024)
+        sent = 0
+        while sent <= MB and r.send_chunk(chunk):
+            sent += len(chunk)
+        assert_too_large(*r.response())
+    under = httpx.post(one_mb_server.url + path, json=JSON_BODIES[path], timeout=60)
+    assert under.status_code == 200, under.text
 
 
 @pytest.mark.parametrize("field", [
