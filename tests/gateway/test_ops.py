@@ -216,6 +216,51 @@ async def test_keys_guard_v1_and_admin_routes_but_not_probes(server, server_conf
             assert (await c.get(path)).status_code == 200
 
 
+KEYS = {"api_key": "user-key", "admin_key": "admin-key", "metrics_key": "metrics-key"}
+GUARDED = [  # method, path, body, the key the route takes, the status with that key
+    ("GET", "/v1/models", None, "api_key", 200),
+    ("POST", "/v1/completions", {"model": BASE, "prompt": "hi", **SMALL}, "api_key", 200),
+    ("POST", "/v1/chat/completions", {"model": BASE, "messages": [
+        {"role": "user", "content": "hi"}], **SMALL}, "api_key", 200),
+    ("POST", "/v1/responses", {"model": BASE, "input": "hi", "max_output_tokens": 2},
+     "api_key", 200),
+    ("POST", "/tokenize", {"model": BASE, "prompt": "hi"}, "api_key", 200),
+    ("POST", "/detokenize", {"model": BASE, "tokens": [1]}, "api_key", 200),
+    ("POST", "/v1/load_lora_adapter", {"lora_name": "never-loaded",
+                                       "lora_path": "/nonexistent"}, "admin_key", 404),
+    ("POST", "/v1/unload_lora_adapter", {"lora_name": "never-loaded"}, "admin_key", 404),
+    ("GET", "/admin/adapters", None, "admin_key", 200),
+    ("GET", "/metrics", None, "metrics_key", 200),
+]
+
+
+async def test_the_bearer_scheme_is_case_insensitive_on_every_guarded_route(server,
+                                                                           server_config):
+    app = create_app(replace(server_config, **KEYS), runtime=server.runtime)
+    async with AsyncTestClient(app) as c:
+        for method, path, body, key, status in GUARDED:
+            for scheme in ("Bearer", "bearer", "BEARER"):
+                right = await c.request(method, path, json=body,
+                                        headers={"Authorization": f"{scheme} {KEYS[key]}"})
+                assert right.status_code == status, (scheme, path, right.text)
+                wrong = await c.request(method, path, json=body,
+                                        headers={"Authorization": f"{scheme} wrong-key"})
+                assert_openai_error(wrong, 401, "invalid_api_key")
+
+
+async def test_metrics_take_the_metrics_key_once_one_is_set(server, server_config):
+    app = create_app(replace(server_config, metrics_key="metrics-key"), runtime=server.runtime)
+    async with AsyncTestClient(app) as c:
+        error = assert_openai_error(await c.get("/metrics"), 401, "invalid_api_key")
+        assert "metrics key" in error["message"]
+        other = await c.get("/metrics", headers={"Authorization": "Bearer user-key"})
+        assert "metrics key" in assert_openai_error(other, 401, "invalid_api_key")["message"]
+        scraped = await c.get("/metrics", headers={"Authorization": "Bearer metrics-key"})
+        assert scraped.status_code == 200 and "loragw_http_requests_total" in scraped.text
+        for path in ("/health", "/ready"):  # probes never take a key
+            assert (await c.get(path)).status_code == 200
+
+
 def test_an_unexpected_failure_is_a_logged_500_naming_the_request_id(http, server,
                                                                     monkeypatch, caplog):
     def broken():
