@@ -13,8 +13,8 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import ResponseSpec
 
-from adapters.errors import AdapterError, AdapterNotFound, InvalidAdapterId
-from gateway.errors import APIError
+from adapters.errors import AdapterError
+from gateway.errors import RETRY_AFTER_S, APIError
 from gateway.http.response_bodies import ErrorBody, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,8 @@ MEANINGS = {400: "invalid body or parameter (`param` names it), or a request thi
             422: "the adapter is not valid for this base model",
             429: "at capacity; retry after Retry-After seconds",
             502: "the adapter's source (the Hub, S3) failed or sent bytes that do not verify",
-            503: "not ready (the model is loading), or no replica holding the adapter answers; "
+            503: "not ready (the model is loading), the adapter store cannot be reached "
+                 "(`adapter_store_unavailable`), or no replica holding the adapter answers; "
                  "retry after Retry-After seconds"}
 
 
@@ -61,9 +62,8 @@ def _api_error(_: Request, exc: APIError) -> Response[ErrorResponse]:
 
 
 def _adapter_error(_: Request, exc: AdapterError) -> Response[ErrorResponse]:
-    code = ("adapter_not_found" if isinstance(exc, AdapterNotFound) else
-            "invalid_adapter_id" if isinstance(exc, InvalidAdapterId) else "invalid_adapter")
-    return error_response(exc.status, str(exc), code=code)
+    retry = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+    return error_response(exc.status, str(exc), code=exc.code, headers=retry)
 
 
 def _http_error(request: Request, exc: HTTPException) -> Response[ErrorResponse]:
