@@ -10,7 +10,7 @@ never a 503 from the one asked. With no holder left, the 503 says the store is d
 from __future__ import annotations
 
 import pytest
-from fleet_harness import KEY, Fleet, load_fixture_module, redis_fixture, served_by
+from fleet_harness import KEY, load_fixture_module, running_fleet, served_by
 
 from adapters.registry import ReplicaState
 from adapters.registry_types import encode
@@ -58,19 +58,13 @@ def test_holders_are_the_other_replicas_with_it_in_a_slot_host_memory_or_on_disk
 
 @pytest.fixture(scope="module")
 def fleet(model_dir, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("fleet-store-down")
-    redis_server = redis_fixture.RedisServer(workdir)
-    redis_server.start()
-    s3 = s3_fixture.S3Server(process=True)
+    s3 = s3_fixture.S3Server(process=True)  # its own process: the tests stop it
     s3.start()
-    fleet = Fleet(workdir, model_dir, redis_server, s3=s3,
-                  store_url=f"s3://{s3.create_bucket()}/adapters")
     try:
-        fleet.start("a", "b")
-        yield fleet
+        with running_fleet(tmp_path_factory.mktemp("fleet-store-down"), model_dir, "a", "b",
+                           s3=s3, store_url=f"s3://{s3.create_bucket()}/adapters") as fleet:
+            yield fleet
     finally:
-        fleet.stop()
-        redis_server.kill()
         s3.stop()
 
 
