@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from adapters.errors import InvalidAdapterId
+from adapters.errors import InvalidAdapterId, short_name
 
 MAX_ADAPTER_ID_LEN = 128
 _COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
@@ -23,10 +23,10 @@ def validate_adapter_id(adapter_id: str) -> str:
         raise InvalidAdapterId(f"adapter id must be a string, got {type(adapter_id).__name__}")
     if not adapter_id:
         raise InvalidAdapterId("adapter id is empty; use " + _ALLOWED)
-    shown = ascii(adapter_id[:MAX_ADAPTER_ID_LEN])
+    shown = short_name(adapter_id)
     if len(adapter_id) > MAX_ADAPTER_ID_LEN:
         raise InvalidAdapterId(
-            f"adapter id {shown}... is {len(adapter_id)} characters; at most {MAX_ADAPTER_ID_LEN}"
+            f"adapter id {shown} has too many characters; at most {MAX_ADAPTER_ID_LEN}"
         )
     for ch in adapter_id:
         if ord(ch) < 0x20 or ord(ch) == 0x7F:

@@ -30,6 +30,7 @@ __all__ = ["parse_adapter_config"]
 MAX_PATTERN_LEN = 256
 MAX_PATTERN_REPEATS = 3
 MAX_PATTERN_ENTRIES = 64
+SERVED_TASK_TYPE = "CAUSAL_LM"  # PEFT's TaskType for a causal language model's LoRA
 _UNSUPPORTED_FEATURES = {
     "use_dora": "DoRA", "lora_bias": "lora_bias", "use_qalora": "QA-LoRA",
     "alora_invocation_tokens": "aLoRA", "layer_replication": "layer_replication",
@@ -103,6 +104,10 @@ def parse_adapter_config(raw: bytes | str | dict) -> LoraConfig:
     c = raw
     if c.get("peft_type") != "LORA":
         raise _bad("peft_type", f"is {_show(c.get('peft_type'))}; only LORA is supported")
+    if c.get("task_type") not in (None, SERVED_TASK_TYPE):  # PEFT leaves it None when untold
+        raise _bad("task_type", f"is {_show(c['task_type'])}; lora-gateway serves text generation "
+                   f"only ({SERVED_TASK_TYPE}): a classifier or seq2seq head would be served as "
+                   f"a language model; train the adapter with task_type={SERVED_TASK_TYPE}")
     for field, feature in _UNSUPPORTED_FEATURES.items():
         if c.get(field):
             raise _bad(field, f"is set; {feature} adapters are not supported")

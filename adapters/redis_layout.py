@@ -2,7 +2,8 @@
 
 Keys, under ``prefix`` (default ``loragw:``):
     catalog          hash   adapter_id -> CatalogEntry JSON
-    replica:{id}     string ReplicaState JSON, expiring ttl_s after the last heartbeat
+    replica:{id}     string ReplicaState JSON (the adapters it holds: in slots, in host memory
+                            or on disk), expiring ttl_s after the last heartbeat
     replicas         set    replica ids, pruned of expired ones whenever it is read
     epoch            string a random token, set by the first replica to find it missing: a new
                             token means Redis lost its data, so every replica restores its writes

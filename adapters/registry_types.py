@@ -62,6 +62,10 @@ class ReplicaState:
     free_slots: int
     queue_depth: int  # waiting requests
     updated_at: float  # time.time() of the last publish (heartbeats refresh it)
+    # adapter ids it holds in host memory or on disk, not in a slot (host first, a bounded
+    # number): who can serve an adapter while the store it comes from is down. Absent from an
+    # older replica's state: it holds nothing we know of.
+    held: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

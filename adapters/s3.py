@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from adapters.errors import AdapterError, AdapterNotFound
+from adapters.errors import AdapterError, AdapterNotFound, StoreUnavailable
 from adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
 from adapters.source_checks import MAX_CONFIG_BYTES, PICKLE_SUFFIXES, pickle_refusal
 
@@ -51,10 +51,8 @@ class ObjectCorrupted(ObjectStoreError):
     """An object's bytes are not the ones recorded for it: tampered with or corrupted (502)."""
 
 
-class ObjectStoreUnavailable(ObjectStoreError):
+class ObjectStoreUnavailable(StoreUnavailable):
     """The object store cannot be reached, or asks to retry later (HTTP 503)."""
-
-    status = 503
 
 
 class ObjectNotFound(AdapterNotFound):

@@ -46,6 +46,7 @@ class AdapterExists(AdapterError):
     """The id is taken and the request did not ask to replace it (HTTP 409)."""
 
     status = 409
+    code = "adapter_exists"
 
 
 class AdapterStore:

@@ -6,7 +6,7 @@ gateway/http/error_handlers.py turns each into OpenAI's error shape.
 
 from __future__ import annotations
 
-from adapters.errors import AdapterError
+from adapters.errors import AdapterError, short_name
 
 RETRY_AFTER_S = 1  # what a 429 or 503 asks the client to wait
 
@@ -32,7 +32,7 @@ class APIError(Exception):
 
     @classmethod
     def model_not_found(cls, model: str) -> APIError:
-        return cls(404, f"The model {model!r} does not exist; GET /v1/models lists the base "
+        return cls(404, f"The model {short_name(model)} does not exist; GET /v1/models lists the base "
                         "model and the registered adapters", param="model",
                    code="model_not_found")
 

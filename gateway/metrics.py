@@ -8,7 +8,8 @@ are counted in `TierStats` by the adapter manager.
 
 Request counters are labelled with the HTTP status, or CLIENT_CLOSED_REQUEST (499, nginx's
 "client closed request") for a request whose client went away before its response ended: a
-stream it abandoned, or a whole response it stopped waiting for.
+stream it abandoned, or a whole response it stopped waiting for; or STREAM_FAILED (500) for a
+stream that failed after its 200 went out (the engine died mid-way: an in-band error event).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from engine.snapshot import EngineInfo, EngineSnapshot
 
 BASE_LABEL = "base"  # the adapter label of requests for the base model
 CLIENT_CLOSED_REQUEST = 499  # the status label of a request its client abandoned
+STREAM_FAILED = 500  # the status label of a stream that failed after its 200 went out
 TIERS = ("device", "host", "disk")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)

@@ -5,7 +5,8 @@ one only when it beats serving here by `FORWARD_MARGIN`. `Router.route` then pro
 request there (body, headers and auth as received, plus `X-LoRAGW-Forwarded`), streaming the
 upstream bytes back as they arrive. An adapter this replica cannot fetch (an upload without a
 shared store) goes to the replicas that hold it instead, best first; when none answers, a 503
-names the adapter and why. One hop at most: a request carrying the marker is always served
+names the adapter and why. One whose store is down right now goes to its holders first too;
+when none answers, this replica tries the store itself (and answers its 503). One hop at most: a request carrying the marker is always served
 where it lands. Forwarding never turns a servable request into an error: a target that cannot
 be reached, or answers 404, 429 or 5xx before any byte, is forgotten for this request and the
 next candidate, or this replica, serves it. The in-process registry never forwards.
@@ -105,7 +106,8 @@ class Router:
                     holders: tuple[str, ...] = ()) -> Response | None:
         """The forwarded response for this completion request (for `adapter`, None: the base
         model), or None to serve it here. `here`: this replica can serve it; if not, only the
-        replicas in `holders` can, and a 503 says so when none of them answers."""
+        replicas in `holders` can, and a 503 says so when none of them answers. `here` with
+        `holders`: they are tried first (best first, not by affinity), then this replica."""
         headers = dict(request.headers)
         rid = request.scope.get("state", {}).get("request_id")
         if rid and "x-request-id" not in headers:
@@ -113,7 +115,7 @@ class Router:
         candidates: list[ReplicaState] = []
         if self.fleet and self.client is not None and not _has_header(headers, FORWARDED_HEADER):
             states = await self.states()
-            if here:
+            if here and not holders:
                 target = choose(states, self.replica_id, adapter)
                 candidates = [target] if target is not None else []
             else:

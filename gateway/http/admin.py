@@ -19,11 +19,11 @@ from gateway.flags import parse_bool
 from gateway.http.auth import require_admin_key
 from gateway.http.error_handlers import error_responses
 from gateway.http.openapi_docs import MultipartUpload
+from gateway.http.upload_body import UploadBody
 from gateway.residency.info import AdapterInfo
 from gateway.residency.manager import AdapterManager
 from gateway.runtime import Runtime
 
-MB = 1024 * 1024
 ACTIONS = ("load", "evict", "pin", "unpin")
 
 
@@ -66,17 +66,16 @@ class AdminController(Controller):
     async def get_adapter(self, adapter_id: str, runtime: Runtime) -> AdapterInfo:
         return await _manager(runtime).get(_id(adapter_id))
 
-    @post("/", status_code=201, operation_class=MultipartUpload,
-          responses=error_responses(400, 401, 409, 413, 422, 503, e409="the id exists (send "
-                                    "replace=true to replace it)"))
+    # The body's own size cap and read timeout (--max-upload-mb, --upload-timeout-s), in
+    # place of the app's --max-request-mb: gateway/http/upload_body.py.
+    @post("/", status_code=201, operation_class=MultipartUpload, request_max_body_size=None,
+          middleware=[UploadBody()],
+          responses=error_responses(400, 401, 408, 409, 413, 422, 503, e409="the id exists "
+                                    "(send replace=true to replace it)"))
     async def upload(self, request: Request[Any, Any, Any], runtime: Runtime) -> AdapterInfo:
         """multipart: `adapter_id`, `adapter_config` (file), `adapter_model` (file),
         optional `replace`=true."""
         manager = _manager(runtime)
-        limit = runtime.config.max_upload_mb * MB
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise _too_large(runtime.config.max_upload_mb)
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise APIError.bad_request("upload as multipart/form-data with fields adapter_id, "
                                        "adapter_config and adapter_model")
@@ -85,8 +84,6 @@ class AdminController(Controller):
         replace = _flag(_text(form, "replace", required=False) or "")
         config_raw = await _file(form, "adapter_config")
         weights_raw = await _file(form, "adapter_model")
-        if len(config_raw) + len(weights_raw) > limit:
-            raise _too_large(runtime.config.max_upload_mb)
         return await manager.upload(adapter_id, config_raw, weights_raw, replace)
 
     @post("/register", status_code=201, responses=error_responses(
@@ -118,12 +115,6 @@ class AdminController(Controller):
         adapter_id = _id(adapter_id)
         await runtime.unload_adapter(adapter_id)  # ends its in-flight requests, then deletes
         return Deleted(adapter_id)
-
-
-def _too_large(limit_mb: int) -> APIError:
-    return APIError(413, f"the upload is larger than --max-upload-mb {limit_mb} MB; upload a "
-                         "smaller adapter or restart the server with a larger limit",
-                    code="request_too_large")
 
 
 def _text(form, name: str, required: bool = True) -> str | None:

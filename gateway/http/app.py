@@ -27,9 +27,10 @@ from gateway.http.admin import AdminController
 from gateway.http.error_handlers import EXCEPTION_HANDLERS
 from gateway.http.openai import AdapterLoadController, OpenAIController
 from gateway.http.ops import OpsController
+from gateway.http.outcome import Outcome, tracking
 from gateway.http.responses import ResponsesController
 from gateway.http.utility import UtilityController
-from gateway.metrics import CLIENT_CLOSED_REQUEST, Metrics
+from gateway.metrics import CLIENT_CLOSED_REQUEST, STREAM_FAILED, Metrics
 from gateway.runtime import Runtime
 
 access_log = logging.getLogger("gateway.access")
@@ -59,10 +60,19 @@ def _with_request_id(message: Message, rid: str) -> Message:
     return {**message, "headers": headers}
 
 
+def recorded_status(sent: int, ended: bool, gone: bool, outcome: Outcome) -> int:
+    """The status a request is logged and counted under: CLIENT_CLOSED_REQUEST if its client
+    went away before the response ended (a stream it abandoned), STREAM_FAILED if the response
+    failed after its status line went out (a stream the engine cut short), else the status
+    sent."""
+    if gone and not ended:
+        return CLIENT_CLOSED_REQUEST
+    return STREAM_FAILED if outcome.failed_after_headers else sent
+
+
 class RequestContextMiddleware(ASGIMiddleware):
-    """Request id in and out, one JSON access-log line and the request counters per request.
-    A client that went away before its response ended (a stream it abandoned) is counted as
-    CLIENT_CLOSED_REQUEST, not as the status its headers carried."""
+    """Request id in and out, one JSON access-log line and the request counters per request,
+    under the status `recorded_status` gives."""
 
     scopes = ("http",)
 
@@ -90,19 +100,22 @@ class RequestContextMiddleware(ASGIMiddleware):
             ended = ended or (message["type"] == "http.response.body"
                               and not message.get("more_body", False))
 
-        try:
-            await next_app(scope, receive_watching, send_with_id)
-        finally:
-            if gone and not ended:
-                status = CLIENT_CLOSED_REQUEST
-            route = scope.get("path_template") or scope["path"]
-            self.metrics.http_requests.labels(route, str(status)).inc()
-            if "adapter" in state:
-                self.metrics.requests.labels(state["adapter"], str(status)).inc()
-            fields = {"request_id": rid, "method": scope["method"], "route": route,
-                      "model": state.get("model"), "adapter": state.get("adapter"),
-                      "status": status, "latency_ms": round((time.monotonic() - started) * 1e3, 2)}
-            access_log.info(json.dumps(fields), extra=fields)
+        with tracking() as outcome:
+            try:
+                await next_app(scope, receive_watching, send_with_id)
+            finally:
+                self._record(scope, rid, recorded_status(status, ended, gone, outcome), started)
+
+    def _record(self, scope: Scope, rid: str, status: int, started: float) -> None:
+        state = scope["state"]
+        route = scope.get("path_template") or scope["path"]
+        self.metrics.http_requests.labels(route, str(status)).inc()
+        if "adapter" in state:
+            self.metrics.requests.labels(state["adapter"], str(status)).inc()
+        fields = {"request_id": rid, "method": scope["method"], "route": route,
+                  "model": state.get("model"), "adapter": state.get("adapter"),
+                  "status": status, "latency_ms": round((time.monotonic() - started) * 1e3, 2)}
+        access_log.info(json.dumps(fields), extra=fields)
 
 
 async def _unrouted_request_id(message: Message, scope: Scope) -> None:
@@ -128,7 +141,7 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=[RequestContextMiddleware(runtime.metrics)],
         before_send=[_unrouted_request_id, served_by_hook(config.replica)],
-        request_max_body_size=config.max_upload_mb * MB,
+        request_max_body_size=config.max_request_mb * MB,  # the upload route has its own
         openapi_config=OpenAPIConfig(title="lora-gateway", version="0.1.0",
                                      description="OpenAI-compatible multi-LoRA serving"),
         logging_config=None,

@@ -1,8 +1,10 @@
-"""Bearer-key guards: `--api-key` on /v1/*, `--admin-key` on /admin/* and adapter load/unload.
+"""Bearer-key guards: `--api-key` on /v1/*, `--admin-key` on /admin/* and adapter load/unload,
+`--metrics-key` on /metrics.
 
-Keys are compared in constant time. The admin guard falls back to the API key when no admin
-key is set (so a server with only --api-key never leaves its admin routes open to keyless
-callers), and is open when neither is set. /health, /ready and /metrics carry no guard.
+Keys are compared in constant time; the scheme is case-insensitive (RFC 9110: `bearer KEY`
+is `Bearer KEY`). The admin guard falls back to the API key when no admin key is set (so a
+server with only --api-key never leaves its admin routes open to keyless callers), and is open
+when neither is set. /metrics is open without --metrics-key; /health and /ready carry no guard.
 Guards are coroutines: Litestar runs a sync guard in a worker thread, a round trip per request.
 """
 
@@ -57,3 +59,7 @@ async def require_admin_key(connection: ASGIConnection, _: BaseRouteHandler) -> 
         _require(connection, config.admin_key, "admin key")
     else:
         _require(connection, config.api_key, "API key")
+
+
+async def require_metrics_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    _require(connection, _config(connection).metrics_key, "metrics key")

@@ -13,27 +13,31 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import ResponseSpec
 
-from adapters.errors import AdapterError, AdapterNotFound, InvalidAdapterId
-from gateway.errors import APIError
+from adapters.errors import AdapterError
+from gateway.errors import RETRY_AFTER_S, APIError
 from gateway.http.response_bodies import ErrorBody, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
 # OpenAI's error `type` per status.
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
-          404: "invalid_request_error", 405: "invalid_request_error", 409: "invalid_request_error",
+          404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
+          409: "invalid_request_error",
           413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
           503: "service_unavailable_error"}
 # What each status means, for the OpenAPI document (a route may say it more precisely).
 MEANINGS = {400: "invalid body or parameter (`param` names it), or a request this server "
                  "cannot run (a prompt past the context window, more sequences than it runs)",
             401: "the key (`Authorization: Bearer KEY`) is missing or wrong",
-            404: "no such model or adapter", 409: "the adapter is in use, pinned or exists",
-            413: "the body is larger than this server accepts",
+            404: "no such model or adapter",
+            408: "the upload paused longer than --upload-timeout-s; nothing was stored",
+            409: "the adapter is in use, pinned or exists",
+            413: "the body is larger than --max-request-mb (an upload: --max-upload-mb)",
             422: "the adapter is not valid for this base model",
             429: "at capacity; retry after Retry-After seconds",
             502: "the adapter's source (the Hub, S3) failed or sent bytes that do not verify",
-            503: "not ready (the model is loading), or no replica holding the adapter answers; "
+            503: "not ready (the model is loading), the adapter store cannot be reached "
+                 "(`adapter_store_unavailable`), or no replica holding the adapter answers; "
                  "retry after Retry-After seconds"}
 
 
@@ -58,12 +62,11 @@ def _api_error(_: Request, exc: APIError) -> Response[ErrorResponse]:
 
 
 def _adapter_error(_: Request, exc: AdapterError) -> Response[ErrorResponse]:
-    code = ("adapter_not_found" if isinstance(exc, AdapterNotFound) else
-            "invalid_adapter_id" if isinstance(exc, InvalidAdapterId) else "invalid_adapter")
-    return error_response(exc.status, str(exc), code=code)
+    retry = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+    return error_response(exc.status, str(exc), code=exc.code, headers=retry)
 
 
-def _http_error(_: Request, exc: HTTPException) -> Response[ErrorResponse]:
+def _http_error(request: Request, exc: HTTPException) -> Response[ErrorResponse]:
     status = exc.status_code
     message, param = str(exc.detail), None
     if isinstance(exc, ValidationException) and isinstance(exc.extra, list) and exc.extra:
@@ -72,8 +75,11 @@ def _http_error(_: Request, exc: HTTPException) -> Response[ErrorResponse]:
         param = first.get("key") or None
         details = "; ".join(_describe(e) for e in exc.extra)
         message = f"invalid request body: {details}"
-    elif status == 413:
-        message = f"{message}: the request body is larger than this server accepts"
+    elif status == 413:  # the app's cap; the upload route has its own (upload_body.py)
+        limit = request.app.state.config.max_request_mb
+        message = (f"the request body is larger than --max-request-mb {limit} MB; send a "
+                   "smaller body (fewer or shorter prompts) or restart the server with a "
+                   "larger --max-request-mb")
     code = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed",
             413: "request_too_large"}.get(status)
     return error_response(status, message, param, code, exc.headers)

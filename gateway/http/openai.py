@@ -29,7 +29,6 @@ from gateway.http.response_bodies import (
 )
 from gateway.runtime import Runtime
 
-MAX_JSON_BODY_BYTES = 32 * 1024 * 1024  # prompts; adapter uploads go to /admin with their own cap
 OWNER = "lora-gateway"
 # a model may name an adapter fetched on first use (the Hub, the fleet's store) or held by
 # another replica: every adapter status can answer a generation request
@@ -49,7 +48,6 @@ def _documented(success: type, errors: dict[int, ResponseSpec]) -> dict[int, Res
 class OpenAIController(Controller):
     path = "/v1"
     guards = [require_api_key]
-    request_max_body_size = MAX_JSON_BODY_BYTES
     tags = ["OpenAI"]
 
     @post("/completions", status_code=200,

@@ -1,10 +1,12 @@
-"""Operations routes, open to everyone: /health (alive), /ready (can serve), /metrics."""
+"""Operations routes: /health (alive) and /ready (can serve), open to everyone; /metrics, behind
+--metrics-key when one is set."""
 
 from __future__ import annotations
 
 from litestar import Controller, Response, get
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from gateway.http.auth import require_metrics_key
 from gateway.http.error_handlers import error_responses
 from gateway.http.response_bodies import Health
 from gateway.runtime import Runtime
@@ -33,7 +35,8 @@ class OpsController(Controller):
         await runtime.probe()
         return Health(status="ready")
 
-    @get("/metrics", media_type=CONTENT_TYPE_LATEST)
+    @get("/metrics", media_type=CONTENT_TYPE_LATEST, guards=[require_metrics_key],
+         responses=error_responses(401))
     async def metrics(self, runtime: Runtime) -> Response[bytes]:
         """Prometheus text format; engine gauges are read live at each scrape."""
         metrics = runtime.metrics

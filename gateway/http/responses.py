@@ -22,7 +22,6 @@ from gateway.http import responses_protocol as rp
 from gateway.http.admission import serve
 from gateway.http.auth import require_api_key
 from gateway.http.error_handlers import error_responses
-from gateway.http.openai import MAX_JSON_BODY_BYTES
 from gateway.http.openapi_docs import streamed
 from gateway.http.prompts import chat_prompt, off_loop_if_large
 from gateway.http.protocol import ChatCompletionRequest, ChatMessage, ResponseFormat
@@ -203,7 +202,6 @@ STREAM_EVENTS = (rp.ResponseCreated, rp.ResponseInProgress, rp.ResponseCompleted
 class ResponsesController(Controller):
     path = "/v1"
     guards = [require_api_key]
-    request_max_body_size = MAX_JSON_BODY_BYTES
     tags = ["OpenAI"]
 
     @post("/responses", status_code=200, operation_class=streamed(*STREAM_EVENTS, done=False),

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from engine.sequence import RequestOutput
 from gateway.errors import APIError
 from gateway.http.formats import Format
+from gateway.http.outcome import stream_failed
 from gateway.jobs import Choice, GenerationJob
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ async def stream_sse(job: GenerationJob, fmt: Format,
             yield fmt.encode(fmt.usage_chunk(job.counts))
     except Exception as exc:  # headers are gone: report in-band, as OpenAI and vLLM do
         logger.exception("stream failed")
+        stream_failed()  # and log and count it as the server error it is
         yield fmt.encode(fmt.failure(f"generation failed: {exc}"))
     finally:
         job.close()

@@ -8,26 +8,37 @@
                              entry.holder has it, and requests for it are forwarded there
 
 Every byte fetched is checked against the catalog's sha256s before it is parsed, so a
-tampered object, a changed path or a moved Hub ref is refused rather than served.
+tampered object, a changed path or a moved Hub ref is refused rather than served. While the
+store cannot be reached (`StoreHealth`), the replicas that hold an adapter serve it instead.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import math
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from adapters.errors import AdapterError
+from adapters.errors import AdapterError, StoreUnavailable
 from adapters.object_store import ObjectStore
 from adapters.registry import CatalogEntry
+from adapters.s3 import S3Options
 from adapters.sources import parse_source, read_adapter_files, resolve_source
 
 UPLOAD_SOURCE = "upload"
+STORE_CHECK_S = 5.0  # how long one answer of the store (it answers, or it does not) holds
+# A probe gives up fast: while the store is down, requests wait on it before going elsewhere.
+PROBE_OPTIONS = S3Options(connect_timeout_s=1.0, read_timeout_s=2.0, max_attempts=1)
 
 
 class NotHere(AdapterError):
     """This replica cannot get the adapter's bytes; only its holder has them (HTTP 503)."""
 
     status = 503
+    code = "adapter_unavailable"  # as the router answers when no holder does
 
 
 class Mismatch(AdapterError):
@@ -41,9 +52,14 @@ def local_path(entry: CatalogEntry) -> str | None:
     return entry.source if entry.source.startswith("/") else None
 
 
+def in_store(entry: CatalogEntry, store: ObjectStore | None) -> bool:
+    """Whether the bytes come from the shared object store."""
+    return bool(entry.object_key) and store is not None
+
+
 def can_fetch(entry: CatalogEntry, store: ObjectStore | None) -> bool:
     """Whether this replica can get the bytes itself (cheap: no download, no hashing)."""
-    if entry.object_key and store is not None:
+    if in_store(entry, store):
         return True
     if entry.source.startswith(("hf://", "s3://")):
         return True
@@ -55,7 +71,7 @@ def fetch_bytes(entry: CatalogEntry, store: ObjectStore | None, *, hub_endpoint:
                 hub_cache_dir: str | None) -> tuple[bytes, bytes]:
     """(adapter_config.json, adapter_model.safetensors) of `entry`, verified. Blocking: run it
     on a worker thread."""
-    if entry.object_key and store is not None:
+    if in_store(entry, store):
         return store.get(entry.object_key, entry.sha256, entry.config_sha256)
     if entry.source.startswith(("hf://", "s3://")):
         files = resolve_source(parse_source(entry.source, allow_local=False),
@@ -84,3 +100,37 @@ def verify(entry: CatalogEntry, config_raw: bytes, weights_raw: bytes, where: st
                            f"{got[:16]}..., not the catalog's {expected[:16]}... (version "
                            f"{entry.version}): it changed since it was registered; register "
                            "it again to serve the new bytes")
+
+
+class StoreHealth:
+    """Whether the shared object store (None: there is none) answers now: one HEAD of its bucket
+    at most every STORE_CHECK_S, through a client that gives up fast, and down at once when a
+    fetch finds it unreachable. The residency manager asks before it promises to fetch an
+    adapter here that other replicas hold."""
+
+    def __init__(self, url: str | None):
+        self.probe_store = ObjectStore(url, options=PROBE_OPTIONS) if url else None
+        self.up, self.checked_at = True, -math.inf
+        self._lock = asyncio.Lock()  # a burst of requests waits on one probe
+
+    async def reachable(self) -> bool:
+        async with self._lock:
+            if self.probe_store and time.monotonic() - self.checked_at >= STORE_CHECK_S:
+                try:
+                    await asyncio.to_thread(self.probe_store.check)
+                    self.up = True
+                except StoreUnavailable:
+                    self.up = False
+                except AdapterError:  # it answers (refusing us, say): its fetch will say why
+                    self.up = True
+                self.checked_at = time.monotonic()
+        return self.up
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """A fetch inside that finds the store unreachable marks it down for STORE_CHECK_S."""
+        try:
+            yield
+        except StoreUnavailable:
+            self.up, self.checked_at = False, time.monotonic()
+            raise

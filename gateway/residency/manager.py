@@ -1,6 +1,6 @@
 """The adapter residency manager: what a request's admission asks (`locate` a model name,
-`ensure_ready` here), the admin verbs (upload, register, load, evict, pin, unpin, delete, get,
-list), and this replica's side of the registry (its state, published every heartbeat).
+`ensure_ready` here), the admin verbs (upload, register, load, evict, pin and unpin, delete,
+get, list), and this replica's side of the registry (its state, published every heartbeat).
 
 The tiers (remote, disk, host copies, device slots) and the moves between them are in
 gateway/residency/tiers.py, the fleet's catalog as this replica sees it in catalog.py; this
@@ -16,12 +16,11 @@ import asyncio
 import contextlib
 import logging
 import os
-import time
 from collections import defaultdict
 
 from adapters.ids import validate_adapter_id
 from adapters.object_store import ObjectStore
-from adapters.registry import ReplicaState, make_registry
+from adapters.registry import make_registry
 from adapters.store import AdapterExists
 from adapters.store_meta import StoredAdapter, StoredMeta
 from engine.async_engine import AsyncEngine
@@ -31,7 +30,8 @@ from gateway.config import ServerConfig
 from gateway.errors import APIError
 from gateway.metrics import Metrics
 from gateway.residency.catalog import FleetCatalog
-from gateway.residency.fetch import UPLOAD_SOURCE, can_fetch
+from gateway.residency.fetch import UPLOAD_SOURCE, StoreHealth, can_fetch, in_store
+from gateway.residency.heartbeat import holders, replica_state, resident_on
 from gateway.residency.info import AdapterInfo, adapter_info
 from gateway.residency.names import Location, on_demand
 from gateway.residency.tiers import AdapterRecord, AdapterTiers
@@ -52,6 +52,7 @@ class AdapterManager:
         self.adapter_dir = os.path.expanduser(config.adapter_dir or DEFAULT_ADAPTER_DIR)
         self.object_store = (ObjectStore(config.adapter_store_url)
                              if config.adapter_store_url else None)
+        self.store_health = StoreHealth(config.adapter_store_url)
         self.tiers = AdapterTiers(
             self.adapter_dir, engine, metrics or Metrics(),
             hub_endpoint=hub_endpoint or os.environ.get("HF_ENDPOINT") or None,
@@ -109,10 +110,16 @@ class AdapterManager:
             if source is None:
                 raise APIError.model_not_found(model)
             return Location(adapter_id, True, source=source)
-        if record.stored is not None or can_fetch(record.entry, self.object_store):
+        if record.stored is not None:
             return Location(adapter_id, True)
-        holder = record.entry.holder
-        return Location(adapter_id, False, (holder,) if holder != self.replica_id else ())
+        if not can_fetch(record.entry, self.object_store):  # only its holder has the bytes
+            holder = record.entry.holder
+            return Location(adapter_id, False, (holder,) if holder != self.replica_id else ())
+        if in_store(record.entry, self.object_store) and not await self.store_health.reachable():
+            # the store is down: the replicas that hold it first, this one (a fetch) last
+            states = await self.registry.replicas()
+            return Location(adapter_id, True, holders(states, adapter_id, self.replica_id))
+        return Location(adapter_id, True)
 
     async def ensure_ready(self, location: Location) -> None:
         """Make a located adapter servable here: fetched if it is new or remote, parsed into
@@ -130,7 +137,8 @@ class AdapterManager:
     async def _ensure_in_engine(self, adapter_id: str) -> None:
         """Remote/disk -> host once: concurrent callers for a cold adapter wait on one load."""
         async with self._locks[adapter_id]:
-            await self.tiers.to_host(adapter_id)
+            with self.store_health.watching():  # down: the next requests go to its holders
+                await self.tiers.to_host(adapter_id)
         await self.publish()
 
     # ---- registering ---------------------------------------------------------------------
@@ -223,9 +231,6 @@ class AdapterManager:
         await self.tiers.pin(adapter_id, pinned)
         return await self.get(adapter_id)
 
-    async def unpin(self, adapter_id: str) -> AdapterInfo:
-        return await self.pin(adapter_id, False)
-
     async def delete(self, adapter_id: str) -> None:
         """Forget it everywhere: engine (its requests aborted), disk, the catalog (every
         replica drops its copy), and its objects once no catalog entry refers to them."""
@@ -258,11 +263,7 @@ class AdapterManager:
 
     async def resident_on(self) -> dict[str, list[str]]:
         """adapter id -> the replicas that hold it in a device slot (from their heartbeats)."""
-        where: dict[str, list[str]] = defaultdict(list)
-        for state in await self.registry.replicas():
-            for adapter_id in state.resident:
-                where[adapter_id].append(state.replica_id)
-        return where
+        return resident_on(await self.registry.replicas())
 
     # ---- reading -------------------------------------------------------------------------
     async def get(self, adapter_id: str) -> AdapterInfo:
@@ -280,11 +281,11 @@ class AdapterManager:
 
     # ---- registry ------------------------------------------------------------------------
     async def publish(self) -> None:
-        """This replica's residency, loads in flight, free slots and queue depth."""
+        """This replica's residency (slots, and what it holds beyond them), loads in flight,
+        free slots and queue depth."""
         snap = await self.engine.snapshot()
-        await self.registry.publish_state(ReplicaState(
-            self.replica_id, self.url, tuple(snap.resident), tuple(sorted(self.tiers.loading)),
-            snap.free_slots, snap.num_waiting, time.time()))
+        await self.registry.publish_state(replica_state(
+            self.replica_id, self.url, snap, self.records, self.tiers.loading))
 
     async def _heartbeat(self) -> None:
         while True:

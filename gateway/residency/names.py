@@ -22,7 +22,9 @@ class Location:
 
     adapter_id: str | None  # None: the base model
     here: bool  # this replica holds it or can fetch it
-    holders: tuple[str, ...] = ()  # the replicas that hold it, when it cannot be fetched here
+    # replicas to forward to first, best first: the only ones that hold it (not `here`), or
+    # those that hold it while the store it is fetched from does not answer (`here`)
+    holders: tuple[str, ...] = ()
     source: str | None = None  # a new Hub or s3:// adapter to fetch on demand
 
 

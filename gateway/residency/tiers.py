@@ -17,7 +17,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from adapters.errors import AdapterNotFound
+from adapters.errors import AdapterNotFound, short_name
 from adapters.format import load_adapter_bytes
 from adapters.object_store import ObjectStore
 from adapters.registry import CatalogEntry
@@ -77,7 +77,7 @@ class AdapterTiers:
     def record(self, adapter_id: str) -> AdapterRecord:
         record = self.records.get(adapter_id)
         if record is None:
-            raise AdapterNotFound(f"adapter {adapter_id!r} is not registered; GET "
+            raise AdapterNotFound(f"adapter {short_name(adapter_id)} is not registered; GET "
                                   "/admin/adapters lists the registered ones")
         return record
 

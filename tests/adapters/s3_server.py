@@ -2,6 +2,9 @@
 port the OS picks, as a session fixture other test modules reuse. It starts in well under a
 second; buckets are cheap, so each test makes its own (``create_bucket()``).
 
+``S3Server(process=True)`` runs moto in a process of its own instead (its auth setting and
+buckets its own), which ``stop()`` kills the way an outage takes a store away.
+
 Credentials are enforced, so wrong ones are refused the way AWS refuses them: before enabling
 moto's IAM authentication (``POST /moto-api/reset-auth`` with 0, i.e.
 INITIAL_NO_AUTH_ACTION_COUNT=0) the fixture creates, through the server's own IAM API, a user
@@ -21,12 +24,18 @@ import atexit
 import itertools
 import json
 import logging
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
 REGION = "us-east-1"
+START_TIMEOUT_S = 30.0  # moto's server in a process of its own: imports, then it listens
 BOOTSTRAP_KEY = "testing"  # moto accepts any key while authentication is off
 _ALLOW_ALL = {"Version": "2012-10-17",
               "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}  # fmt: skip
@@ -37,20 +46,25 @@ CLEARED_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_R
 class S3Server:
     """moto's S3 (and IAM) on 127.0.0.1; ``env`` is what a client or replica process needs."""
 
-    def __init__(self) -> None:
+    def __init__(self, process: bool = False) -> None:
         from moto.server import ThreadedMotoServer
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self._server = None if process else ThreadedMotoServer(ip_address="127.0.0.1", port=0,
+                                                               verbose=False)
+        self._process: subprocess.Popen | None = None
         self._names = itertools.count()
         self.endpoint = ""
         self.env: dict[str, str] = {}
         self.denied_env: dict[str, str] = {}
 
     def start(self) -> None:
-        self._server.start()
-        host, port = self._server.get_host_and_port()
-        self.endpoint = f"http://{host}:{port}"
+        if self._server is None:
+            self._start_process()
+        else:
+            self._server.start()
+            host, port = self._server.get_host_and_port()
+            self.endpoint = f"http://{host}:{port}"
         admin = self._make_user("lora-gateway", _ALLOW_ALL)
         nobody = self._make_user("nobody", None)
         self._set_auth(0)  # from here on every request must be signed by a known key
@@ -58,9 +72,30 @@ class S3Server:
         self.denied_env = self._env(*nobody)
 
     def stop(self) -> None:
-        if self.endpoint:
+        if self._process is not None:  # its process goes, and its buckets with it
+            self._process.kill()
+            self._process.wait(timeout=10)
+        elif self.endpoint:
             self._set_auth(float("inf"))  # the setting is process-wide in moto: leave it off
             self._server.stop()
+
+    def _start_process(self) -> None:
+        with socket.socket() as sock:  # a free port: moto's own pick is not printed reliably
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.endpoint = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.endpoint}/moto-api/data.json", timeout=1):
+                    return
+            except (urllib.error.URLError, ConnectionError):
+                assert self._process.poll() is None, "moto's server process exited at start"
+                assert time.monotonic() < deadline, f"moto's server never answered on {port}"
+                time.sleep(0.1)
 
     def env_with(self, **changes: str) -> dict[str, str]:
         """``env`` with some variables changed: env_with(AWS_SECRET_ACCESS_KEY="wrong")."""

@@ -325,6 +325,25 @@ def test_missing_rank_or_alpha_is_refused(made, field):
         parse_adapter_config(config)
 
 
+MINIMAL_CONFIG = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+
+
+@pytest.mark.parametrize("task_type", ["SEQ_CLS", "SEQ_2_SEQ_LM", "TOKEN_CLS", "causal_lm", 3])
+def test_a_task_type_other_than_causal_lm_is_refused_naming_it(task_type):
+    with pytest.raises(AdapterError) as refused:
+        parse_adapter_config({**MINIMAL_CONFIG, "task_type": task_type})
+    message = str(refused.value)
+    assert refused.value.status == 422
+    assert f"task_type is {task_type!r}" in message and "CAUSAL_LM" in message, message
+
+
+@pytest.mark.parametrize("task_type", ["CAUSAL_LM", None, "absent"])
+def test_a_causal_lm_or_missing_task_type_is_served(task_type):
+    config = dict(MINIMAL_CONFIG) if task_type == "absent" else {**MINIMAL_CONFIG,
+                                                                 "task_type": task_type}
+    assert parse_adapter_config(config).r == 2
+
+
 BAD_JSON = [b"{not json", b"", b"[1, 2]", b'{"peft_type": "LORA", "r": 8, "lora_alpha": NaN}',
             b"[" * 100_000]  # fmt: skip
 
@@ -342,7 +361,7 @@ def test_config_parses_peft_fields(made):
     assert config.layers_to_transform == (1,)
     assert config.rank_pattern == {"up_proj": 2} and config.alpha_pattern == {}
     assert config.scaling("model.layers.1.mlp.up_proj") == 32 / math.sqrt(2)
-    minimal = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+    minimal = MINIMAL_CONFIG
     assert parse_adapter_config({**minimal, "layers_to_transform": 1}).layers_to_transform == (1,)
     all_linear = parse_adapter_config({**minimal, "target_modules": "ALL-LINEAR"})
     assert all(all_linear.targets_module(f"model.layers.0.x.{t}", 0) for t in TARGET_MODULES)

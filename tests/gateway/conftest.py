@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from adapters.format import BaseModelSpec, load_adapter
+from adapters.types import BLOCK_OF
 from engine import LLM
 from gateway.config import ServerConfig
 from gateway.http.app import create_app
@@ -29,23 +30,23 @@ BASE = "demo-base"
 
 
 def write_random_adapter(out_dir: str, hf_config: dict, seed: int, rank: int = 8,
-                         scale: float = 0.1) -> str:
-    """A PEFT LoRA on q_proj and v_proj with random A and B (B nonzero, unlike PEFT's init)
-    large enough that greedy outputs differ from the base model's."""
-    hidden = hf_config["hidden_size"]
-    heads, kv_heads = hf_config["num_attention_heads"], hf_config["num_key_value_heads"]
-    head_dim = hf_config.get("head_dim") or hidden // heads
+                         scale: float = 0.1, targets: tuple[str, ...] = ("q_proj", "v_proj")
+                         ) -> str:
+    """A PEFT LoRA on `targets` with random A and B (B nonzero, unlike PEFT's init) large
+    enough that greedy outputs differ from the base model's."""
+    shapes = BaseModelSpec.from_hf_config(hf_config, max_lora_rank=rank).module_shapes
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(hf_config["num_hidden_layers"]):
-        for proj, out_features in (("q_proj", heads * head_dim), ("v_proj", kv_heads * head_dim)):
-            key = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, hidden, generator=g) * scale
+        for proj in targets:
+            out_features, in_features = shapes[proj]
+            key = f"base_model.model.model.layers.{layer}.{BLOCK_OF[proj]}.{proj}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, in_features, generator=g) * scale
             tensors[f"{key}.lora_B.weight"] = torch.randn(out_features, rank, generator=g) * scale
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
-              "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0.0, "bias": "none"}
+              "target_modules": list(targets), "lora_dropout": 0.0, "bias": "none"}
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
         json.dump(config, f)
     return out_dir
@@ -131,8 +132,10 @@ def adapter_names() -> list[str]:
 
 @pytest.fixture(scope="session")
 def make_adapter(hf_config):
-    """make_adapter(dir, seed) writes a random PEFT adapter for the demo model; returns dir."""
-    return lambda out_dir, seed: write_random_adapter(str(out_dir), hf_config, seed)
+    """make_adapter(dir, seed, **options) writes a random PEFT adapter for the demo model
+    (options: write_random_adapter's rank, targets, ...); returns dir."""
+    return lambda out_dir, seed, **options: write_random_adapter(str(out_dir), hf_config, seed,
+                                                                 **options)
 
 
 @pytest.fixture(scope="session")

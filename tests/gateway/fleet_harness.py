@@ -7,6 +7,9 @@ every adapter arrives through the admin API of whichever replica a test picks.
     fleet.upload("r1", "sql", folder)         # the admin API, multipart
     fleet.complete("r2", "sql")               # the OpenAI API; X-Served-By says who served it
     fleet.kill("r1"); fleet.start("r1", empty_disk=True)
+
+`running_fleet(workdir, model_dir, "r1", "r2", s3=...)` does the same with a redis-server of its
+own, and stops both on the way out (a test module's fixture).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -177,6 +182,21 @@ class Fleet:
         response = self.http.get(self.urls[rid] + "/admin/adapters")
         assert response.status_code == 200, response.text
         return {info["id"]: info for info in response.json()["data"]}
+
+
+@contextmanager
+def running_fleet(workdir: Path, model_dir: str, *rids: str, **options) -> Iterator[Fleet]:
+    """A Fleet (options: Fleet's s3, store_url, extra) on a redis-server of its own, with the
+    replicas `rids` started and ready; replicas and Redis are stopped on the way out."""
+    redis_server = redis_fixture.RedisServer(workdir)
+    redis_server.start()
+    fleet = Fleet(workdir, model_dir, redis_server, **options)
+    try:
+        fleet.start(*rids)
+        yield fleet
+    finally:
+        fleet.stop()
+        redis_server.kill()
 
 
 def served_by(response: httpx.Response) -> str:

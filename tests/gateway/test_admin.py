@@ -8,10 +8,12 @@ import hashlib
 import json
 import os
 import time
+from dataclasses import replace
 
 import httpx
 import pytest
 
+from adapters.types import TARGET_MODULES
 from engine.sampling_params import SamplingParams
 from gateway.config import ServerConfig
 from gateway.http.app import create_app
@@ -19,8 +21,10 @@ from gateway.metrics import Metrics
 from gateway.residency.manager import AdapterManager
 from gateway.server import BackgroundServer
 from tests.adapters.hub_server import HubServer
+from tests.gateway.raw_http import RawRequest
 from tests.gateway.uploads import read_files
 
+MB = 1024 * 1024
 KEY = "admin-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "Tell me a story"
@@ -74,11 +78,16 @@ def admin(admin_server):
         yield c
 
 
-def upload(c, adapter_id, config: bytes, weights: bytes, replace=None, headers=None):
+def form(adapter_id, config: bytes, weights: bytes, replace=None) -> dict:
+    """The upload's multipart fields, as httpx takes them (data=, files=)."""
     data = {"adapter_id": adapter_id} | ({"replace": replace} if replace else {})
     files = {"adapter_config": ("adapter_config.json", config),
              "adapter_model": ("adapter_model.safetensors", weights)}
-    return c.post("/admin/adapters", data=data, files=files, headers=headers)
+    return {"data": data, "files": files}
+
+
+def upload(c, adapter_id, config: bytes, weights: bytes, replace=None, headers=None):
+    return c.post("/admin/adapters", **form(adapter_id, config, weights, replace), headers=headers)
 
 
 def complete(c, model: str) -> httpx.Response:
@@ -165,6 +174,8 @@ def _corrupt(files: tuple[bytes, bytes], kind: str) -> tuple[str, bytes, bytes, 
             weights, 422
     if kind == "rank-too-large":
         return "bad", json.dumps(cfg | {"r": 4096}).encode(), weights, 422
+    if kind == "seq-cls":  # a classifier's LoRA: its head is not served
+        return "bad", json.dumps(cfg | {"task_type": "SEQ_CLS"}).encode(), weights, 422
     if kind == "pickle":
         return "bad", config, b"\x80\x04\x95" + b"\x00" * 64, 422
     if kind == "dotdot":
@@ -181,7 +192,7 @@ def _corrupt(files: tuple[bytes, bytes], kind: str) -> tuple[str, bytes, bytes, 
 
 
 MALFORMED = ["bad-json", "truncated", "lying-header", "wrong-shape", "unknown-target",
-             "rank-too-large", "pickle", "dotdot", "slash-abuse", "leading-slash",
+             "rank-too-large", "seq-cls", "pickle", "dotdot", "slash-abuse", "leading-slash",
              "control-char", "base-name"]
 
 
@@ -209,6 +220,78 @@ def test_oversize_missing_fields_and_auth_are_refused(admin, admin_server, make_
                         401)
     assert_openai_error(admin.get("/admin/adapters", headers=no_key), 401)
     assert tree_hash(admin_server.adapter_dir) == before
+
+
+@pytest.fixture(scope="module")
+def limits_server(admin_server):
+    """A second front end on the admin server's engine and store, with --max-request-mb 1,
+    --max-upload-mb 4 and --upload-timeout-s 0.5."""
+    config = replace(admin_server.runtime.config, max_request_mb=1, max_upload_mb=4,
+                     upload_timeout_s=0.5)
+    with BackgroundServer(create_app(config, runtime=admin_server.runtime)) as background:
+        yield background
+
+
+def raw_upload(url: str, adapter_id: str, files: tuple[bytes, bytes]) -> tuple[RawRequest, bytes]:
+    """An upload's request line and headers sent by hand; its body, for the test to send."""
+    built = httpx.Request("POST", url, **form(adapter_id, *files))
+    body = built.read()
+    headers = {**AUTH, "Content-Type": built.headers["content-type"],
+               "Content-Length": str(len(body))}
+    return RawRequest(url, "POST", "/admin/adapters", headers), body
+
+
+def test_an_upload_between_max_request_mb_and_max_upload_mb_is_stored(limits_server,
+                                                                     make_adapter, tmp_path):
+    files = read_files(make_adapter(tmp_path / "big", 31, rank=16, targets=TARGET_MODULES))
+    assert 1 * MB < sum(map(len, files)) < 4 * MB
+    with httpx.Client(base_url=limits_server.url, timeout=120, headers=AUTH) as c:
+        r = upload(c, "big", *files)
+        assert r.status_code == 201, r.text
+        assert c.delete("/admin/adapters/big").status_code == 200
+
+
+def test_an_upload_past_max_upload_mb_is_a_413_naming_the_flag(limits_server, admin_server):
+    before = tree_hash(admin_server.adapter_dir)
+    multipart = {**AUTH, "Content-Type": "multipart/form-data; boundary=x"}
+    declared = {**multipart, "Content-Length": str(4 * MB + 1)}
+    chunked = {**multipart, "Transfer-Encoding": "chunked"}
+    for headers in (declared, chunked):
+        with RawRequest(limits_server.url, "POST", "/admin/adapters", headers) as r:
+            if headers is chunked:  # no length: refused once 4 MB have come
+                all(r.send_chunk(b"\0" * MB) for _ in range(5))
+            status, body = r.response()
+        assert status == 413, body
+        assert body["error"]["code"] == "request_too_large"
+        assert "larger than --max-upload-mb 4 MB" in body["error"]["message"], body
+    assert tree_hash(admin_server.adapter_dir) == before
+
+
+def test_an_upload_that_stalls_is_cut_off_with_a_408_and_nothing_stored(
+        limits_server, admin_server, make_adapter, tmp_path):
+    files = read_files(make_adapter(tmp_path / "a", 32))
+    before = tree_hash(admin_server.adapter_dir)
+    request, body = raw_upload(limits_server.url, "stalled", files)
+    with request:
+        request.send(body[: len(body) // 2])  # then nothing
+        started = time.monotonic()
+        status, error = request.response()
+    assert status == 408, error
+    assert error["error"]["code"] == "request_timeout"
+    assert "--upload-timeout-s 0.5 s" in error["error"]["message"], error
+    assert 0.4 < time.monotonic() - started < 10
+    assert tree_hash(admin_server.adapter_dir) == before
+    # an upload that pauses, but never for that long, is stored
+    request, body = raw_upload(limits_server.url, "slow", files)
+    with request:
+        third = len(body) // 3
+        for piece in (body[:third], body[third:2 * third], body[2 * third:]):
+            request.send(piece)
+            time.sleep(0.3)
+        status, info = request.response()
+    assert status == 201, info
+    with httpx.Client(base_url=limits_server.url, timeout=120, headers=AUTH) as c:
+        assert c.delete("/admin/adapters/slow").status_code == 200
 
 
 async def test_restart_knows_stored_adapters(admin, admin_server, make_adapter, tmp_path):

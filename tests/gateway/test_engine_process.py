@@ -1,8 +1,8 @@
 """The engine in a process of its own (engine/core/): `loragw serve`'s default. The other
 gateway tests run against it; here, what only a process can do: die. SIGKILL of the engine
-process mid-stream ends every open stream with an error event, takes /ready down, and the
-server exits non-zero within a few seconds instead of hanging. And `--engine-cpus`: the engine
-process on the CPUs named, the HTTP server on the others."""
+process mid-stream ends every open stream with an error event (logged and counted as a 500),
+takes /ready down, and the server exits non-zero within a few seconds instead of hanging. And
+`--engine-cpus`: the engine process on the CPUs named, the HTTP server on the others."""
 
 from __future__ import annotations
 
@@ -92,11 +92,21 @@ def test_a_killed_engine_process_ends_every_stream_and_the_server(model_dir, tmp
             pass
         assert server.wait(timeout=15) != 0
         assert time.monotonic() - killed < 15
-        assert "engine process exited" in (tmp_path / "server.log").read_text()
+        text = (tmp_path / "server.log").read_text()
+        assert "engine process exited" in text
+        # each cut-short stream is logged (and counted) as the server error it is, not a 200
+        streams = [line for line in access_lines(text) if line["route"] == "/v1/completions"]
+        assert [line["status"] for line in streams] == [500, 500], streams
     finally:
         if server.poll() is None:
             server.kill()
         log.close()
+
+
+def access_lines(log: str) -> list[dict]:
+    """The server's access-log lines (logger gateway.access: one JSON object each)."""
+    marker = " gateway.access: "
+    return [json.loads(line.split(marker, 1)[1]) for line in log.splitlines() if marker in line]
 
 
 def test_an_unsupported_architecture_fails_at_start_named(model_dir, tmp_path):

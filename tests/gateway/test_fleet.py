@@ -15,7 +15,7 @@ import time
 
 import pytest
 from conftest import write_random_adapter
-from fleet_harness import Fleet, load_fixture_module, redis_fixture, served_by
+from fleet_harness import Fleet, load_fixture_module, running_fleet, served_by
 
 from adapters.registry import ReplicaState
 from gateway.fleet.router import (
@@ -106,19 +106,12 @@ def s3():
 
 @pytest.fixture(scope="module")
 def fleet(model_dir, s3, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("fleet")
-    redis_server = redis_fixture.RedisServer(workdir)
-    redis_server.start()
     bucket = s3.create_bucket()
-    fleet = Fleet(workdir, model_dir, redis_server, s3=s3,
-                  store_url=f"s3://{bucket}/adapters", extra=("--s3-allow", f"{bucket}/open/*"))
-    fleet.bucket = bucket
-    try:
-        fleet.start("r1", "r2", "r3")
+    with running_fleet(tmp_path_factory.mktemp("fleet"), model_dir, "r1", "r2", "r3", s3=s3,
+                       store_url=f"s3://{bucket}/adapters",
+                       extra=("--s3-allow", f"{bucket}/open/*")) as fleet:
+        fleet.bucket = bucket
         yield fleet
-    finally:
-        fleet.stop()
-        redis_server.kill()
 
 
 def objects(fleet: Fleet) -> set[str]:

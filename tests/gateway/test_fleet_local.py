@@ -10,21 +10,13 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from fleet_harness import Fleet, redis_fixture, served_by
+from fleet_harness import running_fleet, served_by
 
 
 @pytest.fixture(scope="module")
 def fleet(model_dir, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("fleet-local")
-    redis_server = redis_fixture.RedisServer(workdir)
-    redis_server.start()
-    fleet = Fleet(workdir, model_dir, redis_server)
-    try:
-        fleet.start("r1", "r2")
+    with running_fleet(tmp_path_factory.mktemp("fleet-local"), model_dir, "r1", "r2") as fleet:
         yield fleet
-    finally:
-        fleet.stop()
-        redis_server.kill()
 
 
 def test_start_up_warns_that_uploads_stay_replica_local(fleet):

@@ -20,7 +20,8 @@ from gateway.config import ServerConfig
 from gateway.flags import add_options
 from gateway.http.app import create_app
 from gateway.runtime import Runtime
-from gateway.server import serve_main
+from gateway.server import BackgroundServer, serve_main
+from tests.gateway.raw_http import RawRequest
 
 BASE = "demo-base"  # conftest's served model name
 ADAPTER = "lora-0"
@@ -108,6 +109,69 @@ def test_bad_requests_get_4xx_in_openai_shape_and_the_server_keeps_serving(http,
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
+HUGE_NAME = "m" * 200_000  # a client's model name, echoed back only cut short
+HUGE_PATH_NAME = "m" * 50_000  # in a URL: httpx sends at most 64 KB of one
+
+
+@pytest.mark.parametrize(("method", "path", "body", "status"), [
+    ("POST", "/v1/completions", {"model": HUGE_NAME, "prompt": "hi"}, 404),
+    ("POST", "/v1/chat/completions", {"model": HUGE_NAME, "messages": [
+        {"role": "user", "content": "hi"}]}, 404),
+    ("POST", "/v1/responses", {"model": HUGE_NAME, "input": "hi"}, 404),
+    ("POST", "/tokenize", {"model": HUGE_NAME, "prompt": "hi"}, 404),
+    ("POST", "/v1/unload_lora_adapter", {"lora_name": HUGE_NAME}, 404),
+    ("POST", "/v1/load_lora_adapter", {"lora_name": HUGE_NAME, "lora_path": "/nowhere"}, 400),
+    ("GET", f"/v1/models/{HUGE_PATH_NAME}", None, 404),
+    ("GET", f"/admin/adapters/{HUGE_PATH_NAME}", None, 400),
+])
+def test_a_huge_model_name_is_echoed_cut_short(server, method, path, body, status):
+    r = httpx.request(method, server.url + path, json=body, timeout=60)
+    error = assert_openai_error(r, status)
+    assert len(r.content) < 1024, r.content[:300]
+    length = len(HUGE_NAME if body else HUGE_PATH_NAME)
+    assert f"'{'m' * 64}'... ({length} characters)" in error["message"], error["message"]
+
+
+MB = 1024 * 1024
+JSON_BODIES = {"/v1/completions": {"model": BASE, "prompt": "hi", **SMALL},
+               "/v1/chat/completions": {"model": BASE, "messages": [
+                   {"role": "user", "content": "hi"}], **SMALL},
+               "/v1/responses": {"model": BASE, "input": "hi", "max_output_tokens": 2},
+               "/tokenize": {"model": BASE, "prompt": "hi"}}
+
+
+@pytest.fixture(scope="module")
+def one_mb_server(server, server_config):
+    """A second front end on the live engine with --max-request-mb 1."""
+    app = create_app(replace(server_config, max_request_mb=1), runtime=server.runtime)
+    with BackgroundServer(app) as background:
+        yield background
+
+
+def assert_too_large(status: int, body: dict) -> None:
+    assert status == 413, body
+    error = body["error"]
+    assert error["code"] == "request_too_large" and error["type"] == "invalid_request_error"
+    assert "larger than --max-request-mb 1 MB" in error["message"], error
+
+
+@pytest.mark.parametrize("path", list(JSON_BODIES))
+def test_a_json_body_over_max_request_mb_is_a_413_naming_the_flag(one_mb_server, path):
+    json_type = {"Content-Type": "application/json"}
+    declared = {**json_type, "Content-Length": str(MB + 1)}
+    with RawRequest(one_mb_server.url, "POST", path, declared) as r:  # refused unread
+        assert_too_large(*r.response())
+    chunked = {**json_type, "Transfer-Encoding": "chunked"}
+    with RawRequest(one_mb_server.url, "POST", path, chunked) as r:  # no length: counted
+        chunk = b" " * (64 * 1024)
+        sent = 0
+        while sent <= MB and r.send_chunk(chunk):
+            sent += len(chunk)
+        assert_too_large(*r.response())
+    under = httpx.post(one_mb_server.url + path, json=JSON_BODIES[path], timeout=60)
+    assert under.status_code == 200, under.text
+
+
 @pytest.mark.parametrize("field", [
     {"response_format": {"type": "yaml"}},
     {"tool_choice": "required"},  # without tools
@@ -149,6 +213,51 @@ async def test_keys_guard_v1_and_admin_routes_but_not_probes(server, server_conf
         r = await c.post("/v1/unload_lora_adapter", json=unload, headers=admin)
         assert_openai_error(r, 404)
         for path in ("/health", "/ready", "/metrics"):
+            assert (await c.get(path)).status_code == 200
+
+
+KEYS = {"api_key": "user-key", "admin_key": "admin-key", "metrics_key": "metrics-key"}
+GUARDED = [  # method, path, body, the key the route takes, the status with that key
+    ("GET", "/v1/models", None, "api_key", 200),
+    ("POST", "/v1/completions", {"model": BASE, "prompt": "hi", **SMALL}, "api_key", 200),
+    ("POST", "/v1/chat/completions", {"model": BASE, "messages": [
+        {"role": "user", "content": "hi"}], **SMALL}, "api_key", 200),
+    ("POST", "/v1/responses", {"model": BASE, "input": "hi", "max_output_tokens": 2},
+     "api_key", 200),
+    ("POST", "/tokenize", {"model": BASE, "prompt": "hi"}, "api_key", 200),
+    ("POST", "/detokenize", {"model": BASE, "tokens": [1]}, "api_key", 200),
+    ("POST", "/v1/load_lora_adapter", {"lora_name": "never-loaded",
+                                       "lora_path": "/nonexistent"}, "admin_key", 404),
+    ("POST", "/v1/unload_lora_adapter", {"lora_name": "never-loaded"}, "admin_key", 404),
+    ("GET", "/admin/adapters", None, "admin_key", 200),
+    ("GET", "/metrics", None, "metrics_key", 200),
+]
+
+
+async def test_the_bearer_scheme_is_case_insensitive_on_every_guarded_route(server,
+                                                                           server_config):
+    app = create_app(replace(server_config, **KEYS), runtime=server.runtime)
+    async with AsyncTestClient(app) as c:
+        for method, path, body, key, status in GUARDED:
+            for scheme in ("Bearer", "bearer", "BEARER"):
+                right = await c.request(method, path, json=body,
+                                        headers={"Authorization": f"{scheme} {KEYS[key]}"})
+                assert right.status_code == status, (scheme, path, right.text)
+                wrong = await c.request(method, path, json=body,
+                                        headers={"Authorization": f"{scheme} wrong-key"})
+                assert_openai_error(wrong, 401, "invalid_api_key")
+
+
+async def test_metrics_take_the_metrics_key_once_one_is_set(server, server_config):
+    app = create_app(replace(server_config, metrics_key="metrics-key"), runtime=server.runtime)
+    async with AsyncTestClient(app) as c:
+        error = assert_openai_error(await c.get("/metrics"), 401, "invalid_api_key")
+        assert "metrics key" in error["message"]
+        other = await c.get("/metrics", headers={"Authorization": "Bearer user-key"})
+        assert "metrics key" in assert_openai_error(other, 401, "invalid_api_key")["message"]
+        scraped = await c.get("/metrics", headers={"Authorization": "Bearer metrics-key"})
+        assert scraped.status_code == 200 and "loragw_http_requests_total" in scraped.text
+        for path in ("/health", "/ready"):  # probes never take a key
             assert (await c.get(path)).status_code == 200
 
 

@@ -357,10 +357,6 @@ def test_engine_values_become_loragw_serve_flags():
 
 
 def test_prefix_caching_slot_aging_and_full_modules_reach_the_server_as_its_flags():
-    import argparse
-
-    from gateway.config import add_serve_arguments
-
     default = gateway(render())
     assert "--enable-prefix-caching" in default["args"]
     assert flag(default, "--lora-starvation-steps") == ["32"]
@@ -370,11 +366,32 @@ def test_prefix_caching_slot_aging_and_full_modules_reach_the_server_as_its_flag
     assert flag(default, "--max-full-module-slots") == []  # 0: the server refuses them
     saved = gateway(render({"engine": {"maxFullModuleSlots": 2}}))
     assert flag(saved, "--max-full-module-slots") == ["2"]
-    args = off["args"][1:]  # after "serve"; drop flags whose value is a downward-API placeholder
+    parsed = serve_args(off)
+    assert parsed.enable_prefix_caching is False and parsed.lora_starvation_steps == 0
+
+
+def serve_args(container: dict[str, Any]):
+    """The container's args as `loragw serve` parses them (flags whose value is a downward-API
+    placeholder left out)."""
+    import argparse
+
+    from gateway.config import add_serve_arguments
+
+    args = container["args"][1:]  # after "serve"
     kept = [a for i, a in enumerate(args)
             if "$(" not in a and not (i + 1 < len(args) and "$(" in args[i + 1])]
-    parsed = add_serve_arguments(argparse.ArgumentParser()).parse_args(kept)
-    assert parsed.enable_prefix_caching is False and parsed.lora_starvation_steps == 0
+    return add_serve_arguments(argparse.ArgumentParser()).parse_args(kept)
+
+
+def test_body_limits_and_the_upload_timeout_reach_the_server_as_its_flags():
+    default = serve_args(gateway(render()))
+    assert (default.max_request_mb, default.max_upload_mb, default.upload_timeout_s) == \
+        (16, 512, 60.0)
+    limits = {"maxRequestMb": 4, "maxUploadMb": 2048, "uploadTimeoutSeconds": 0.5}
+    container = gateway(render({"limits": limits}))
+    assert flag(container, "--upload-timeout-s") == ["0.5"]
+    given = serve_args(container)
+    assert (given.max_request_mb, given.max_upload_mb, given.upload_timeout_s) == (4, 2048, 0.5)
 
 
 def test_large_numbers_and_numeric_tags_render_as_written():
@@ -578,6 +595,43 @@ def test_without_keys_in_values_the_secret_holds_only_a_generated_admin_key():
     assert off["data"] == {}
 
 
+METRICS_AUTH = {"type": "Bearer", "credentials": {"name": "demo-lora-gateway-auth",
+                                                  "key": "metrics-key"}}
+
+
+def test_metrics_are_open_unless_a_key_is_required():
+    rendered = render({"serviceMonitor": {"enabled": True}})
+    assert "LORAGW_METRICS_KEY" not in env(gateway(rendered))
+    assert "authorization" not in rendered.one("ServiceMonitor")["spec"]["endpoints"][0]
+
+
+def test_a_required_metrics_key_comes_from_the_secret_and_the_service_monitor_sends_it():
+    import base64
+
+    rendered = render({"metrics": {"requireKey": True}, "auth": {"metricsKey": "sk-metrics"},
+                       "serviceMonitor": {"enabled": True}})
+    secret = rendered.one("Secret")
+    assert base64.b64decode(secret["data"]["metrics-key"]).decode() == "sk-metrics"
+    ref = env(gateway(rendered))["LORAGW_METRICS_KEY"]["valueFrom"]["secretKeyRef"]
+    # not optional: a Secret without the key keeps the pod from starting, never /metrics open
+    assert ref == {"name": secret["metadata"]["name"], "key": "metrics-key", "optional": False}
+    monitor = rendered.one("ServiceMonitor")
+    validate_service_monitor(monitor)
+    assert monitor["spec"]["endpoints"][0]["authorization"] == METRICS_AUTH
+    theirs = render({"metrics": {"requireKey": True}, "serviceMonitor": {"enabled": True},
+                     "auth": {"existingSecret": "keys", "secretKeys": {"metricsKey": "SCRAPE"}}})
+    ref = env(gateway(theirs))["LORAGW_METRICS_KEY"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "keys", "key": "SCRAPE", "optional": False}
+    assert theirs.one("ServiceMonitor")["spec"]["endpoints"][0]["authorization"] == {
+        "type": "Bearer", "credentials": {"name": "keys", "key": "SCRAPE"}}
+
+
+def test_a_required_metrics_key_with_no_key_is_refused():
+    require_helm()
+    with pytest.raises(helm_render.RenderError, match="metrics.requireKey needs auth.metricsKey"):
+        helm_render.render(CHART, {"metrics": {"requireKey": True}}, release=RELEASE)
+
+
 # ---- values.yaml and values.schema.json --------------------------------------------------------
 BAD_VALUES = {
     "gpu count as words": {"gpu": {"count": "two"}},
@@ -603,6 +657,9 @@ BAD_VALUES = {
     "misspelt store key": {"adapterStore": {"bucket": "adapters"}},
     "s3 allow pattern with scheme": {"adapters": {"s3Allow": ["s3://bucket/adapters/*"]}},
     "s3 allow list as string": {"adapters": {"s3Allow": "bucket/*"}},
+    "upload timeout of zero": {"limits": {"uploadTimeoutSeconds": 0}},
+    "request limit in words": {"limits": {"maxRequestMb": "16MB"}},
+    "require metrics key as words": {"metrics": {"requireKey": "yes"}},
 }
 
 
@@ -829,6 +886,14 @@ SERVICE_MONITOR_SCHEMA = {
                         "scheme": {"enum": ["http", "https"]},
                         "interval": _DURATION, "scrapeTimeout": _DURATION,
                         "honorLabels": {"type": "boolean"},
+                        "authorization": {
+                            "type": "object", "additionalProperties": False,
+                            "properties": {"type": {"type": "string"}, "credentials": {
+                                "type": "object", "required": ["name", "key"],
+                                "additionalProperties": False,
+                                "properties": {"name": {"type": "string"},
+                                               "key": {"type": "string"},
+                                               "optional": {"type": "boolean"}}}}},
                         "relabelings": {"type": "array", "items": {"type": "object"}},
                         "metricRelabelings": {"type": "array", "items": {"type": "object"}},
                     }}},
