@@ -21,6 +21,7 @@ from litestar.middleware import ASGIMiddleware
 from litestar.openapi import OpenAPIConfig
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
+from adapters.errors import short_name
 from gateway.config import ServerConfig
 from gateway.fleet.router import served_by_hook
 from gateway.http.admin import AdminController
@@ -36,6 +37,7 @@ from gateway.runtime import Runtime
 access_log = logging.getLogger("gateway.access")
 MB = 1024 * 1024
 REQUEST_ID_HEADER = b"x-request-id"
+MODEL_LOGGED = 256  # characters of a client's `model` an access-log line carries
 _CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 
 
@@ -113,9 +115,15 @@ class RequestContextMiddleware(ASGIMiddleware):
         if "adapter" in state:
             self.metrics.requests.labels(state["adapter"], str(status)).inc()
         fields = {"request_id": rid, "method": scope["method"], "route": route,
-                  "model": state.get("model"), "adapter": state.get("adapter"),
+                  "model": _shown(state.get("model")), "adapter": state.get("adapter"),
                   "status": status, "latency_ms": round((time.monotonic() - started) * 1e3, 2)}
         access_log.info(json.dumps(fields), extra=fields)
+
+
+def _shown(model: str | None) -> str | None:
+    """A client's `model` as the access log shows it: whole when short, else cut (a log line
+    per request must stay a line)."""
+    return model if model is None or len(model) <= MODEL_LOGGED else short_name(model)
 
 
 async def _unrouted_request_id(message: Message, scope: Scope) -> None:

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import msgspec
 
+from adapters.errors import short_name
 from engine.sampling_params import InvalidParam, SamplingParams
 from engine.structured import GuidedDecoding
 from gateway.errors import APIError
@@ -76,8 +77,9 @@ def tool_names(data: ChatCompletionRequest) -> list[str] | None:
     if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
         if name not in names:
-            raise APIError.bad_request(f"tool_choice names {name!r}, which is not in tools "
-                                       f"({', '.join(names)})", param="tool_choice")
+            raise APIError.bad_request(f"tool_choice names {short_name(str(name))}, which is "
+                                       f"not in tools ({short_name(', '.join(names))})",
+                                       param="tool_choice")
         return [name]
     raise APIError.bad_request("tool_choice must be none, auto, required or "
                                "{\"type\": \"function\", \"function\": {\"name\": ...}}",

@@ -335,6 +335,13 @@ def test_startup_probe_waits_on_ready_for_weight_loading_and_liveness_checks_hea
     assert startup["failureThreshold"] * startup["periodSeconds"] >= 600, "10 minutes to load"
 
 
+def test_liveness_fails_once_the_engine_is_silent_past_its_bound():
+    container = gateway(render())
+    assert flag(container, "--health-timeout-s") == ["30"]
+    values = {"probes": {"liveness": {"engineTimeoutSeconds": 90}}}
+    assert flag(gateway(render(values)), "--health-timeout-s") == ["90"]
+
+
 def test_startup_probe_budget_comes_from_values():
     values = {"probes": {"startup": {"periodSeconds": 15, "failureThreshold": 120}}}
     startup = gateway(render(values))["startupProbe"]
