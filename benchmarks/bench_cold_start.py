@@ -101,9 +101,9 @@ def measure(name: str, model_dir: str, work: str, store: ObjectStore) -> dict:
     t0 = time.perf_counter()
     adapter = load_adapter(fetched.path, llm.lora.spec)
     host_s = time.perf_counter() - t0
-    llm.add_adapter("cold", adapter, fetched.path)
+    llm.add_adapter("cold", fetched.path, adapter)
     t0 = time.perf_counter()
-    llm.load_adapter("cold")
+    llm.to_device("cold")
     device_s = time.perf_counter() - t0
     ttft(llm, None)  # warm the model
     llm.add_adapter("cold2", adapter, fetched.path)

@@ -1,5 +1,5 @@
 """What the HTTP layer costs: the same short requests sent to the engine in-process
-(AsyncEngine.submit) and through the gateway (uvicorn + Litestar + OpenAI shapes, over loopback),
+(EngineClient.submit, on a thread) and through the gateway (uvicorn + Litestar + OpenAI shapes, over loopback),
 and the requests/s the gateway sustains when generation is trivial (max_tokens=1).
 
     python benchmarks/bench_gateway.py [--model DIR] [--requests 200] [--quick]
@@ -29,8 +29,8 @@ import httpx
 import torch
 from tqdm import tqdm
 
-from engine.async_engine import AsyncEngine
 from engine.config import Config
+from engine.core.client import EngineClient
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
@@ -90,9 +90,17 @@ class RawClient:
             self.writer.close()
 
 
-async def measure(engine: AsyncEngine, url: str, args) -> dict[str, list[float] | float]:
+async def measure(llm_engine: LLMEngine, url: str, args) -> dict[str, list[float] | float]:
     """Sequential short requests, in-process and over HTTP interleaved (so both see the same
     machine), then trivial-generation throughput for each, alternating rounds."""
+    engine = EngineClient.on_thread(llm_engine)
+    try:
+        return await _measure(engine, url, args)
+    finally:
+        await asyncio.to_thread(engine.shutdown)
+
+
+async def _measure(engine: EngineClient, url: str, args) -> dict[str, list[float] | float]:
     host, port = url.removeprefix("http://").split(":")
     client = RawClient(host, int(port))
     body = {"model": MODEL_NAME, "prompt": PROMPT, "temperature": 0, "ignore_eos": True}
@@ -202,12 +210,10 @@ def main() -> None:
         model = build_demo_model(os.path.join(tempfile.gettempdir(), "lora-gateway-bench"))
 
     proc, url = start_server(model, args.concurrency)
-    engine = AsyncEngine(LLMEngine(Config(model=model, device="cpu",
-                                          max_num_seqs=args.concurrency)))
+    llm_engine = LLMEngine(Config(model=model, device="cpu", max_num_seqs=args.concurrency))
     try:
-        result = asyncio.run(measure(engine, url, args))
+        result = asyncio.run(measure(llm_engine, url, args))
     finally:
-        engine.shutdown()
         proc.terminate()
         proc.wait(timeout=30)
 

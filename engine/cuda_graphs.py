@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.backends import Backends
-from engine.forward_context import LoRAStep
+from engine.lora_step import LoRARows
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class DecodeGraphs:
         self.graphs: dict[GraphKey, tuple[object, torch.Tensor]] = {}  # key -> (graph, hidden)
         self.pool = self._new_pool()
 
-    def key_for(self, rows: int, lora: LoRAStep | None) -> GraphKey | None:
+    def key_for(self, rows: int, lora: LoRARows | None) -> GraphKey | None:
         """The graph that serves a decode-only step of `rows` rows, None if none can."""
         if rows > self.buckets[-1]:
             return None

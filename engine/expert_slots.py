@@ -73,3 +73,9 @@ class ExpertSlots:
                 buffers.lora_b[index].zero_()
                 buffers.scales[index] = 0.0
                 buffers.ranks[index] = 0
+
+    def close(self) -> None:
+        """Drop every expert LoRA buffer (the engine is closing)."""
+        for _, experts in self.modules:
+            experts.lora = None
+        self.modules, self.held = [], set()

@@ -1,8 +1,8 @@
 """Per-step batch metadata every layer reads during one forward pass.
 
 The model runner builds a ForwardContext once per step and enters `forward_context(ctx)`;
-attention reads the KV-cache addressing, LoRA-carrying modules read `lora` (a LoRAStep), and
-both read which kernels to run from `backends` (engine/backends.py).
+attention reads the KV-cache addressing, LoRA-carrying modules read `lora` (a LoRAStep:
+engine/lora_step.py), and both read which kernels to run from `backends` (engine/backends.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from engine.backends import Backends
 
 if TYPE_CHECKING:
-    from kernels.meta import LoRAMeta
+    from engine.lora_step import LoRAStep
 
 
 @dataclass(slots=True)
@@ -35,36 +35,6 @@ class AttentionMetadata:
     prefill_query_lens: list[int]
     prefill_context_lens: list[int]  # tokens in cache after this step (prefix + chunk)
     prefill_block_tables: list[torch.Tensor]  # each [num_blocks] int64
-
-
-@dataclass(slots=True)
-class FullModuleStep:
-    """Rows whose adapter replaces embed_tokens or lm_head with its own saved copy (PEFT's
-    modules_to_save), one group per such adapter in the step. Built by the slot pool only for
-    steps with such rows; every other row keeps the base module."""
-
-    embed: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (weight [V, H], token rows [n] int64)
-    head: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (weight [V, H], sampling rows [n] int64)
-    head_base_rows: torch.Tensor | None  # [B'] int64: sampling rows on the base lm_head
-    # (None when no group replaces lm_head)
-
-
-@dataclass(slots=True)
-class LoRAStep:
-    """Which adapter slot each row of one step uses. Built by LoRAManager.prepare, only when
-    some row has an adapter; its rows are in the model runner's order."""
-
-    token_slots: list[int]  # every new token's slot, -1 = none
-    num_slots: int
-    embed: bool  # some token's slot has an embed_tokens LoRA (else that module skips LoRA)
-    # the logit rows only (what lm_head sees: ScheduledBatch.logit_range), in batch order; None
-    # when no such row's slot has an lm_head LoRA
-    sample: LoRAMeta | None = None
-    full: FullModuleStep | None = None  # None when no row's adapter has a saved module
-    experts: bool = False  # some row's slot holds an expert LoRA (else the experts skip it)
-    # token_slots grouped for the kernels (the projections, embed_tokens): made by the model
-    # runner, which alone knows where the step's tensors live and how many rows it pads to
-    tokens: LoRAMeta | None = None
 
 
 @dataclass(slots=True)

@@ -7,7 +7,8 @@ keyed by that LoRA slot's index. Unlike the LoRA pools nothing is preallocated: 
 reference goes with them), since each is vocabulary-sized (~1 GB per module on an 8B model in
 bf16). Saved copies PEFT ties to one tensor (ensure_weight_tying) stay one tensor here.
 
-Per step, rows whose adapter replaces a module are grouped by adapter (FullModuleStep):
+Per step, rows whose adapter replaces a module are grouped by adapter (FullModuleStep, built
+by engine/lora_step.py from the copies of the slots the step uses):
     embed_tokens   y[t] = E_a[ids[t]]          for every new token t of adapter a
     lm_head        logits[b] = h[b] @ W_a.T    for every sampling row b of adapter a
 """
@@ -16,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from adapters.types import EMBED_TOKENS, LM_HEAD
-from engine.forward_context import FullModuleStep
+from engine.lora_step import FullModuleStep
 
 
 class FullModuleSlots:
@@ -51,29 +51,6 @@ class FullModuleSlots:
 
     def clear(self, index: int) -> None:
         self.held.pop(index, None)
-
-    def step(self, token_slots: list[int], sample_slots: list[int]) -> FullModuleStep | None:
-        """The step's replaced rows, from the LoRA slot of every new token and of every
-        sampling row (-1: no adapter); None when no row's adapter replaces a module."""
-        embed = self._groups(token_slots, EMBED_TOKENS)
-        head = self._groups(sample_slots, LM_HEAD)
-        if not embed and not head:
-            return None
-        base_rows = None
-        if head:
-            base_rows = self._rows([row for row, slot in enumerate(sample_slots)
-                                    if LM_HEAD not in self.held.get(slot, ())])
-        return FullModuleStep(embed=embed, head=head, head_base_rows=base_rows)
-
-    def _groups(self, slots: list[int], target: str) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-        rows: dict[int, list[int]] = {}
-        for row, slot in enumerate(slots):
-            if target in self.held.get(slot, ()):
-                rows.setdefault(slot, []).append(row)
-        return tuple((self.held[slot][target], self._rows(r)) for slot, r in rows.items())
-
-    def _rows(self, rows: list[int]) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.long, device=self.device)  # [n]
 
 
 def embed_full_rows(y: torch.Tensor, ids: torch.Tensor, step: FullModuleStep) -> None:

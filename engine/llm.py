@@ -27,11 +27,26 @@ class GenerationOutput:
 
 class LLM:
     """`LLM(model_dir, max_loras=8, ...)`: the keyword arguments are engine.Config's options
-    (EngineOptions), validated there; or `LLM(config)` with a Config built already."""
+    (EngineOptions), validated there; or `LLM(config)` with a Config built already.
+
+    `close()` (or leaving `with LLM(...) as llm:`) frees what it holds at once: the model, its
+    KV cache, the adapters, and under tensor parallelism the worker ranks and their process
+    group; a dropped LLM frees them when it is collected. One tensor-parallel LLM runs in a
+    process at a time (torch.distributed has one default group): building another closes the
+    previous one, so `llm = LLM(..., tensor_parallel_size=2)` may run again and again."""
 
     def __init__(self, model: str | Config, **options):
         self.config = model if isinstance(model, Config) else Config(model, **options)
         self.engine = LLMEngine(self.config)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

@@ -1,17 +1,20 @@
 """The engine: requests in, token increments out. One `step()` = schedule, run, sample.
 
 Knows tokens, blocks and slots; knows nothing of HTTP. Not thread-safe by itself: the
-offline `LLM` drives it directly, `AsyncEngine` drives it from one background thread.
+offline `LLM` drives it directly, engine/core/loop.py's EngineLoop from one thread (of a
+server's, or of a process of its own). `close()` frees everything it holds.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, replace
 
 import torch
 
+from adapters.format import LoraAdapter, load_adapter
 from engine.block_manager import BlockManager
 from engine.config import Config
 from engine.detokenizer import IncrementalDetokenizer
@@ -30,6 +33,8 @@ from engine.sequence import (
     SequenceStatus,
     TokenLogprob,
 )
+from engine.step_plan import plan_step
+from engine.stopping import ends_on_token, finish_reason
 from engine.structured import GrammarCompiler, GuidedState
 from engine.tokenizer import eos_token_ids, tokenize, try_load_tokenizer
 
@@ -51,19 +56,20 @@ class LLMEngine:
         self.config = config
         started = time.perf_counter()
         self.tokenizer = try_load_tokenizer(config.model)
+        sink = None
         if config.tensor_parallel_size > 1:
             from engine.parallel.runner import ParallelRunner  # spawns the other ranks
 
             self.runner = ParallelRunner(config)
+            sink = self.runner.sink  # every rank fills its slots in this order
         else:
             self.runner = ModelRunner(config)
-        self.vocab_size = self.runner.args.vocab_size
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching, self.runner.kv_window,
+        local = self.runner.local
+        self.vocab_size = local.args.vocab_size
+        self.block_manager = BlockManager(local.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching, local.kv_window,
                                           config.max_num_batched_tokens)
-        self.lora = LoRAManager(config, self.runner.model, self.runner.device, self.runner.dtype)
-        if config.tensor_parallel_size > 1:
-            self.runner.mirror(self.lora.pool)  # every rank fills its slots in this order
+        self.lora = LoRAManager(config, local.model, local.device, local.dtype, sink)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
                                    self.block_manager, slots=self.lora)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
@@ -73,6 +79,7 @@ class LLMEngine:
                                     blocks.block_size, blocks.window, blocks.max_chunk)
         self.sampler = Sampler(config.seed, self.eos_token_ids)
         self.requests: dict[str, _Request] = {}
+        self.closed = False
         self._grammars: GrammarCompiler | None = None  # built by the first guided request
         self._aborted: list[RequestOutput] = []  # final outputs of requests ended between steps
         logger.info("engine ready in %.1f s: %s", time.perf_counter() - started, config.model)
@@ -87,9 +94,32 @@ class LLMEngine:
         refusals. What they passed, the rest of the engine trusts (and asserts)."""
         check_request(self.limits, prompt_ids, params)
 
+    def close(self) -> None:
+        """Free what the engine holds, at once rather than when it is collected: its requests,
+        the tensor-parallel workers and their process group, the model and its KV cache, the
+        adapter slots and host copies (on CUDA, memory back to the device). Idempotent; the
+        engine serves nothing after."""
+        if self.closed:
+            return
+        self.closed = True
+        for request_id in list(self.requests):
+            self.abort(request_id)
+        self._aborted.clear()
+        self.runner.close()
+        self.lora.close()
+        device = self.runner.local.device
+        gc.collect()  # the model's modules and the pools refer to each other
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this engine is closed: build another to serve")
+
     def add_requests(self, requests: list[EngineRequest]) -> list[str]:
         """Check every request, then queue them all (so a bad one changes nothing); returns
         their request ids. ValueError (InvalidParam, AdapterError) on bad input."""
+        self._check_open()
         staged = []
         for r in requests:
             prompt_ids = self.tokenize(r.prompt)
@@ -136,19 +166,23 @@ class LLMEngine:
         aborted, self._aborted = self._aborted, []
         return aborted
 
-    def add_adapter(self, name: str, source, path: str | None = None) -> int:
-        """Register or replace an adapter (PEFT dir, or a LoraAdapter validated elsewhere plus
-        its directory); returns its version. A bad adapter raises AdapterError, changing nothing."""
+    def add_adapter(self, name: str, path: str | None, adapter: LoraAdapter | None = None) -> int:
+        """Register or replace an adapter: `adapter`, parsed and validated where its bytes were
+        read, or else read from the PEFT directory `path` (also its disk copy, re-read after a
+        host eviction; None: in memory only); returns its version. A bad adapter raises
+        AdapterError, changing nothing."""
+        if adapter is None:
+            adapter = load_adapter(path, self.lora.spec)
         busy = {r.seq.adapter for r in self.requests.values() if r.seq.adapter}
-        return self.lora.add(name, source, path=path, busy=busy)
+        return self.lora.add(name, adapter, path=path, busy=busy)
 
     def evict_adapter(self, name: str) -> bool:
         """Move an adapter down to the disk tier (device slot and host copy freed)."""
         return self.lora.evict(name)
 
-    def load_adapter(self, name: str) -> str:
+    def to_device(self, name: str) -> str:
         """Bring a registered adapter into a device slot now; returns "device" or "host"."""
-        return self.lora.load(name)
+        return self.lora.to_device(name)
 
     def pin_adapter(self, name: str, pinned: bool = True) -> None:
         self.lora.pin(name, pinned)
@@ -166,14 +200,15 @@ class LLMEngine:
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._check_open()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
         try:
-            lora_meta = self.lora.prepare(batch)  # None when no row has an adapter
+            lora = self.lora.prepare(batch)  # None when no row has an adapter
             sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
             masks = self._fill_masks(sampling)  # on the mask thread, during the forward pass
-            step = self.runner.run(batch, lora_meta)  # the logit rows' logits [L, V]
+            step = self.runner.run(plan_step(batch, lora))  # the logit rows' logits [L, V]
         except BaseException:
             self.block_manager.rollback()  # blocks registered for this step hold no K/V
             raise
@@ -197,9 +232,12 @@ class LLMEngine:
                 seq.logprobs.append(logprob)
             # The EOS or stop token that ends a request stays out of its text (as in vLLM),
             # unless include_stop_str_in_output.
-            show = not self._ends_on_token(seq, token) or seq.params.include_stop_str_in_output
+            show = (not ends_on_token(seq, token, self.eos_token_ids)
+                    or seq.params.include_stop_str_in_output)
             text = request.detokenizer.step([token]) if request.detokenizer and show else ""
-            reason = self._finish_reason(request, token)
+            reason, request.stop_reason = finish_reason(
+                seq, token, self.eos_token_ids, request.detokenizer, request.guided,
+                self.config.max_model_len)
             if reason is not None:
                 if request.detokenizer is not None:
                     text += request.detokenizer.flush()  # never releases a matched stop string
@@ -207,29 +245,6 @@ class LLMEngine:
                 del self.requests[seq.request_id]
             outputs.append(self._output(request, [token], [logprob] if logprob else [], text))
         return outputs
-
-    def _ends_on_token(self, seq: Sequence, token: int) -> bool:
-        """Whether `token`, just appended to `seq`, is an EOS or stop token that ends it (the
-        sampler masks them until min_tokens outputs, so that check is only a safeguard)."""
-        params = seq.params
-        return (((not params.ignore_eos and token in self.eos_token_ids)
-                 or token in params.stop_token_ids)
-                and seq.num_output_tokens > params.min_tokens)
-
-    def _finish_reason(self, request: _Request, token: int) -> str | None:
-        seq, params = request.seq, request.seq.params
-        if self._ends_on_token(seq, token):
-            eos = not params.ignore_eos and token in self.eos_token_ids
-            request.stop_reason = None if eos else token
-            return "stop"
-        if request.detokenizer is not None and request.detokenizer.stop_reason is not None:
-            request.stop_reason = request.detokenizer.stop_reason
-            return "stop"
-        if request.guided is not None and request.guided.done:
-            return "stop"  # the grammar accepted a stop token: the output is complete
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
-            return "length"
-        return None
 
     @property
     def grammars(self) -> GrammarCompiler:

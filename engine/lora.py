@@ -19,9 +19,9 @@ from adapters.errors import AdapterError, AdapterNotFound
 from adapters.format import LoraAdapter, load_adapter
 from adapters.saved_modules import FLAG, full_modules_off
 from engine.config import Config
-from engine.forward_context import LoRAStep
-from engine.lora_pool import SlotPool
+from engine.lora_pool import SlotPool, SlotSink
 from engine.lora_state import LoRAStats, RegisteredAdapter, Slot, host_copy
+from engine.lora_step import LoRARows
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 class LoRAManager:
     def __init__(self, config: Config, model: LlamaForCausalLM, device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, replicas: SlotSink | None = None):
         self.num_slots = config.max_loras
         self.max_rank = config.max_lora_rank
         self.max_host = config.max_host_loras
@@ -42,21 +42,16 @@ class LoRAManager:
         self.adapters: dict[str, RegisteredAdapter] = {}
         self.slots = [Slot() for _ in range(self.num_slots)]
         self.pool = SlotPool(model, self.num_slots, self.max_rank, device, dtype,
-                             config.max_full_module_slots)
+                             config.max_full_module_slots, replicas)
         self.stats = LoRAStats()
         self._versions = 0
 
     # ---- registry and host tier -----------------------------------------------------------
-    def add(self, name: str, source: str | LoraAdapter, path: str | None = None,
+    def add(self, name: str, adapter: LoraAdapter, path: str | None = None,
             busy: set[str] = frozenset()) -> int:
-        """Register or replace `name` from a PEFT dir or an adapter already validated off the
-        engine thread (then `path`, if given, is its disk copy for re-reading after a host
-        eviction); returns its version. `busy`: adapters with queued requests, kept in host
-        memory if at all possible."""
-        if isinstance(source, str):
-            adapter, path = load_adapter(source, self.spec), source
-        else:
-            adapter = source
+        """Register or replace `name` with `adapter`, validated already (`path`, if given, is
+        its disk copy for re-reading after a host eviction); returns its version. `busy`:
+        adapters with queued requests, kept in host memory if at all possible."""
         if adapter.saved_modules and not self.pool.full.capacity:
             raise full_modules_off(tuple(adapter.saved_modules))
         adapter = host_copy(adapter, self.device)
@@ -95,7 +90,7 @@ class LoRAManager:
             self.stats.host_evictions += 1
         return not on_device
 
-    def load(self, name: str) -> str:
+    def to_device(self, name: str) -> str:
         """Bring an adapter into a device slot ahead of traffic; returns its residency. When
         every slot is busy it stays in host memory and loads on its first request."""
         entry = self._get(name)
@@ -287,9 +282,16 @@ class LoRAManager:
         self.slots[index] = Slot()
 
     # ---- per step -------------------------------------------------------------------------
-    def prepare(self, batch: ScheduledBatch) -> LoRAStep | None:
-        """This step's row -> slot maps, or None when no row has an adapter (SlotPool.step)."""
-        return self.pool.step(batch)
+    def prepare(self, batch: ScheduledBatch) -> LoRARows | None:
+        """This step's row -> slot maps, or None when no row has an adapter (SlotPool.rows)."""
+        return self.pool.rows(batch)
+
+    def close(self) -> None:
+        """Drop every host copy and device slot (the engine is closing)."""
+        self.adapters.clear()
+        self.slots = [Slot() for _ in range(self.num_slots)]
+        self.pool.close()
+        self.model = None
 
 
 __all__ = ["LoRAManager", "LoRAStats"]

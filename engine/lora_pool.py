@@ -14,40 +14,57 @@ Adapters with saved modules (modules_to_save) also hold a full-module slot, keye
 LoRA slot, whose copies are allocated per adapter (engine/full_modules.py).
 `num_bytes` reports what each kind holds.
 
-Per step, `step(batch)` gives the slot of every row (LoRAStep): of every new token for the
-projections and embed_tokens, of every sampling row for lm_head. The embed_tokens and lm_head
-parts are built, and those modules' LoRA run, only when some row's slot adapts them; the
-replaced rows (LoRAStep.full) only when some row's adapter has a saved module.
+Per step, `rows(batch)` gives the slot of every row (LoRARows: engine/lora_step.py): of every
+new token for the projections and embed_tokens, of every sampling row for lm_head; the model
+runner makes the step's metas from it. The embed_tokens and lm_head LoRA run only when some
+row's slot adapts them; the replaced rows only when some row's adapter has a saved module.
+
+A tensor-parallel engine's pool has `replicas`, the worker ranks, which apply every reserve,
+fill and clear after this pool did, in its order (a change that fails here is never sent).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 import torch
 
 from adapters.format import LoraAdapter
 from adapters.types import EMBED_TOKENS, LM_HEAD
 from engine.expert_slots import ExpertSlots
-from engine.forward_context import LoRAStep
 from engine.full_modules import FullModuleSlots
 from engine.layers.embedding import EmbeddingLoRABuffers
 from engine.layers.linear import LoRABuffers
+from engine.lora_step import LoRARows
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledBatch
-from kernels import make_lora_meta
 
 logger = logging.getLogger(__name__)
 
 EMBED, HEAD = (None, EMBED_TOKENS), (None, LM_HEAD)  # their keys in LoraAdapter.modules
 
 
+class SlotSink(Protocol):
+    """Who else holds a copy of these slots (the tensor-parallel worker ranks) and must apply
+    each change after this pool, in its order: engine/parallel/runner.py's RankSink. `table`:
+    this pool's SlotPool.table() after the change, which theirs must equal."""
+
+    def reserve(self, adapter: LoraAdapter, table: dict) -> None: ...
+
+    def fill(self, index: int, adapter: LoraAdapter, table: dict) -> None: ...
+
+    def clear(self, index: int, table: dict) -> None: ...
+
+
 class SlotPool:
     def __init__(self, model: LlamaForCausalLM, num_slots: int, max_rank: int,
-                 device: torch.device, dtype: torch.dtype, num_full_slots: int = 0):
+                 device: torch.device, dtype: torch.dtype, num_full_slots: int = 0,
+                 replicas: SlotSink | None = None):
         self.model = model
         self.num_slots, self.max_rank = num_slots, max_rank
         self.device, self.dtype = device, dtype
+        self.replicas = replicas
         self.embedding = model.model.embed_tokens
         self.head = model.lm_head
         self.embed_slots: set[int] = set()  # slots whose adapter has an embed_tokens LoRA
@@ -71,6 +88,11 @@ class SlotPool:
     # ---- allocation -------------------------------------------------------------------------
     def reserve(self, adapter: LoraAdapter) -> None:
         """Allocate the pools `adapter` needs that do not exist yet (once per kind)."""
+        self._reserve(adapter)
+        if self.replicas is not None:
+            self.replicas.reserve(adapter, self.table())
+
+    def _reserve(self, adapter: LoraAdapter) -> None:
         allocated = []
         if next(self._projections())[1].lora is None:
             for _, linear in self._projections():
@@ -109,7 +131,12 @@ class SlotPool:
     def fill(self, index: int, adapter: LoraAdapter) -> None:
         """Copy `adapter` into slot `index` (cleared before) of every pool; absent targets stay
         at rank 0."""
-        self.reserve(adapter)
+        self._fill(index, adapter)
+        if self.replicas is not None:
+            self.replicas.fill(index, adapter, self.table())
+
+    def _fill(self, index: int, adapter: LoraAdapter) -> None:
+        self._reserve(adapter)
         slices = adapter.by_slice()  # a fused module (Phi-3's qkv_proj) as q, k, v slices
         for layer_index, linear in self._projections():
             for i, (name, target) in enumerate(zip(linear.slice_names, linear.lora_names)):
@@ -135,6 +162,11 @@ class SlotPool:
         self.experts.fill(index, adapter)
 
     def clear(self, index: int) -> None:
+        self._clear(index)
+        if self.replicas is not None:
+            self.replicas.clear(index, self.table())
+
+    def _clear(self, index: int) -> None:
         self.embed_slots.discard(index)
         self.head_slots.discard(index)
         self.full.clear(index)
@@ -153,7 +185,7 @@ class SlotPool:
             lora.scales[:, index] = 0.0
 
     # ---- per step ---------------------------------------------------------------------------
-    def step(self, batch: ScheduledBatch) -> LoRAStep | None:
+    def rows(self, batch: ScheduledBatch) -> LoRARows | None:
         """The slot of every row of `batch`, or None when no row has an adapter (then requests
         without adapters pay nothing for LoRA)."""
         if not any(seq.adapter for seq in batch.seqs):
@@ -165,16 +197,35 @@ class SlotPool:
             token_slots = row_slots  # one token a row
         else:
             token_slots = [slot for slot, n in zip(row_slots, batch.num_new_tokens) for _ in range(n)]
-        # the logit rows (ScheduledBatch.logit_rows), in order
         sample_slots = [token_slots[r] for r in batch.logit_rows.rows]
         used = {seq.lora_slot for seq in batch.seqs if seq.adapter}
-        embed = not self.embed_slots.isdisjoint(used)
-        sample = (make_lora_meta(sample_slots, self.num_slots, device=self.device)
-                  if not self.head_slots.isdisjoint(sample_slots) else None)
-        full = (self.full.step(token_slots, sample_slots)
-                if not self.full.held.keys().isdisjoint(used) else None)
-        return LoRAStep(token_slots, self.num_slots, embed=embed, sample=sample, full=full,
-                        experts=not self.experts.held.isdisjoint(used))
+        full = {slot: self.full.held[slot] for slot in used if self.full.holds(slot)}
+        return LoRARows(token_slots, sample_slots, self.num_slots,
+                        embed=not self.embed_slots.isdisjoint(used),
+                        head=not self.head_slots.isdisjoint(sample_slots),
+                        experts=not self.experts.held.isdisjoint(used), full=full or None)
+
+    def table(self) -> dict:
+        """What every rank must agree on about its slots: each pool's ranks and scales per slot
+        (its A and B are this rank's parts, so they differ), and which slots adapt the
+        vocabulary ends (a tensor-parallel worker checks its own against rank 0's after every
+        change)."""
+        pools = {f"layers.{index}.{linear.slice_names[0]}": linear.lora
+                 for index, linear in self._projections()}
+        pools |= {"embed_tokens": self.embedding.lora, "lm_head": self.head.lora}
+        return {"pools": {name: (lora.ranks.tolist(), lora.scales.tolist())
+                          for name, lora in pools.items() if lora is not None},
+                "embed": sorted(self.embed_slots), "head": sorted(self.head_slots)}
+
+    def close(self) -> None:
+        """Drop every buffer and the model's modules (device memory), e.g. when the engine
+        closes."""
+        for _, linear in self._projections():
+            linear.lora = None
+        self.embedding.lora = self.head.lora = None
+        self.full.held.clear()
+        self.experts.close()
+        self.model = self.embedding = self.head = None
 
 
 def _copy_linear(lora: LoRABuffers, i: int, index: int, rows: slice, lora_a: torch.Tensor,

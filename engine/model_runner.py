@@ -1,8 +1,9 @@
 """Owns the model and its KV cache; turns a scheduled batch into logits.
 
-Per step, `prepare` builds the step's inputs (engine/step_inputs.py): the flat token batch
-(decode rows first, then prefill chunks), the KV slot of every new token, the block tables
-attention reads, and the LoRA meta of the adapter manager's LoRAStep; `forward` runs one
+Per step, `prepare` builds the step's inputs from its StepPlan (engine/step_plan.py, the same
+on every tensor-parallel rank) into engine/step_inputs.py's: the flat token batch (decode rows
+first, then prefill chunks), the KV slot of every new token, the block tables attention reads,
+and the LoRAStep of the slot pool's LoRARows (engine/lora_step.py); `forward` runs one
 forward pass (a CUDA graph replay for decode-only steps when graphs are on:
 engine/cuda_graphs.py) and computes logits only for the rows that need them.
 """
@@ -18,12 +19,14 @@ import torch
 from engine.backends import attention_shape, resolve_backends
 from engine.config import Config
 from engine.cuda_graphs import DecodeGraphs, GraphKey, graph_buckets, graphs_off_reason
-from engine.forward_context import AttentionMetadata, ForwardContext, LoRAStep, forward_context
+from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from engine.loader import load_model
+from engine.lora_step import LoRAStep
 from engine.parallel.shard import ONE, Shard
-from engine.scheduler import LogitRows, PromptRows, ScheduledBatch
+from engine.scheduler import PromptRows
 from engine.step_inputs import DecodeBuffers, DecodeViews, StepInputs, decode_metadata
-from kernels import LoRAMeta, make_lora_meta
+from engine.step_plan import StepPlan
+from kernels import LoRAMeta
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +74,17 @@ class ModelRunner:
             self.capture_graphs()
 
     @property
+    def local(self) -> ModelRunner:
+        """This process's model runner (rank 0's under tensor parallelism: ParallelRunner's)."""
+        return self
+
+    def close(self) -> None:
+        """Drop the model, its KV cache and the decode graphs and buffers (what holds device
+        memory); the runner runs nothing after."""
+        self.model = self.graphs = self.decode_buffers = None
+        self._metas.clear()
+
+    @property
     def bytes_per_block(self) -> int:
         a = self.args
         element = torch.empty((), dtype=self.dtype).element_size()
@@ -100,60 +114,58 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, lora: LoRAStep | None = None) -> StepLogits:
-        """Forward one batch; the logits of its logit rows (batch.logit_rows: the rows that
-        sample, and those whose prompt logprobs were asked for). `lora`: LoRAManager.prepare
-        (batch), None when no row has an adapter."""
-        return self.forward(self.prepare(batch, lora))
+    def run(self, plan: StepPlan) -> StepLogits:
+        """Forward one step; the logits of its logit rows (plan.logit_rows: the rows that
+        sample, and those whose prompt logprobs were asked for)."""
+        return self.forward(self.prepare(plan))
 
-    def prepare(self, batch: ScheduledBatch, lora: LoRAStep | None = None) -> StepInputs:
-        logits = batch.logit_rows
-        if batch.num_decode == len(batch.seqs):
-            return self._prepare_decode(batch, lora, logits)
+    def prepare(self, plan: StepPlan) -> StepInputs:
+        logits = plan.logit_rows
+        if plan.decode_only:
+            return self._prepare_decode(plan)
         input_ids, positions, slots = [], [], []
         prefill_starts, prefill_lens, prefill_ctx, prefill_tables = [], [], [], []
-        decode = batch.seqs[:batch.num_decode]
-        for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            start = seq.num_computed_tokens
-            end = start + num_new
-            if i >= batch.num_decode:
+        for i, row in enumerate(plan.rows):
+            start, end = row.start, row.start + len(row.new_tokens)
+            if i >= plan.num_decode:
                 prefill_starts.append(len(input_ids))
-                prefill_lens.append(num_new)
+                prefill_lens.append(end - start)
                 prefill_ctx.append(end)
-                prefill_tables.append(torch.tensor(seq.block_table, dtype=torch.long,
+                prefill_tables.append(torch.tensor(row.block_table, dtype=torch.long,
                                                    device=self.device))
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(row.new_tokens)
             positions.extend(range(start, end))
-            table = seq.block_table
+            table = row.block_table
             slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size
                          for p in range(start, end))
         rows = torch.tensor([input_ids, positions, slots], dtype=torch.long, device=self.device)
         attn = AttentionMetadata(
-            slot_mapping=rows[2], num_decode_tokens=batch.num_decode, decode_block_tables=None,
+            slot_mapping=rows[2], num_decode_tokens=plan.num_decode, decode_block_tables=None,
             decode_context_lens=None, decode_block_ids=None, decode_mask=None,
             prefill_query_starts=prefill_starts, prefill_query_lens=prefill_lens,
             prefill_context_lens=prefill_ctx, prefill_block_tables=prefill_tables)
+        decode = plan.rows[:plan.num_decode]
         if decode:  # the decode rows' addressing, in the decode buffers
             views = self.decode_buffers.fill(decode, len(decode))
             meta = decode_metadata(views, self.backends.attention, self.block_size)
             attn.decode_block_tables, attn.decode_context_lens = meta.decode_block_tables, meta.decode_context_lens
             attn.decode_block_ids, attn.decode_mask = meta.decode_block_ids, meta.decode_mask
-        if lora is not None:
-            lora.tokens = make_lora_meta(lora.token_slots, lora.num_slots, device=self.device)
+        lora = LoRAStep.build(plan.lora, self.device) if plan.lora is not None else None
         return StepInputs(rows[0], rows[1], attn, lora, logits)
 
-    def _prepare_decode(self, batch: ScheduledBatch, lora: LoRAStep | None,
-                        logits: LogitRows) -> StepInputs:
+    def _prepare_decode(self, plan: StepPlan) -> StepInputs:
         """A decode-only step, in the decode buffers (padded to its graph's rows)."""
-        real = len(batch.seqs)
-        key = self.graphs.key_for(real, lora) if self.graphs is not None else None
+        real = len(plan.rows)
+        key = self.graphs.key_for(real, plan.lora) if self.graphs is not None else None
         rows, width = (key.rows, self.max_blocks) if key else (real, None)
-        views = self.decode_buffers.fill(batch.seqs, rows, width)
-        if lora is not None:
-            lora.tokens = make_lora_meta(lora.token_slots + [-1] * (rows - real), lora.num_slots,
-                                         out=self._decode_meta(rows, lora.num_slots))
+        views = self.decode_buffers.fill(plan.rows, rows, width)
+        lora = None
+        if plan.lora is not None:
+            lora = LoRAStep.build(plan.lora, self.device, pad_to=rows,
+                                  out=self._decode_meta(rows, plan.lora.num_slots))
         attn = None if key else decode_metadata(views, self.backends.attention, self.block_size)
-        return StepInputs(views.input_ids, views.positions, attn, lora, logits, views, key)
+        return StepInputs(views.input_ids, views.positions, attn, lora, plan.logit_rows, views,
+                          key)
 
     def _decode_meta(self, rows: int, num_slots: int) -> LoRAMeta:
         """The LoRA meta of decode steps of `rows` rows, refilled in place every step."""

@@ -23,9 +23,10 @@ import torch
 from torch import Tensor
 
 from engine.cuda_graphs import GraphKey
-from engine.forward_context import AttentionMetadata, LoRAStep
+from engine.forward_context import AttentionMetadata
+from engine.lora_step import LoRAStep
 from engine.scheduler import LogitRows
-from engine.sequence import Sequence
+from engine.step_plan import RowPlan
 
 
 @dataclass(slots=True)
@@ -47,7 +48,7 @@ class StepInputs:
     positions: Tensor  # [T] int64
     attn: AttentionMetadata | None  # None when a graph derives it from `decode` on replay
     lora: LoRAStep | None
-    logits: LogitRows  # ScheduledBatch.logit_rows
+    logits: LogitRows  # StepPlan.logit_rows
     decode: DecodeViews | None = None  # a decode-only step: what attn is derived from
     graph: GraphKey | None = None  # the CUDA graph that runs the step, if one does
 
@@ -81,17 +82,17 @@ class DecodeBuffers:
         self.dev64 = self.host64 if same else torch.zeros_like(self.host64, device=device)
         self.dev32 = self.host32 if same else torch.zeros_like(self.host32, device=device)
 
-    def fill(self, seqs: list[Sequence], rows: int, width: int | None = None) -> DecodeViews:
-        """Write the decode rows of `seqs` (one new token each), padded to `rows` rows, with
+    def fill(self, plans: list[RowPlan], rows: int, width: int | None = None) -> DecodeViews:
+        """Write the decode rows `plans` (one new token each), padded to `rows` rows, with
         block tables `width` wide (default: the longest table). Returns the device views."""
-        real, size, N = len(seqs), self.block_size, self.max_rows
+        real, size, N = len(plans), self.block_size, self.max_rows
         assert real <= rows <= N, f"{real} sequences in a step of {rows} rows (at most {N})"
-        tables = [seq.block_table for seq in seqs]
+        tables = [plan.block_table for plan in plans]
         width = width or max(len(t) for t in tables)
         ids, positions, slots, lens, flat = [], [], [], [], []
-        for seq, table in zip(seqs, tables):
-            pos = seq.num_computed_tokens
-            ids.append(seq.token_ids[pos])
+        for plan, table in zip(plans, tables):
+            pos = plan.start
+            ids.append(plan.new_tokens[0])
             positions.append(pos)
             slots.append(table[pos // size] * size + pos % size)
             lens.append(pos + 1)

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 
-from engine.async_engine import AsyncEngine
+from engine.core.client import EngineClient
 from engine.sequence import RequestOutput
 from gateway.metrics import BASE_LABEL, Metrics
 
@@ -75,7 +75,7 @@ class GenerationJob:
     nothing more for it), and so does any engine error."""
 
     id: str  # the response id: cmpl-... or chatcmpl-...
-    engine: AsyncEngine
+    engine: EngineClient
     choices: list[Choice]
     adapter: str | None
     metrics: Metrics
@@ -191,7 +191,7 @@ class GenerationJob:
     def _cancel_pumps(self) -> None:
         """Cancel each pump once: the CancelledError lands in its stream's __anext__, whose
         finally then awaits the engine's abort. A second cancel would land in that await and
-        cancel the engine call itself (AsyncEngine.call does not survive that)."""
+        cancel the engine call itself (an engine call does not survive that)."""
         pumps, self._pumps = self._pumps, []
         for task in pumps:
             task.cancel()

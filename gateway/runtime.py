@@ -20,9 +20,8 @@ from contextlib import AsyncExitStack, asynccontextmanager
 
 from tqdm import tqdm
 
-from engine.async_engine import AsyncEngine
 from engine.core import pin_threads
-from engine.core.client import EngineDied, EngineProcess
+from engine.core.client import EngineClient, EngineDied
 from engine.llm_engine import LLMEngine
 from engine.snapshot import EngineInfo, EngineSnapshot
 from engine.tokenizer import TokenText, try_load_tokenizer
@@ -44,7 +43,7 @@ class Runtime:
         self.config = config
         self.metrics = metrics or Metrics()
         self.on_fatal = on_fatal  # called when start-up fails (the server should exit)
-        self.engine: AsyncEngine | EngineProcess | None = None
+        self.engine: EngineClient | None = None
         self.info: EngineInfo | None = None  # the engine's vocabulary size, context window, ...
         self.tokenizer = None  # the model's (None: prompts must be token ids)
         self.adapters: AdapterManager | None = None
@@ -109,20 +108,22 @@ class Runtime:
         logger.info("ready: model %r with %d adapter(s), context %d tokens",
                     config.model_name, len(sources), self.info.max_model_len)
 
-    async def _start_engine(self) -> AsyncEngine | EngineProcess:
+    async def _start_engine(self) -> EngineClient:
         engine_config = self.config.engine_config()
         if self.config.engine_process:
             cpus = self.config.engine_cpu_set()
-            engine = await EngineProcess.start(engine_config, on_death=self._engine_died,
-                                               cpus=cpus)
+            engine = await EngineClient.in_process(engine_config, on_death=self._engine_died,
+                                                   cpus=cpus)
             rest = os.sched_getaffinity(0) - cpus if cpus else None
             if rest:  # the HTTP server keeps off the engine's CPUs (it spawned it first)
                 pin_threads(rest)
             return engine
-        return AsyncEngine(await asyncio.to_thread(LLMEngine, engine_config))
+        return EngineClient.on_thread(await asyncio.to_thread(LLMEngine, engine_config),
+                                      owned=True)
 
     def _engine_died(self, exc: EngineDied) -> None:
-        """The engine process is gone: not ready any more, and the server should exit."""
+        """The engine is gone (its process, a rank): not ready any more, and the server should
+        exit."""
         self.ready, self.status = False, str(exc)
         self.engine_death = str(exc)
         if self.on_fatal is not None:

@@ -1,15 +1,16 @@
-"""The server's side of an engine process: `await EngineProcess.start(config)`.
+"""What a server holds of its engine: an `EngineClient`, whatever carries its messages.
 
-The same interface as engine.async_engine.AsyncEngine (submit_many, abort, snapshot, probe, the
-adapter calls, shutdown, info, adapter_spec), over one socket pair (engine/core/channel.py:
-frames written and read whole, whatever their size): the event loop reads it, so a step's
-outputs for every stream arrive as one message and wake the loop once; each stream then reads
-its own queue. A message that cannot be encoded fails its caller alone, before anything is
-sent. Cancelling a stream (a client that disconnects)
-aborts its request. Streams and calls may come from other event loops too (a second front end
-on the same engine): what is theirs is handed over with call_soon_threadsafe. When the process
-dies, every open stream and pending call fails with a RuntimeError that says so, and `on_death`
-tells the server (which then stops being ready and exits).
+    client = await EngineClient.in_process(config, on_death, cpus)   # its own process
+    client = EngineClient.on_thread(llm_engine)                       # a thread of ours
+
+Both run engine/core/loop.py's EngineLoop and carry engine/core/messages.py's messages (a
+transport: engine/core/spawn.py, engine/core/thread.py); the stream table, the pending calls
+and the failure path are this module's, once. Each request's stream reads its own queue;
+cancelling a stream (a client that disconnects) aborts its request. Streams and calls may come
+from other event loops too (a second front end on the same engine): what is theirs is handed
+over with call_soon_threadsafe. When the engine loop ends on its own (its process died, a
+tensor-parallel rank is gone) every open stream and pending call fails with EngineDied, which
+says why, and `on_death` tells the server (which then stops being ready and exits).
 """
 
 from __future__ import annotations
@@ -17,123 +18,102 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
-import socket
-import subprocess
-import sys
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 
 import msgspec
 
 from adapters.format import LoraAdapter
 from adapters.types import BaseModelSpec
-from engine.async_engine import read_stream
 from engine.config import Config
-from engine.core.channel import ChannelClosed, ServerChannel
+from engine.core.channel import ChannelClosed
 from engine.core.messages import (
     Abort,
+    AddAdapter,
     Call,
     Failed,
+    FromEngine,
     Outputs,
-    Ready,
     Reply,
-    Stop,
     Submit,
-    decode_from_engine,
-    encode,
-    raise_error,
+    ToEngine,
+    as_error,
 )
-from engine.sequence import EngineRequest, RequestOutput
+from engine.core.spawn import ProcessTransport
+from engine.core.thread import ThreadTransport
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.sequence import EngineRequest, Prompt, RequestOutput
 from engine.snapshot import EngineInfo, EngineSnapshot
 
 logger = logging.getLogger(__name__)
-STOP_TIMEOUT_S = 10.0
 
 
 class EngineDied(RuntimeError):
-    """The engine process exited; nothing it held can finish."""
+    """The engine loop ended (its process exited, a rank is gone); nothing it held can finish."""
 
 
-class EngineProcess:
-    def __init__(self, config: Config, proc: subprocess.Popen, sock: socket.socket,
-                 on_death: Callable[[EngineDied], None] | None):
-        self.config, self.proc, self.on_death = config, proc, on_death
-        self.adapter_spec: BaseModelSpec = config.adapter_spec()
-        self.info: EngineInfo | None = None
+class EngineClient:
+    def __init__(self, transport: ProcessTransport | ThreadTransport,
+                 on_death: Callable[[EngineDied], None] | None = None):
+        self.transport, self.on_death = transport, on_death
         self.died: EngineDied | None = None
-        self._stopping = False  # shutdown() asked: the socket closing is no death
         self._last_failure = ""  # a fatal step failure's message, for EngineDied
         self._calls: dict[int, asyncio.Future] = {}  # each on its caller's loop
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count(1)
-        self._ready: asyncio.Future = asyncio.get_running_loop().create_future()
         self._loop = asyncio.get_running_loop()
-        self.channel = ServerChannel(sock, self._loop, self._on_frame, self._on_closed)
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
 
     @classmethod
-    async def start(cls, config: Config, on_death: Callable[[EngineDied], None] | None = None,
-                    cpus: frozenset[int] | None = None) -> EngineProcess:
-        """Start the process, send it the config (and the CPUs it runs on, if pinned) and wait
-        until its engine is built."""
-        ours, theirs = socket.socketpair()
-        proc = subprocess.Popen([sys.executable, "-m", "engine.core.process",
-                                 str(theirs.fileno())], pass_fds=[theirs.fileno()],
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        theirs.close()
-        engine = cls(config, proc, ours, on_death)
-        engine.channel.send(msgspec.msgpack.encode(
-            {"model": config.model, "cpus": sorted(cpus or ()), **config.engine_options()}))
-        await engine._ready
-        logger.info("engine process %d ready", proc.pid)
-        return engine
+    async def in_process(cls, config: Config, on_death: Callable[[EngineDied], None] | None = None,
+                         cpus: frozenset[int] | None = None) -> EngineClient:
+        """The engine in a process of its own, started and ready."""
+        client = cls(ProcessTransport(config, cpus), on_death)
+        await client.transport.start(client._loop, client._on_message, client._on_closed)
+        return client
 
-    # ---- the socket ----------------------------------------------------------------------
-    def _on_closed(self) -> None:
-        if self._stopping:
-            return
-        why = f": {self._last_failure}" if self._last_failure else ""
-        self._fail(EngineDied(f"the engine process exited (status {self.proc.wait()}){why}; "
-                              "see its log above"))
+    @classmethod
+    def on_thread(cls, engine: LLMEngine, owned: bool = False) -> EngineClient:
+        """`engine` stepped by a thread of this process (call it on the server's event loop);
+        `owned`: shutdown() closes it too."""
+        client = cls(ThreadTransport(engine, owned))
+        client.transport.start(client._loop, client._on_message, client._on_closed)
+        return client
 
-    def _on_frame(self, payload: bytes) -> None:
-        try:
-            message = decode_from_engine(payload)
-        except msgspec.DecodeError:  # a bug in the engine's side; the frames stay whole
-            logger.exception("a message from the engine process does not decode; dropped")
-            return
+    @property
+    def info(self) -> EngineInfo:
+        return self.transport.info
+
+    @property
+    def adapter_spec(self) -> BaseModelSpec:
+        return self.transport.adapter_spec
+
+    # ---- messages from the engine (on the owner loop) --------------------------------------
+    def _on_message(self, message: FromEngine) -> None:
         if isinstance(message, Outputs):
             for out in message.items:
                 self._put(out.request_id, out)
         elif isinstance(message, Reply):
             future = self._calls.pop(message.call, None)
-            if message.call == 0 and not self._ready.done():  # the engine failed to start
-                self._ready.set_exception(_error(message))
-            elif future is not None:
-                outcome = _error(message) if message.error is not None else message.value
+            if future is not None:
+                outcome = as_error(message.error) if message.error is not None else message.value
                 _on_its_loop(self._loop, future, _settle, future, outcome)
         elif isinstance(message, Failed):
-            if message.fatal:  # why the process is about to exit
+            if message.fatal:  # why the engine loop is about to end
                 self._last_failure = message.message
             for request_id in message.request_ids:
                 self._put(request_id, RuntimeError(message.message))
-        elif isinstance(message, Ready):
-            self.info = message.info
-            self._ready.set_result(None)
 
-    def _fail(self, exc: EngineDied) -> None:
+    def _on_closed(self, failure: BaseException | None) -> None:
+        """The engine loop ended without being asked to (`failure`: how, if known)."""
         if self.died is not None:
             return
-        self.died = exc
-        self.channel.close()
+        why = f": {self._last_failure}" if self._last_failure else ""
+        how = f" ({failure})" if failure is not None else ""
+        self.died = exc = EngineDied(f"the engine {self.transport.kind} exited{how}{why}; see "
+                                     "its log above")
         logger.error("%s", exc)
-        if not self._ready.done():
-            self._ready.set_exception(exc)
         for future in self._calls.values():
             _on_its_loop(self._loop, future, _settle, future, exc)
         self._calls.clear()
@@ -151,52 +131,57 @@ class EngineProcess:
             else:
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
-    def _send(self, message) -> None:
+    # ---- messages to the engine ------------------------------------------------------------
+    def _send(self, message: ToEngine) -> None:
         if self.died is not None:
             raise self.died
         try:
-            frame = encode(message)
-        except (OverflowError, TypeError) as exc:  # e.g. an integer past 64 bits: bad input
-            raise ValueError(f"the request holds a value the engine cannot take: {exc}") from None
-        try:
-            self.channel.send(frame)
+            self.transport.send(message)
         except ChannelClosed:
             raise self.died or EngineDied("the engine process has closed its channel") from None
 
-    async def _call(self, method: str, *args):
+    async def _request(self, make: Callable[[int], ToEngine]):
+        """Send the message `make(call id)` and wait for its Reply's value."""
         call = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call] = future
-        self._send(Call(call, method, list(args)))
+        try:
+            self._send(make(call))
+        except BaseException:
+            self._calls.pop(call, None)
+            raise
         return await future
 
-    # ---- AsyncEngine's interface -----------------------------------------------------------
+    async def _call(self, method: str, *args):
+        return await self._request(lambda call: Call(call, method, list(args)))
+
+    # ---- the interface ---------------------------------------------------------------------
     async def submit_many(self, requests: list[EngineRequest]) -> list[AsyncIterator[RequestOutput]]:
-        """Queue requests, all or none (the engine checks every one first); one stream each."""
+        """Queue requests, all or none (the engine checks every one first); one stream of
+        increments each, in order. ValueError (InvalidParam, AdapterError) on bad input."""
         requests = [r if r.request_id else replace(r, request_id=uuid.uuid4().hex)
                     for r in requests]
         loop = asyncio.get_running_loop()
         queues = [asyncio.Queue() for _ in requests]
         for r, queue in zip(requests, queues):
             self._streams[r.request_id] = (loop, queue)
-        call = next(self._ids)
-        future = loop.create_future()
-        self._calls[call] = future
         try:
-            self._send(Submit(call, requests))
-            await future
+            await self._request(lambda call: Submit(call, requests))
         except BaseException:
             for r in requests:
                 self._streams.pop(r.request_id, None)
             raise
-        return [self._stream(r.request_id, queue) for r, queue in zip(requests, queues)]
+        return [read_stream(queue, lambda finished, rid=r.request_id: self._closed(rid, finished))
+                for r, queue in zip(requests, queues)]
 
-    def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        return read_stream(queue, lambda finished: self._closed(request_id, finished))
+    async def submit(self, prompt: Prompt, params: SamplingParams, adapter: str | None = None,
+                     request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        (stream,) = await self.submit_many([EngineRequest(prompt, params, adapter, request_id)])
+        return stream
 
     async def _closed(self, request_id: str, finished: bool) -> None:
         self._streams.pop(request_id, None)
-        if not finished and self.died is None:  # abandoned while the process still runs
+        if not finished and self.died is None:  # abandoned: free its blocks and slot
             await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
@@ -207,15 +192,19 @@ class EngineProcess:
         return msgspec.convert(await self._call("snapshot"), EngineSnapshot)
 
     async def probe(self) -> None:
+        """Answers once the engine loop gets between two steps."""
         await self._call("probe")
 
-    async def add_adapter(self, name: str, path: str, adapter: LoraAdapter | None = None) -> int:
-        """Register or replace `name` from its directory (parsed in the engine process: the
-        tensors of `adapter`, parsed here already, cannot cross)."""
-        return await self._call("add_adapter", name, path)
+    async def add_adapter(self, name: str, path: str | None,
+                          adapter: LoraAdapter | None = None) -> int:
+        """Register or replace `name`: `adapter`, parsed and validated already where its bytes
+        were read, or else read and parsed from `path` (its disk copy, also where the engine
+        re-reads it after a host eviction) on the engine's loader thread. Its version."""
+        return await self._request(lambda call: AddAdapter(call, name, path, adapter))
 
-    async def load_adapter(self, name: str) -> str:
-        return await self._call("load_adapter", name)
+    async def to_device(self, name: str) -> str:
+        """Into a device slot now if one can be had; "device" or "host"."""
+        return await self._call("to_device", name)
 
     async def pin_adapter(self, name: str, pinned: bool) -> None:
         await self._call("pin_adapter", name, pinned)
@@ -227,18 +216,26 @@ class EngineProcess:
         await self._call("remove_adapter", name)
 
     def shutdown(self) -> None:
-        """Stop the process (blocking: call it off the event loop)."""
-        self._stopping = True
-        if self.died is None and self.proc.poll() is None:
-            try:
-                self.channel.send(encode(Stop()))
-            except ChannelClosed:
-                pass
-        try:
-            self.proc.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        """Stop the engine loop (blocking: call it off the event loop)."""
+        self.transport.shutdown()
+
+
+async def read_stream(queue: asyncio.Queue, closed: Callable[[bool], Awaitable[None]]
+                      ) -> AsyncIterator[RequestOutput]:
+    """One request's outputs from its queue, up to the finished one; an exception put on the
+    queue is raised. `closed(finished)` runs however the reading ends."""
+    finished = False
+    try:
+        while True:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                finished = True
+                return
+    finally:
+        await closed(finished)
 
 
 def _settle(future: asyncio.Future, outcome) -> None:
@@ -255,11 +252,3 @@ def _on_its_loop(owner: asyncio.AbstractEventLoop, future: asyncio.Future, fn, *
         fn(*args)
     else:
         loop.call_soon_threadsafe(fn, *args)
-
-
-def _error(reply: Reply) -> Exception:
-    try:
-        raise_error(reply.error)
-    except Exception as exc:
-        return exc
-    raise AssertionError("raise_error returned")

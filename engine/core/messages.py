@@ -1,11 +1,13 @@
-"""What crosses between a server and its engine process: msgspec Structs, MessagePack on the
-wire, one frame per message (multiprocessing.connection's length-prefixed frames).
+"""What crosses between a server and its engine loop: msgspec Structs. On a thread of the
+server's they cross as they are; to an engine process as MessagePack, one frame each
+(engine/core/channel.py).
 
-    to the engine       Submit (requests, all or none), Abort, Call (an engine method by
-                        name, see process.CALLS), Stop
+    to the engine       Submit (requests, all or none), Abort, AddAdapter (a parsed adapter,
+                        or the directory to read one from), Call (one of EngineLoop.CALLS by
+                        name), Stop
     from the engine     Ready (EngineInfo), Outputs (everything one step produced, for every
                         stream at once), Failed (a step failed these requests), Reply (to a
-                        Submit or Call: a value, or the error it raised)
+                        Submit, AddAdapter or Call: a value, or the error it raised)
 
 Errors cross as ErrorInfo and are raised again on the server side as the same kind of
 ValueError (InvalidParam keeps its param and code, an AdapterError its HTTP status).
@@ -32,6 +34,17 @@ class Abort(msgspec.Struct, tag=True):
     request_id: str
 
 
+class AddAdapter(msgspec.Struct, tag=True):
+    """Register or replace `name`. `adapter`: the adapter parsed and validated where its bytes
+    were read (a LoraAdapter on a thread, its adapters.wire packing across processes), or None
+    to read and parse it from `path` (the disk tier) on the engine's loader thread."""
+
+    call: int
+    name: str
+    path: str | None
+    adapter: Any = None
+
+
 class Call(msgspec.Struct, tag=True):
     call: int
     method: str
@@ -53,7 +66,7 @@ class Outputs(msgspec.Struct, tag=True):
 class Failed(msgspec.Struct, tag=True):
     request_ids: list[str]
     message: str
-    fatal: bool = False  # the engine process exits next (a tensor-parallel rank is gone)
+    fatal: bool = False  # the engine loop ends next (a tensor-parallel rank is gone)
 
 
 class ErrorInfo(msgspec.Struct):
@@ -70,7 +83,7 @@ class Reply(msgspec.Struct, tag=True):
     error: ErrorInfo | None = None
 
 
-ToEngine = Submit | Abort | Call | Stop
+ToEngine = Submit | Abort | AddAdapter | Call | Stop
 FromEngine = Ready | Outputs | Failed | Reply
 
 encode = msgspec.msgpack.Encoder().encode
@@ -90,11 +103,13 @@ def error_info(exc: BaseException) -> ErrorInfo:
                      getattr(exc, "code", None), getattr(exc, "status", None))
 
 
-def raise_error(info: ErrorInfo) -> None:
+def as_error(info: ErrorInfo) -> Exception:
+    """The exception `info` describes, to raise on the server side."""
     if info.kind == "InvalidParam":
-        raise InvalidParam(info.param or "", info.message, info.code)
+        return InvalidParam(info.param or "", info.message, info.code)
     kind = {k.__name__: k for k in _KINDS}.get(info.kind, RuntimeError)
     exc = kind(info.message)
-    if info.status is not None and isinstance(exc, adapter_errors.AdapterError):
-        exc.status = info.status  # a subclass's own status (400 for an invalid id, ...)
-    raise exc
+    if isinstance(exc, adapter_errors.AdapterError):  # a subclass's own (400 invalid id, ...)
+        exc.status = info.status if info.status is not None else exc.status
+        exc.code = info.code or exc.code
+    return exc

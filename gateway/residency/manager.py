@@ -23,8 +23,7 @@ from adapters.object_store import ObjectStore
 from adapters.registry import make_registry
 from adapters.store import AdapterExists
 from adapters.store_meta import StoredAdapter, StoredMeta
-from engine.async_engine import AsyncEngine
-from engine.core.client import EngineProcess
+from engine.core.client import EngineClient
 from engine.snapshot import EngineSnapshot
 from gateway.config import ServerConfig
 from gateway.errors import APIError
@@ -42,10 +41,10 @@ PUBLISH_INTERVAL_S = 1.0  # this replica's state, and a read of the whole catalo
 
 
 class AdapterManager:
-    """`AdapterManager(config, engine)`: the adapters of the engine `engine` (an AsyncEngine or
-    an EngineProcess) serves, stored under config.adapter_dir, announced to config.redis_url's registry."""
+    """`AdapterManager(config, engine)`: the adapters `engine` serves, stored under
+    config.adapter_dir, announced to config.redis_url's registry."""
 
-    def __init__(self, config: ServerConfig, engine: AsyncEngine | EngineProcess,
+    def __init__(self, config: ServerConfig, engine: EngineClient,
                  metrics: Metrics | None = None,
                  *, hub_endpoint: str | None = None, hub_cache_dir: str | None = None):
         self.base_name, self.engine = config.model_name, engine

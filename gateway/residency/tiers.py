@@ -24,8 +24,7 @@ from adapters.registry import CatalogEntry
 from adapters.sources import parse_source, resolve_source
 from adapters.store import AdapterStore
 from adapters.store_meta import StoredAdapter, StoredMeta
-from engine.async_engine import AsyncEngine
-from engine.core.client import EngineProcess
+from engine.core.client import EngineClient
 from gateway.errors import APIError
 from gateway.metrics import Metrics
 from gateway.residency.fetch import fetch_bytes
@@ -55,7 +54,7 @@ class AdapterRecord:
 
 
 class AdapterTiers:
-    def __init__(self, adapter_dir: str, engine: AsyncEngine | EngineProcess, metrics: Metrics,
+    def __init__(self, adapter_dir: str, engine: EngineClient, metrics: Metrics,
                  *, hub_endpoint: str | None, hub_cache_dir: str | None,
                  object_store: ObjectStore | None = None):
         self.adapter_dir, self.engine, self.metrics = adapter_dir, engine, metrics
@@ -136,7 +135,7 @@ class AdapterTiers:
         try:
             if record.stored is None:
                 record.stored = await self.mirror(record.entry)
-            else:  # parsed off the engine's step loop (AsyncEngine / EngineProcess.add_adapter)
+            else:  # read and parsed by the engine, off its step loop (its loader thread)
                 started = time.perf_counter()
                 await self.engine.add_adapter(adapter_id, record.stored.path)
                 self._observe("host", started)
@@ -147,7 +146,7 @@ class AdapterTiers:
     async def to_device(self, adapter_id: str) -> None:
         """Into a device slot if one is free (else it waits in host memory)."""
         started = time.perf_counter()
-        await self.engine.load_adapter(adapter_id)
+        await self.engine.to_device(adapter_id)
         self._observe("device", started)
 
     async def pin(self, adapter_id: str, pinned: bool) -> None:

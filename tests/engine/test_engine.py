@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.async_engine import AsyncEngine
+from engine.core.client import EngineClient
 from engine.sampling_params import InvalidParam
 
 
@@ -131,7 +131,7 @@ def test_abort_frees_blocks_at_once(llm):
 
 def test_async_engine_streams_and_aborts_on_disconnect(llm):
     async def main():
-        engine = AsyncEngine(llm.engine)
+        engine = EngineClient.on_thread(llm.engine)
         try:
             params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
             expected = llm.engine  # same engine, driven by the background thread now

@@ -15,6 +15,7 @@ import weakref
 
 import pytest
 import torch
+from lora_steps import watch_lora_steps
 from peft_reference import HIDDEN, MAX_TOKENS, VOCAB, World, needs_triton
 
 from adapters.errors import AdapterError
@@ -64,17 +65,12 @@ def tied_world(tmp_path_factory) -> World:
 
 def watch_steps(llm: LLM, monkeypatch) -> list:
     """The LoRAStep of every step from now on (None for steps without adapters)."""
-    lora, steps = llm.engine.lora, []
-    prepare = lora.prepare
+    full = llm.engine.lora.pool.full
 
-    def watched(batch):
-        step = prepare(batch)
-        assert len(lora.pool.full.held) <= lora.pool.full.capacity
-        steps.append(step)
-        return step
+    def check() -> None:
+        assert len(full.held) <= full.capacity
 
-    monkeypatch.setattr(lora, "prepare", watched)
-    return steps
+    return watch_lora_steps(llm, monkeypatch, check)
 
 
 ENGINES = {
@@ -119,7 +115,7 @@ def test_tied_base_matches_peft(tied_world, monkeypatch):
                      "tied")
     lora = llm.engine.lora
     lora.evict("saved-head-q"), lora.evict("saved-embed-q")
-    assert lora.load("weight-tying-q") == "device"
+    assert lora.to_device("weight-tying-q") == "device"
     (copies,) = lora.pool.full.held.values()
     assert copies["lm_head"] is copies["embed_tokens"]
     assert lora.device_bytes["full_modules"] == V * H * 4
@@ -178,10 +174,16 @@ def test_memory_is_accounted_and_released(world, monkeypatch):
 
 
 def test_rows_use_their_own_adapters_copy():
-    """FullModuleSlots against the one-line meaning, row by row: a token of an adapter with a
+    """FullModuleSlots and LoRAStep.build against the one-line meaning, row by row: a token of an adapter with a
     saved embed_tokens takes its row of that copy, a sampling row of an adapter with a saved
     lm_head its logits from that copy, every other row the base's."""
     from engine.full_modules import FullModuleSlots, embed_full_rows, head_logits
+    from engine.lora_step import LoRARows, LoRAStep
+
+    def full_step(token_slots: list[int], sample_slots: list[int]):
+        rows = LoRARows(token_slots, sample_slots, 4, embed=False, head=False, experts=False,
+                        full=slots.held)
+        return LoRAStep.build(rows, torch.device("cpu")).full
 
     g = torch.Generator().manual_seed(0)
     base, embed_b = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g)
@@ -191,7 +193,7 @@ def test_rows_use_their_own_adapters_copy():
     slots.fill(3, {"embed_tokens": embed_b, "lm_head": embed_b})  # tied by PEFT: one copy
     assert slots.num_bytes == 2 * V * H * 4 and not slots.has_free
     token_slots, sample_slots = [0, 3, -1, 3, 1, 0], [3, -1, 0, 0, 1]
-    step = slots.step(token_slots, sample_slots)
+    step = full_step(token_slots, sample_slots)
     ids = torch.randint(0, V, (len(token_slots),), generator=g)
     y = base[ids].clone()
     embed_full_rows(y, ids, step)
@@ -201,7 +203,7 @@ def test_rows_use_their_own_adapters_copy():
     heads = {0: head_a.float(), 3: embed_b}
     want = torch.stack([hidden[b] @ heads.get(s, base).T for b, s in enumerate(sample_slots)])
     torch.testing.assert_close(head_logits(hidden, base, step), want)
-    assert slots.step([1, -1, 1], [1]) is None  # no row of an adapter with a saved module
+    assert full_step([1, -1, 1], [1]) is None  # no row of an adapter with a saved module
     slots.clear(3)
     assert slots.num_bytes == V * H * 4 and slots.has_free
 

@@ -8,6 +8,7 @@ peft_reference.py), one greedy generate per request, float32 on CPU.
 """
 
 import pytest
+from lora_steps import watch_lora_steps
 from peft_reference import ALL_SEVEN, MAX_TOKENS, World, needs_triton
 
 from engine import LLM, SamplingParams
@@ -89,9 +90,7 @@ def test_adapters_without_vocabulary_targets_cost_nothing(world, monkeypatch):
     assert lora.device_bytes["embed_tokens"] == lora.device_bytes["lm_head"] == 0
     assert lora.device_bytes["projections"] > 0
 
-    steps = []
-    prepare = lora.prepare
-    monkeypatch.setattr(lora, "prepare", lambda batch: steps.append(prepare(batch)) or steps[-1])
+    steps = watch_lora_steps(llm, monkeypatch)
     ordinary = [i for i, a in enumerate(world.requests) if a in ("qv-r8", "all-r2", None)]
     prompts = [world.prompts[i] for i in ordinary]
     adapters = [world.requests[i] for i in ordinary]

@@ -4,6 +4,7 @@ expert, router and base requests giving exactly PEFT's greedy tokens on tiny Mix
 Qwen3-MoE-like checkpoints (tests/checkpoints.py), with as many slots as adapters and with two.
 """
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -12,10 +13,10 @@ from peft_reference import MAX_TOKENS, World
 
 from engine import SamplingParams
 from engine.cuda_graphs import DecodeGraphs
-from engine.forward_context import ForwardContext, LoRAStep, forward_context
+from engine.forward_context import ForwardContext, forward_context
 from engine.layers import moe_lora
 from engine.layers.moe_lora import ExpertLoRABuffers, apply_expert_lora
-from kernels import make_lora_meta
+from engine.lora_step import LoRARows, LoRAStep
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 S, E, R, IN, OUT = 4, 5, 8, 24, 40
@@ -68,8 +69,8 @@ def grouped_rows(num_tokens: int, top_k: int, g: torch.Generator):
 
 
 def run(buffers, y, x, expert_ids, token_index, token_slots, experts: bool = True):
-    step = LoRAStep(token_slots, S, embed=False, experts=experts,
-                    tokens=make_lora_meta(token_slots, S))
+    step = LoRAStep.build(LoRARows(token_slots, [], S, embed=False, head=False,
+                                   experts=experts), torch.device("cpu"))
     with forward_context(ForwardContext(attn=None, lora=step)):
         apply_expert_lora({"down_proj": buffers}, "down_proj", y, x, expert_ids, token_index)
 
@@ -130,10 +131,9 @@ def test_steps_with_expert_lora_run_outside_cuda_graphs():
     """Their rows and ranks are picked on the host, and a graph captured before the first
     expert adapter was registered holds no expert LoRA."""
     graphs = SimpleNamespace(buckets=[1, 2, 4])
-    step = LoRAStep([0, -1], S, embed=False)
-    assert DecodeGraphs.key_for(graphs, 2, step) is not None
-    step.experts = True
-    assert DecodeGraphs.key_for(graphs, 2, step) is None
+    rows = LoRARows([0, -1], [], S, embed=False, head=False, experts=False)
+    assert DecodeGraphs.key_for(graphs, 2, rows) is not None
+    assert DecodeGraphs.key_for(graphs, 2, replace(rows, experts=True)) is None
 
 
 # ---- parity with PEFT -----------------------------------------------------------------------

@@ -6,6 +6,7 @@ prefill, preemption and adapter churn; every rank holds the same slot table afte
 from __future__ import annotations
 
 import pytest
+import torch
 from checkpoints import make_tiny_checkpoint
 from peft_reference import MAX_TOKENS, World
 
@@ -24,8 +25,11 @@ VOCAB_LORAS = {
 
 
 def assert_ranks_agree(llm: LLM) -> None:
-    tables = llm.engine.runner.slot_tables(llm.engine.lora.pool)
-    assert len(tables) == 2 and tables[0] == tables[1], tables
+    """Every worker rank compares its slot table with rank 0's after each slot change (a
+    difference ends it: engine/parallel/runner.py), so all alive means all agreed."""
+    runner = llm.engine.runner
+    assert len(runner.workers) == 1
+    runner.check_ranks()
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +104,24 @@ def test_what_cannot_be_split_is_refused(tiny_checkpoint):
     with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by "
                                          "--tensor-parallel-size 3"):
         LLM(tiny_checkpoint("llama"), device="cpu", tensor_parallel_size=3)
+
+
+def test_an_llm_is_built_again_and_again_and_closed_by_its_with(tiny_checkpoint):
+    """`llm = LLM(..., tensor_parallel_size=2)` twice in a row in one process (the second closes
+    the first, which then refuses to run: torch.distributed has one default group), and
+    `with LLM(...) as llm:` stops its workers and leaves the group when the block ends."""
+    path = tiny_checkpoint("llama")
+    want = [o.token_ids for o in LLM(path, device="cpu").generate(PROMPTS, GREEDY)]
+    llm = LLM(path, device="cpu", tensor_parallel_size=2)
+    first = llm
+    llm = LLM(path, device="cpu", tensor_parallel_size=2)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    assert not any(worker.is_alive() for worker in first.engine.runner.workers)
+    with pytest.raises(RuntimeError, match="closed"):
+        first.generate(PROMPTS, GREEDY)
+    with LLM(path, device="cpu", tensor_parallel_size=2) as again:
+        assert [o.token_ids for o in again.generate(PROMPTS, GREEDY)] == want
+    assert not any(worker.is_alive() for worker in again.engine.runner.workers)
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="closed"):
+        again.generate(PROMPTS, GREEDY)

@@ -178,7 +178,7 @@ def test_health_fails_within_its_bound_while_a_thread_engine_step_never_returns(
         while http.get("/ready").status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        engine = app.state.runtime.engine.engine  # the LLMEngine the thread steps
+        engine = app.state.runtime.engine.transport.engine  # the LLMEngine the thread steps
         release, step = threading.Event(), engine.step
 
         def stuck_step():

@@ -11,8 +11,8 @@ import weakref
 import httpx
 import pytest
 
-from engine.async_engine import AsyncEngine
 from engine.config import Config
+from engine.core.client import EngineClient
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from gateway.config import ServerConfig
@@ -67,7 +67,7 @@ async def test_three_slots_ten_adapters_each_request_gets_its_own(slot_server, o
     for name, r in zip(order, replies, strict=True):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want[name], name
-    lora = slot_server.runtime.engine.engine.lora
+    lora = slot_server.runtime.engine.transport.engine.lora
     assert lora.stats.device_evictions > 0  # slots really turned over
     wait_idle(slot_server.runtime)
     for name in names:
@@ -83,7 +83,7 @@ async def test_evict_frees_host_memory(slot_server, make_adapter, tmp_path, wait
                              files=files)).status_code == 201
         assert (await c.post("/admin/adapters/gc-me/load")).json()["residency"] == "device"
         wait_idle(slot_server.runtime)
-        lora = slot_server.runtime.engine.engine.lora  # the LLMEngine behind the AsyncEngine
+        lora = slot_server.runtime.engine.transport.engine.lora  # the LLMEngine the engine thread steps
         host = lora.adapters["gc-me"].host
         tensor = weakref.ref(next(iter(host.modules.values())).lora_a)
         del host
@@ -103,7 +103,7 @@ async def test_two_replicas_on_one_redis(model_dir, make_adapter, tmp_path, redi
         config = ServerConfig(model=model_dir, adapter_dir=str(tmp_path / f"store{i}"),
                               redis_url=redis_server.url, replica_id=f"r{i}",
                               served_model_name="demo-base")
-        m = AdapterManager(config, AsyncEngine(llm), Metrics())
+        m = AdapterManager(config, EngineClient.on_thread(llm), Metrics())
         await m.start()
         managers.append(m)
     a, b = managers
@@ -123,7 +123,7 @@ async def test_two_replicas_on_one_redis(model_dir, make_adapter, tmp_path, redi
         while "shared" in b.records:
             assert time.monotonic() < deadline, "the delete never reached the other replica"
             await asyncio.sleep(0.05)
-        assert "shared" not in b.engine.engine.lora.adapters
+        assert "shared" not in b.engine.transport.engine.lora.adapters
         await b.publish()
         replicas = {s.replica_id: s for s in await a.registry.replicas()}
         assert "shared" not in replicas["r1"].resident

@@ -1,0 +1,40 @@
+"""One step as every rank runs it: what the model runner reads of each scheduled sequence, and
+the step's adapter slots. `plan_step(batch, lora)` builds it on rank 0 from the scheduler's
+batch; `ModelRunner.prepare` reads it; a tensor-parallel step broadcasts it to the worker ranks
+as it is (engine/parallel/runner.py), so every rank prepares the same inputs from the same
+typed message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.lora_step import LoRARows
+from engine.scheduler import LogitRows, ScheduledBatch
+
+
+@dataclass(frozen=True, slots=True)
+class RowPlan:
+    start: int  # the sequence's computed tokens: the position of its first new token
+    new_tokens: list[int]  # the tokens it computes this step (one for a decode row)
+    block_table: list[int]  # its KV blocks (the sequence's own list: read within the step)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    rows: list[RowPlan]  # decode rows first, then prefill chunks
+    num_decode: int  # leading rows with exactly one new token
+    logit_rows: LogitRows  # which token rows become logits (ScheduledBatch.logit_rows)
+    lora: LoRARows | None  # None when no row has an adapter
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_decode == len(self.rows)
+
+
+def plan_step(batch: ScheduledBatch, lora: LoRARows | None) -> StepPlan:
+    rows = [RowPlan(seq.num_computed_tokens,
+                    seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n],
+                    seq.block_table)
+            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
+    return StepPlan(rows, batch.num_decode, batch.logit_rows, lora)
