@@ -30,7 +30,6 @@ from adapters.types import (
     EMBED_LORA_KEY,
     EMBED_TOKENS,
     FLOAT_DTYPES,
-    FUSED_TARGETS,
     HEAD_LORA_KEY,
     LM_HEAD,
     MODEL_TARGETS,
@@ -100,8 +99,8 @@ def _not_offered(target: str, key: str, spec: BaseModelSpec) -> AdapterError:
     """A projection this base does not have: q_proj on Phi-3 (fused), qkv_proj on Llama."""
     offered = ", ".join(t for t in spec.module_shapes if t in PROJECTIONS)
     base = f"the base model ({spec.architecture})" if spec.architecture else "the base model"
-    fused_into = next((name for name, parts in FUSED_TARGETS.items()
-                       if target in parts and name in spec.module_shapes), None)
+    fused_into = next((name for name, slices in spec.fused.items()
+                       if target in (part for part, _ in slices)), None)
     why = f"it fuses {target} into {fused_into}" if fused_into else f"it has no {target}"
     if target in SHARED_TARGETS:
         why = "it has no shared expert (only Qwen2-MoE bases with shared_expert_intermediate_size)"

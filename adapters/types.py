@@ -2,7 +2,8 @@
 an adapter_config.json says (``LoraConfig``), the modules a LoRA may target, and the PEFT key
 patterns that more than one checker reads.
 
-Filled by: ``BaseModelSpec`` by the engine (from the base's config.json); ``LoraConfig`` by
+Filled by: ``BaseModelSpec`` by the engine (engine.models.adapter_spec, from the args the
+engine builds its model from: adapters/ never reads config.json); ``LoraConfig`` by
 adapters.lora_config.parse_adapter_config. Read by the checkers (adapters.lora_tensors,
 adapters.saved_modules) and the loader (adapters.format). Module names are the base model's:
 'model.layers.3.self_attn.k_proj', 'model.embed_tokens', 'lm_head'.
@@ -11,7 +12,6 @@ adapters.saved_modules) and the loader (adapters.format). Module names are the b
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,17 +22,16 @@ from adapters.errors import short_repr as _show
 # -- targets ----------------------------------------------------------------------------------
 
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Phi-3's fused projections: module -> the projections its output rows stack, in order. On a
-# base of FUSED_ARCHITECTURES adapters target these (PEFT sees no q_proj there), elsewhere never.
-FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
+# Fused projections (Phi-3's): one module whose output rows stack several of TARGET_MODULES.
+# On a base whose spec has them (BaseModelSpec.fused says which slices each stacks) adapters
+# target these (PEFT sees no q_proj there), elsewhere never.
+FUSED_TARGETS = ("qkv_proj", "gate_up_proj")
 # Qwen2-MoE's shared expert on a sparse layer (an MLP every token runs, of
 # shared_expert_intermediate_size) and its sigmoid gate [1, H]: ordinary Linear LoRAs, keyed
 # "shared_expert.gate_proj" etc. so they never meet a dense layer's gate_proj (intermediate_size)
 SHARED_EXPERT = "shared_expert"
 SHARED_TARGETS = (*(f"{SHARED_EXPERT}.{t}" for t in TARGET_MODULES[4:]), "shared_expert_gate")
-SHARED_ARCHITECTURES = ("Qwen2MoeForCausalLM",)
-PROJECTIONS = TARGET_MODULES + tuple(FUSED_TARGETS) + SHARED_TARGETS  # every decoder-layer one
+PROJECTIONS = TARGET_MODULES + FUSED_TARGETS + SHARED_TARGETS  # every decoder-layer one
 EMBED_TOKENS, LM_HEAD = "embed_tokens", "lm_head"  # the vocabulary ends
 MODEL_TARGETS = (EMBED_TOKENS, LM_HEAD)  # one per model, outside the decoder layers
 SUPPORTED_TARGETS = PROJECTIONS + MODEL_TARGETS
@@ -86,12 +85,13 @@ def base_name(name: str) -> str:
 
 @dataclass(frozen=True)
 class BaseModelSpec:
-    """What the served base model offers adapters; built by the engine."""
+    """What the served base model offers adapters; built by the engine from the args it builds
+    the model from (engine.models.adapter_spec), never from config.json here."""
 
     num_layers: int
     # target -> (out_features, in_features); embed_tokens is (hidden, vocab), lm_head
-    # (vocab, hidden): both absent when config.json gives no vocab_size. The projections the
-    # base offers: the seven, or on a FUSED_ARCHITECTURES base qkv_proj, o_proj, gate_up_proj,
+    # (vocab, hidden): both absent from a spec with no vocabulary shapes. The projections the
+    # base offers: the seven, or on a fused base (Phi-3) qkv_proj, o_proj, gate_up_proj,
     # down_proj. On an MoE base EXPERT_TARGETS give one expert's (out, in) and ROUTER (E, H);
     # with a shared expert also SHARED_TARGETS (its gate_proj [S, H] ... and its gate [1, H])
     module_shapes: dict[str, tuple[int, int]]
@@ -112,84 +112,6 @@ class BaseModelSpec:
     num_experts: int = 0  # routed experts per MoE layer; 0 on a dense base
     # the layers whose MLP is experts (no dense gate/up/down_proj there); () on a dense base
     moe_layers: tuple[int, ...] = ()
-
-    @classmethod
-    def from_hf_config(cls, hf_config: dict, max_lora_rank: int, max_full_module_slots: int = 0,
-                       model_path: str | os.PathLike | None = None,
-                       dtype: str = "float32") -> BaseModelSpec:
-        """From a Llama / Mistral / Qwen2 / Qwen3 / Phi-3 config.json (as a dict); model_path is the
-        served model's directory, for its name; dtype the served dtype."""
-        cfg = hf_config
-        if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
-            cfg = cfg["text_config"]
-        for key in ("hidden_size", "num_attention_heads", "intermediate_size",
-                    "num_hidden_layers"):  # fmt: skip
-            if not isinstance(cfg.get(key), int) or cfg[key] <= 0:
-                raise ValueError(f"base model config.json: {key} missing or not a positive int")
-        hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        head_dim = cfg.get("head_dim") or hidden // heads
-        if not cfg.get("head_dim") and hidden % heads:
-            raise ValueError(f"base model config.json: hidden_size {hidden} % heads {heads} != 0")
-        inter = cfg["intermediate_size"]
-        q, kv = heads * head_dim, kv_heads * head_dim
-        shapes = {
-            "q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden),
-            "o_proj": (hidden, q),
-            "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
-        }  # fmt: skip
-        archs = hf_config.get("architectures")
-        arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
-        fused = {}
-        if arch in FUSED_ARCHITECTURES:
-            fused = {name: tuple((part, shapes[part][0]) for part in parts)
-                     for name, parts in FUSED_TARGETS.items()}
-            shapes = {"qkv_proj": (q + 2 * kv, hidden), "o_proj": shapes["o_proj"],
-                      "gate_up_proj": (2 * inter, hidden), "down_proj": shapes["down_proj"]}
-        experts, moe_layers = moe_shapes(cfg, hidden, arch)
-        shapes |= experts
-        vocab = cfg.get("vocab_size")
-        if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
-            shapes |= {EMBED_TOKENS: (hidden, vocab), LM_HEAD: (vocab, hidden)}
-        if max_lora_rank < 1:
-            raise ValueError(f"--max-lora-rank must be >= 1, got {max_lora_rank}")
-        tied = bool(cfg.get("tie_word_embeddings", hf_config.get("tie_word_embeddings", False)))
-        names = [os.path.basename(os.path.abspath(model_path))] if model_path else []
-        if isinstance(hf_config.get("_name_or_path"), str):
-            names.append(hf_config["_name_or_path"])
-        names = tuple(dict.fromkeys(n for n in names if base_name(n)))  # distinct, in order
-        return cls(cfg["num_hidden_layers"], shapes, max_lora_rank, tied, max_full_module_slots,
-                   arch or None, names, dtype, fused, experts.get(ROUTER, (0,))[0], moe_layers)
-
-
-def moe_shapes(cfg: dict, hidden: int, arch: str | None = None
-               ) -> tuple[dict[str, tuple[int, int]], tuple[int, ...]]:
-    """An MoE config's expert, router and shared-expert shapes (see BaseModelSpec.module_shapes)
-    and its sparse layers; ({}, ()) when dense. Experts: num_local_experts (Mixtral) or
-    num_experts (Qwen2/3-MoE, OLMoE), of moe_intermediate_size, else intermediate_size (Mixtral,
-    OLMoE); layer i is sparse unless in mlp_only_layers or (i + 1) % decoder_sparse_step != 0.
-    A shared expert: shared_expert_intermediate_size > 0 on a SHARED_ARCHITECTURES base."""
-    num = cfg.get("num_local_experts") or cfg.get("num_experts")
-    if not num:
-        return {}, ()
-    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-    for key, v in (("num_experts", num), ("moe_intermediate_size", inter)):
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ValueError(f"base model config.json: {key} is {v!r}, not a positive int")
-    step, dense = cfg.get("decoder_sparse_step") or 1, set(cfg.get("mlp_only_layers") or ())
-    layers = tuple(i for i in range(cfg["num_hidden_layers"])
-                   if i not in dense and (i + 1) % step == 0)
-    gate_up, down = EXPERT_TARGETS
-    shapes = {ROUTER: (num, hidden), gate_up: (2 * inter, hidden), down: (hidden, inter)}
-    shared = cfg.get("shared_expert_intermediate_size") if arch in SHARED_ARCHITECTURES else 0
-    if shared:
-        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
-            raise ValueError(f"base model config.json: shared_expert_intermediate_size is"
-                             f" {shared!r}, not a positive int")
-        s_gate, s_up, s_down, s_sg = SHARED_TARGETS  # [S, H], [S, H], [H, S], [1, H]
-        shapes |= {s_gate: (shared, hidden), s_up: (shared, hidden), s_down: (hidden, shared),
-                   s_sg: (1, hidden)}
-    return shapes, layers
 
 
 # -- the adapter's config ---------------------------------------------------------------------

@@ -40,7 +40,6 @@ from common import (  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.forward_context import get_forward_context  # noqa: E402
-from engine.layers.moe import count_parameters  # noqa: E402
 
 logger = logging.getLogger("bench_moe")
 
@@ -149,7 +148,7 @@ def main() -> None:
         llm = llms[name] = LLM(path, device="cpu", dtype="float32", max_num_seqs=32,
                                max_loras=32, max_lora_rank=RANK,
                                max_model_len=PROMPT_LEN + OUTPUT_LEN + 8)
-        total, active = count_parameters(llm.engine.runner.model)
+        total, active = llm.engine.runner.model.parameter_counts()
         results[name] = {"total_params": total, "active_params": active}
         for label, dirs in (("attention LoRA", attn), ("expert LoRA", expert)):
             if dirs is not None and (label != "expert LoRA" or name == "moe"):

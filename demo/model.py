@@ -254,6 +254,8 @@ def _write_model(out_dir: str, seed: int) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+    from engine.config import read_hf_config  # the one reader of config.json
+
     vocab_size = build_tokenizer(out_dir, DEMO_VOCAB_SIZE, seed, DEMO_MODEL["max_position_embeddings"])
     bos, eot, im_end = (SPECIAL_TOKENS.index(t) for t in (BOS, END_OF_TEXT, IM_END))
     config = LlamaConfig(vocab_size=vocab_size, bos_token_id=bos, eos_token_id=im_end,
@@ -261,9 +263,7 @@ def _write_model(out_dir: str, seed: int) -> None:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.save_pretrained(out_dir)
-    config_path = os.path.join(out_dir, "config.json")
-    with open(config_path) as f:
-        _write_json(config_path, hub_style_config(json.load(f)))
+    _write_json(os.path.join(out_dir, "config.json"), hub_style_config(read_hf_config(out_dir)))
     GenerationConfig(bos_token_id=bos, eos_token_id=[im_end, eot], pad_token_id=eot,
                      do_sample=False).save_pretrained(out_dir)
 

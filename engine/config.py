@@ -19,7 +19,7 @@ import torch
 
 from adapters.types import BaseModelSpec
 from engine.layers.rotary import longrope_context
-from engine.models import model_class
+from engine.models import adapter_spec, model_class
 
 logger = logging.getLogger(__name__)
 
@@ -142,13 +142,7 @@ class Config(EngineOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not os.path.isdir(self.model):
-            raise ValueError(f"model path {self.model!r} is not a directory")
-        config_path = os.path.join(self.model, "config.json")
-        if not os.path.isfile(config_path):
-            raise ValueError(f"{self.model!r} has no config.json; expected a Hugging Face checkpoint")
-        with open(config_path) as f:
-            object.__setattr__(self, "hf_config", json.load(f))
+        object.__setattr__(self, "hf_config", read_hf_config(self.model))
         model_class(self.hf_config)  # an architecture the engine does not serve fails here, named
         if self.max_model_len is None:
             object.__setattr__(self, "max_model_len", _default_context(self.hf_config))
@@ -163,14 +157,25 @@ class Config(EngineOptions):
 
     def adapter_spec(self) -> BaseModelSpec:
         """What this base model offers adapters: every adapter is checked against it."""
-        return BaseModelSpec.from_hf_config(self.hf_config, self.max_lora_rank,
-                                            self.max_full_module_slots, self.model,
-                                            str(self.torch_dtype).removeprefix("torch."))
+        return adapter_spec(self.hf_config, self.max_lora_rank, self.max_full_module_slots,
+                            self.model, str(self.torch_dtype).removeprefix("torch."))
 
     @property
     def max_host_loras(self) -> int:
         """Parsed adapters the host-memory LRU keeps (max_cpu_loras, or its default)."""
         return self.max_cpu_loras or max(self.max_loras, 16)
+
+
+def read_hf_config(model_dir: str) -> dict:
+    """A checkpoint directory's config.json, as a dict: the one place the file is read (the
+    model's args are read from this dict, engine/models/)."""
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"model path {model_dir!r} is not a directory")
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{model_dir!r} has no config.json; expected a Hugging Face checkpoint")
+    with open(config_path) as f:
+        return json.load(f)
 
 
 def _default_context(hf_config: dict) -> int:

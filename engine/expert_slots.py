@@ -13,13 +13,13 @@ import torch
 from adapters.format import LoraAdapter
 from adapters.types import EXPERT_PARAMS, EXPERTS
 from engine.layers.moe_lora import ExpertLoRABuffers
+from engine.models.base import CausalLM
 
 
 class ExpertSlots:
-    def __init__(self, model, num_slots: int, max_rank: int, device: torch.device,
+    def __init__(self, model: CausalLM, num_slots: int, max_rank: int, device: torch.device,
                  dtype: torch.dtype):
-        expert_modules = getattr(model, "expert_modules", None)  # dense models have none
-        self.modules = list(expert_modules()) if expert_modules is not None else []
+        self.modules = list(model.expert_modules())  # (layer, Experts); none in a dense model
         self.num_slots, self.max_rank = num_slots, max_rank
         self.device, self.dtype = device, dtype
         self.held: set[int] = set()  # slots whose adapter has an expert LoRA

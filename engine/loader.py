@@ -5,6 +5,10 @@ parameter is filled from the checkpoint (merged projections slice by slice). A p
 checkpoint does not fill is an error, not a silently random weight; so is a tensor that is not
 finite once cast to the served dtype (NaN / inf in the checkpoint, or values past float16's
 range under --dtype float16), named with what to do instead of serving infs.
+
+Each parameter's owner (an engine.layers.parts.Loadable) says which checkpoint keys fill it and
+which part of a checkpoint tensor this rank holds; the model (engine/models/base.py) says how
+checkpoint names map to its modules (merged, fused, or its own placement).
 """
 
 from __future__ import annotations
@@ -15,12 +19,11 @@ import os
 
 import torch
 from safetensors import safe_open
-from torch import nn
 from tqdm import tqdm
 
-from engine.layers.embedding import VocabShard
-from engine.layers.linear import Linear
+from engine.layers.parts import Loadable
 from engine.models import model_class
+from engine.models.base import CausalLM
 from engine.parallel.shard import ONE, Shard
 
 logger = logging.getLogger(__name__)
@@ -45,7 +48,7 @@ def checkpoint_files(model_dir: str) -> list[str]:
 
 
 def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype, device: torch.device,
-               shard: Shard = ONE) -> nn.Module:
+               shard: Shard = ONE) -> CausalLM:
     """The model, or under tensor parallelism this rank's part of every layer (each tensor
     read whole, cut by the module it fills)."""
     with torch.device("meta"):
@@ -68,19 +71,19 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype, device: torc
     return model.eval()
 
 
-def _required_keys(model: nn.Module):
-    """Parameter names, with merged projections counted per slice (`...qkv_proj.weight:k_proj`)."""
+def _required_keys(model: CausalLM):
+    """Every key the checkpoint must fill: per parameter, what its owner says (a merged
+    projection's slices `...qkv_proj.weight:k_proj`, MoE experts' per expert and half)."""
     for name, _ in model.named_parameters():
-        owner = model.get_submodule(name.rsplit(".", 1)[0])
-        if isinstance(owner, Linear) and len(owner.slice_names) > 1:
-            yield from (f"{name}:{slice_name}" for slice_name in owner.slice_names)
-        elif hasattr(owner, "checkpoint_keys"):  # MoE experts: per expert and half
-            yield from owner.checkpoint_keys(name)
-        else:
-            yield name
+        yield from _owner(model, name).checkpoint_keys(name)
 
 
-def _assign(model: nn.Module, params: dict, name: str, tensor: torch.Tensor) -> list[str]:
+def _owner(model: CausalLM, name: str) -> Loadable:
+    """The Loadable module holding parameter `name`."""
+    return model.get_submodule(name.rpartition(".")[0])
+
+
+def _assign(model: CausalLM, params: dict, name: str, tensor: torch.Tensor) -> list[str]:
     """Copy one checkpoint tensor into its (possibly merged) parameter; return what it filled."""
     if "rotary_emb.inv_freq" in name:
         return [name]  # derived from config; some old checkpoints store it
@@ -95,18 +98,17 @@ def _assign(model: nn.Module, params: dict, name: str, tensor: torch.Tensor) -> 
     for fragment, (merged, slice_name) in model.merged_projections.items():
         if f".{fragment}." in name:
             merged_name = name.replace(f".{fragment}.", f".{merged}.")
-            owner = model.get_submodule(merged_name.rsplit(".", 1)[0])
+            owner = _owner(model, merged_name)
             _copy(params[merged_name][owner.slice_rows(slice_name)],
-                  _local(owner, slice_name, tensor), name)
+                  owner.checkpoint_part(slice_name, tensor), name)
             return [f"{merged_name}:{slice_name}"]
     if name not in params:
         raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
-    owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-    _copy(params[name], _local(owner, None, tensor), name)
+    _copy(params[name], _owner(model, name).checkpoint_part(None, tensor), name)
     return [name]
 
 
-def _assign_fused(model: nn.Module, params: dict, name: str, tensor: torch.Tensor,
+def _assign_fused(model: CausalLM, params: dict, name: str, tensor: torch.Tensor,
                   slices: tuple[tuple[str, int], ...]) -> list[str]:
     """A checkpoint tensor holding several slices along its rows (Phi-3's qkv_proj [q+2kv, H]):
     each slice's rows go to that slice of our Linear (this rank's part of them)."""
@@ -116,21 +118,11 @@ def _assign_fused(model: nn.Module, params: dict, name: str, tensor: torch.Tenso
     if tensor.shape[0] != sum(widths):
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
                          f"expects {sum(widths)} rows ({', '.join(s for s, _ in slices)})")
-    owner = model.get_submodule(name.rsplit(".", 1)[0])
+    owner = _owner(model, name)
     for (slice_name, _), part in zip(slices, tensor.split(widths), strict=True):
-        _copy(params[name][owner.slice_rows(slice_name)], _local(owner, slice_name, part),
+        _copy(params[name][owner.slice_rows(slice_name)], owner.checkpoint_part(slice_name, part),
               f"{name} ({slice_name} rows)")
     return [f"{name}:{slice_name}" for slice_name, _ in slices]
-
-
-def _local(owner, slice_name: str | None, tensor: torch.Tensor) -> torch.Tensor:
-    """The part of a checkpoint tensor this rank's `owner` module holds (all of it on one)."""
-    if isinstance(owner, Linear):
-        return owner.local(slice_name or owner.slice_names[0], tensor,
-                           1 if owner.row_parallel else 0)
-    if isinstance(owner, VocabShard):
-        return owner.local(tensor)
-    return tensor
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -30,12 +30,11 @@ class EngineInfo:
 def engine_info(engine: LLMEngine) -> EngineInfo:
     import torch
 
-    from engine.layers.moe import count_parameters
     from engine.models import model_class
 
     hf_config = engine.config.hf_config
     with torch.device("meta"):  # the whole model, not this rank's part under TP; no memory
-        total, active = count_parameters(model_class(hf_config)(hf_config))
+        total, active = model_class(hf_config)(hf_config).parameter_counts()
     return EngineInfo(engine.vocab_size, engine.config.max_model_len, engine.config.block_size,
                       engine.block_manager.num_blocks, engine.limits, total, active)
 

@@ -1,6 +1,8 @@
 """The code's layout (tools/layout.py): imports point one way between packages, no module of a
 package imports another that imports it back, modules stay under the size a reader takes in at
-once, tests import no other test module, and the README's map names what is there."""
+once, tests import no other test module, the README's map names what is there, config.json is
+read by engine/config.py alone, and no model part is probed with hasattr / isinstance outside
+the model."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ _spec.loader.exec_module(layout)
 
 
 @pytest.mark.parametrize("check", ["import_problems", "size_problems", "test_import_problems",
-                                   "readme_problems"])
+                                   "readme_problems", "config_json_problems", "probe_problems"])
 def test_layout(check):
     problems = list(getattr(layout, check)(ROOT))
     assert not problems, "\n".join(problems)
@@ -42,3 +44,35 @@ def test_the_checks_can_fail(tmp_path):
     assert "imports the test module test_y" in found
     assert "names engine/gone.py, which does not exist" in found
     assert "does not name engine/b.py" in found
+
+
+def test_config_json_and_probe_checks_can_fail(tmp_path):
+    """What the code did before: the demo reading config.json back, adapters/ parsing the dict,
+    the loader and the expert slots probing the model's parts."""
+    for name in layout.PACKAGES:
+        (tmp_path / name).mkdir()
+    (tmp_path / "engine" / "config.py").write_text(
+        'import json, os\npath = os.path.join("m", "config.json")\nwith open(path) as f:\n'
+        '    json.load(f)\n')
+    (tmp_path / "demo" / "model.py").write_text(
+        'import os\nconfig_path = os.path.join("out", "config.json")\nopen(config_path)\n')
+    (tmp_path / "gateway" / "a.py").write_text(
+        'from pathlib import Path\nPath("m/config.json").read_text()\n'
+        'open("adapter_config.json")\n')
+    (tmp_path / "adapters" / "types.py").write_text("def spec(hf_config):\n    return 1\n")
+    (tmp_path / "engine" / "loader.py").write_text(
+        "def f(owner, model):\n    isinstance(owner, Linear)\n"
+        '    hasattr(owner, "checkpoint_keys")\n    getattr(model, "expert_modules", None)\n'
+        '    getattr(model, "expert_modules")\n    isinstance(owner, int)\n')
+    (tmp_path / "engine" / "layers").mkdir()
+    (tmp_path / "engine" / "layers" / "moe.py").write_text('hasattr(x, "shared_expert")\n')
+    found = [*layout.config_json_problems(tmp_path), *layout.probe_problems(tmp_path)]
+    text = "\n".join(found)
+    assert "demo/model.py:3 reads config.json" in text
+    assert "gateway/a.py:2 reads config.json" in text
+    assert "adapters/types.py:1 names hf_config" in text
+    assert "engine/loader.py:2 probes the model's Linear with isinstance()" in text
+    assert "engine/loader.py:3 probes the model's checkpoint_keys with hasattr()" in text
+    assert "engine/loader.py:4 probes the model's expert_modules with getattr()" in text
+    assert len(found) == 6, text  # not engine/config.py, adapter_config.json, a plain getattr,
+    # isinstance(owner, int), nor engine/layers (which declares the interface)

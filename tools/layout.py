@@ -1,6 +1,8 @@
 """The code's layout, checked: import direction between packages, no import cycle inside a
-package, modules of at most MAX_LINES lines, tests that import no other test module, and a
-README map that names every module that exists (and none that does not).
+package, modules of at most MAX_LINES lines, tests that import no other test module, a README
+map that names every module that exists (and none that does not), config.json read by one
+module only, and no probing of the model's parts outside the model (hasattr / isinstance on
+them, instead of their declared interface).
 
     python tools/layout.py          # prints every problem; exit status 1 if there is one
 
@@ -175,9 +177,82 @@ def readme_problems(root: Path = ROOT) -> Iterator[str]:
             yield f"README's map does not name {rel}"
 
 
+# The one module that opens config.json; the model's args are read from the dict it returns.
+CONFIG_READER = "engine/config.py"
+CONFIG_DICT = "hf_config"  # that dict's name: only engine/ holds it (adapters get a spec)
+# A model part's class or attribute: what hasattr / isinstance / getattr(.., default) must not
+# probe outside engine/models and engine/layers, which declare the interface that answers it.
+MODEL_PARTS = frozenset({
+    "Linear", "VocabShard", "VocabEmbedding", "LMHead", "SparseMoeBlock", "Experts", "RMSNorm",
+    "q_norm", "k_norm", "shared_expert", "shared_expert_gate", "expert_modules", "lora_linears",
+    "checkpoint_keys", "checkpoint_part", "checkpoint_target"})
+PART_OWNERS = ("engine/models/", "engine/layers/")
+PROBES = {"hasattr": 2, "isinstance": 2, "issubclass": 2, "getattr": 3}  # name -> args it takes
+READS = ("open", "read_text", "read_bytes")  # open(path), Path(path).read_text()
+
+
+def _names_config_json(node: ast.AST, bound: set[str]) -> bool:
+    """Whether an expression mentions config.json: the string itself ("config.json", ".../
+    config.json", not adapter_config.json) or a name bound to an expression that does."""
+    for n in ast.walk(node):
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and (
+                n.value == "config.json" or n.value.endswith("/config.json")):
+            return True
+        if isinstance(n, ast.Name) and n.id in bound:
+            return True
+    return False
+
+
+def config_json_problems(root: Path = ROOT) -> Iterator[str]:
+    """Only CONFIG_READER opens config.json (an open() / read_text() whose path mentions it,
+    directly or through a name assigned from it); and outside engine/ nothing names the dict
+    read from it: adapters/ and gateway/ get what they need from the engine's nouns."""
+    for m in modules(root).values():
+        rel = m.path.relative_to(root).as_posix()
+        tree = ast.parse(m.path.read_text(), str(m.path))
+        bound = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                 and _names_config_json(n.value, set())
+                 for t in n.targets if isinstance(t, ast.Name)}
+        for n in ast.walk(tree):
+            if not isinstance(n, ast.Call) or rel == CONFIG_READER:
+                continue
+            func = n.func.id if isinstance(n.func, ast.Name) else getattr(n.func, "attr", "")
+            receiver = [n.func.value] if isinstance(n.func, ast.Attribute) else []
+            if func in READS and any(_names_config_json(a, bound)
+                                     for a in [*n.args, *receiver]):
+                yield (f"{rel}:{n.lineno} reads config.json: only {CONFIG_READER} does "
+                       "(read_hf_config); take the model's facts from the engine")
+        if not rel.startswith("engine/"):
+            for n in ast.walk(tree):
+                name = getattr(n, "id", None) or getattr(n, "arg", None) or getattr(n, "attr", None)
+                if name == CONFIG_DICT:
+                    yield (f"{rel}:{n.lineno} names {CONFIG_DICT}, the config.json dict: only "
+                           "engine/ reads it; use the engine's BaseModelSpec or EngineInfo")
+                    break
+
+
+def probe_problems(root: Path = ROOT) -> Iterator[str]:
+    """No hasattr / isinstance / issubclass / getattr-with-a-default on a model part (MODEL_PARTS
+    named in its arguments) outside PART_OWNERS: a part is asked through its interface."""
+    for m in modules(root).values():
+        rel = m.path.relative_to(root).as_posix()
+        if rel.startswith(PART_OWNERS):
+            continue
+        for n in ast.walk(ast.parse(m.path.read_text(), str(m.path))):
+            if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+                    and len(n.args) >= PROBES.get(n.func.id, 99)):
+                continue
+            named = {getattr(a, "id", None) or getattr(a, "attr", None) or getattr(a, "value", None)
+                     for arg in n.args for a in ast.walk(arg)}
+            if parts := sorted(p for p in named & MODEL_PARTS):
+                yield (f"{rel}:{n.lineno} probes the model's {', '.join(parts)} with "
+                       f"{n.func.id}(): ask it through the interface engine/layers/parts.py and "
+                       "engine/models/base.py declare")
+
+
 def problems(root: Path = ROOT) -> list[str]:
     return [*import_problems(root), *size_problems(root), *test_import_problems(root),
-            *readme_problems(root)]
+            *readme_problems(root), *config_json_problems(root), *probe_problems(root)]
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from torch import nn
 from engine.forward_context import get_forward_context
 from engine.full_modules import embed_full_rows, head_logits
 from engine.layers.linear import LoRABuffers
+from engine.layers.parts import Loadable
 from engine.parallel import group
 from engine.parallel.shard import ONE, Shard
 from kernels import embedding_lora
@@ -51,7 +52,7 @@ class EmbeddingLoRABuffers:
                    for t in (self.lora_a, self.lora_b, self.ranks, self.scales))
 
 
-class VocabShard:
+class VocabShard(Loadable):
     """The vocabulary rows [vocab_start, vocab_start + local_vocab) a rank holds, `real` of
     them real (the rest pad the last rank)."""
 
@@ -66,6 +67,9 @@ class VocabShard:
         part = full.new_zeros((self.local_vocab, *full.shape[1:]))
         part[:self.real] = full[self.vocab_start:self.vocab_start + self.real]
         return part
+
+    def checkpoint_part(self, slice_name: str | None, full: torch.Tensor) -> torch.Tensor:
+        return self.local(full)  # [vocab, hidden] -> this rank's rows
 
 
 class VocabEmbedding(nn.Module, VocabShard):

@@ -14,6 +14,7 @@ needs no collective of its own. The bias is added once, after the reduction.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_context import get_forward_context
+from engine.layers.parts import Loadable
 from engine.parallel import group
 from kernels import apply_lora
 
@@ -46,7 +48,7 @@ class LoRABuffers:
                    for t in (self.lora_a, self.lora_b, self.ranks, self.scales))
 
 
-class Linear(nn.Module):
+class Linear(nn.Module, Loadable):
     def __init__(self, in_features: int, slices: dict[str, int], bias: bool = False, *,
                  sources: dict[str, int] | None = None, row_parallel: bool = False):
         """slices: this rank's output width of each slice; sources: where each starts in the
@@ -83,6 +85,18 @@ class Linear(nn.Module):
             return full.narrow(dim, self.sources["*"], self.in_features)
         rows = self.slice_rows(name)
         return full.narrow(dim, self.sources[name], rows.stop - rows.start)
+
+    def checkpoint_keys(self, param_name: str) -> Iterator[str]:
+        """A merged Linear's parameter is filled slice by slice (`...qkv_proj.weight:k_proj`)."""
+        if len(self.slice_names) == 1:
+            yield param_name
+        else:
+            yield from (f"{param_name}:{name}" for name in self.slice_names)
+
+    def checkpoint_part(self, slice_name: str | None, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint weight or bias, of slice `slice_name` (None: the
+        only one)."""
+        return self.local(slice_name or self.slice_names[0], full, 1 if self.row_parallel else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> y: [T, O_total]

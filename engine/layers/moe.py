@@ -1,6 +1,6 @@
 """The sparse Mixture-of-Experts block: a router picks top_k of E expert MLPs for every token.
 
-    probs   = softmax(x W_gate^T)            (float32; sigmoid where the config says so)
+    probs   = softmax(x W_gate^T)            (float32)
     w, ids  = top_k(probs)                   (renormalised to sum 1 where norm_topk_prob)
     out[t]  = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),  e = ids[t, j]
             (+ sigmoid(x W_sg^T) * shared_expert(x), Qwen2-MoE)
@@ -23,6 +23,7 @@ the grouped down output before the routing weight, as PEFT's target_parameters L
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,12 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.linear import Linear
-
-try:
-    from engine.layers.moe_lora import apply_expert_lora
-except ImportError:  # expert LoRA not landed yet: no buffers, so no delta
-    def apply_expert_lora(lora, name, y, x, expert_ids, token_index) -> None:
-        assert lora is None, "expert LoRA buffers set without engine/layers/moe_lora.py"
+from engine.layers.moe_lora import apply_expert_lora
+from engine.layers.parts import Block, Loadable
 
 # per-expert checkpoint projection -> (our fused parameter, its row half: 0 gate, 1 up, None all)
 PER_EXPERT = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0),
@@ -46,16 +43,18 @@ HALVES = ("gate_proj", "up_proj")
 
 @dataclass(frozen=True)
 class Routing:
+    """top_k of num_experts by softmax score (config.json's other router scoring_func values
+    are refused with the config, engine/models/moe.py)."""
+
     num_experts: int
     top_k: int
     norm_topk_prob: bool  # renormalise the top-k weights to sum 1
-    scoring: str = "softmax"  # or "sigmoid"
     # Mixtral multiplies expert outputs by float32 weights; the others cast them to the model's
     # dtype first. Only visible in bf16 / fp16, but that is where it is served.
     float32_weights: bool = False
 
 
-class Experts(nn.Module):
+class Experts(nn.Module, Loadable):
     """E expert MLPs (SiLU-gated), fused; `lora` is the expert LoRA's buffers (None: none)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
@@ -66,7 +65,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(E, H, inter), requires_grad=False)
         self.lora = None  # {"gate_up_proj": ..., "down_proj": ...}, set by the expert LoRA pool
 
-    def checkpoint_keys(self, param_name: str):
+    def checkpoint_keys(self, param_name: str) -> Iterator[str]:
         """What fills `param_name` (…experts.gate_up_proj or …down_proj) from a per-expert
         checkpoint: one key per expert and half. A fused checkpoint fills the whole name."""
         halves = HALVES if param_name.endswith("gate_up_proj") else ("down_proj",)
@@ -134,24 +133,33 @@ class Experts(nn.Module):
         return out
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(Block):
     def __init__(self, hidden_size: int, intermediate_size: int, routing: Routing,
-                 shared_expert: nn.Module | None = None):
+                 shared_expert: Block | None = None):
         """shared_expert: an MLP every token also runs, scaled by sigmoid(shared_expert_gate)."""
         super().__init__()
         self.routing = routing
         self.gate = Linear(hidden_size, {"gate": routing.num_experts})
         self.experts = Experts(routing.num_experts, hidden_size, intermediate_size)
-        if shared_expert is not None:
-            self.shared_expert = shared_expert
-            self.shared_expert_gate = Linear(hidden_size, {"shared_expert_gate": 1})
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = (Linear(hidden_size, {"shared_expert_gate": 1})
+                                   if shared_expert is not None else None)
+
+    def lora_linears(self) -> Iterator[Linear]:
+        """The router, then the shared expert's projections and its gate (Qwen2-MoE)."""
+        yield self.gate
+        if self.shared_expert is not None:
+            yield from self.shared_expert.lora_linears()
+            yield self.shared_expert_gate
+
+    def expert_modules(self) -> Iterator[Experts]:
+        yield self.experts
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [T, H] -> topk_ids [T, k] int64, topk_weights [T, k] (float32 or x's dtype)
         r = self.routing
         logits = self.gate(x)  # [T, E], x's dtype
-        probs = (torch.sigmoid(logits.float()) if r.scoring == "sigmoid"
-                 else torch.softmax(logits, dim=-1, dtype=torch.float32))
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, r.top_k, dim=-1)
         if r.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -161,19 +169,6 @@ class SparseMoeBlock(nn.Module):
         # x: [T, H] -> [T, H]
         ids, weights = self.route(x)
         out = self.experts(x, ids, weights)
-        if hasattr(self, "shared_expert"):
+        if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
-
-
-def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(total, active) parameters: active counts, of each layer's experts, only top_k of E
-    (what one token's forward pass multiplies by); dense models have active == total."""
-    total = sum(p.numel() for p in model.parameters())
-    inactive = 0
-    for block in model.modules():
-        if isinstance(block, SparseMoeBlock):
-            r = block.routing
-            experts = sum(p.numel() for p in block.experts.parameters())
-            inactive += experts * (r.num_experts - r.top_k) // r.num_experts
-    return total, total - inactive

@@ -3,8 +3,10 @@
 import torch
 from torch import nn
 
+from engine.layers.parts import Loadable
 
-class RMSNorm(nn.Module):
+
+class RMSNorm(nn.Module, Loadable):
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.eps = eps

@@ -29,7 +29,9 @@ from torch import nn
 from engine.layers.embedding import VocabEmbedding
 from engine.layers.norm import GemmaRMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.llama import MLP, Attention, LlamaForCausalLM, ModelArgs
+from engine.models.args import ModelArgs, architecture
+from engine.models.base import Layer
+from engine.models.llama import MLP, Attention, LlamaForCausalLM
 from engine.parallel.shard import Shard
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -54,7 +56,7 @@ class GemmaArgs(ModelArgs):
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> GemmaArgs:
-        arch = cfg["architectures"][0]
+        arch = architecture(cfg)
         defaults = DEFAULTS[arch]
         if cfg.get("use_bidirectional_attention"):
             raise ValueError("Gemma with use_bidirectional_attention (an encoder, e.g. "
@@ -72,7 +74,7 @@ class GemmaArgs(ModelArgs):
                                          "sliding_window": None})
         return cls(**{**base.__dict__, **dict(
             attention_bias=cfg.get("attention_bias", False),
-            qk_norm=arch == "Gemma3ForCausalLM",
+            qk_norm="head" if arch == "Gemma3ForCausalLM" else None,
             tie_word_embeddings=cfg.get("tie_word_embeddings", True),
             layer_windows=tuple(window if kind == SLIDING else None for kind in kinds),
             layer_kinds=kinds, sliding_window=window,
@@ -89,7 +91,7 @@ def rope_configs(cfg: dict) -> dict[str, dict]:
     sliding_attention: {...}}`); on the Hub it has rope_theta + rope_scaling for full layers and
     rope_local_base_freq for sliding ones. Gemma 2 has one rope for both."""
     common = {"max_position_embeddings": cfg.get("max_position_embeddings", 8192)}
-    if cfg["architectures"][0] == "Gemma2ForCausalLM":
+    if architecture(cfg) == "Gemma2ForCausalLM":
         rope = {k: cfg[k] for k in ("rope_parameters", "rope_theta", "rope_scaling") if k in cfg}
         return {SLIDING: common | rope, FULL: common | rope}
     nested = cfg.get("rope_parameters") or {}
@@ -117,7 +119,7 @@ class LayerRopes(nn.Module):
         return {kind: rope(positions, dtype) for kind, rope in self.ropes.items()}
 
 
-class GemmaDecoderLayer(nn.Module):
+class GemmaDecoderLayer(Layer):
     def __init__(self, args: GemmaArgs, shard: Shard, index: int):
         super().__init__()
         self.kind = args.layer_kinds[index]

@@ -21,20 +21,15 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from adapters.types import SHARED_EXPERT
+from adapters.types import EXPERT_TARGETS, ROUTER, SHARED_EXPERT, SHARED_TARGETS
 from engine.layers.moe import PER_EXPERT, Routing, SparseMoeBlock
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import apply_rotary
-from engine.models.llama import (
-    MLP,
-    Attention,
-    DecoderLayer,
-    LlamaForCausalLM,
-    LlamaModel,
-    ModelArgs,
-)
+from engine.models.args import ModelArgs, architecture, positive
+from engine.models.base import Layer
+from engine.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, LlamaModel
 from engine.parallel.shard import ONE, Shard
 
+QK_NORMS = {"Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "whole"}  # ModelArgs.qk_norm
 # model.layers.<i>.(mlp|block_sparse_moe).experts.<e>.<projection>.weight
 PER_EXPERT_KEY = re.compile(r"(?P<layer>model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\."
                             r"(?P<expert>\d+)\.(?P<proj>\w+)\.weight")
@@ -46,33 +41,57 @@ class MoeArgs(ModelArgs):
     shared_expert_intermediate_size: int  # 0: no shared expert
     sparse_layers: tuple[bool, ...]  # per layer: a SparseMoeBlock (else a dense MLP)
     routing: Routing
-    qk_norm_whole: bool  # OLMoE: q/k RMSNorm over the whole projection
-    clip_qkv: float | None
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> MoeArgs:
         base = ModelArgs.from_hf_config(cfg)
-        arch = cfg["architectures"][0]
+        arch = architecture(cfg)
         _refuse_unsupported(cfg, arch)
         mixtral = arch == "MixtralForCausalLM"
         # transformers writes either name, whichever its config class maps to the other
-        num_experts = next(cfg[k] for k in ("num_local_experts", "num_experts") if k in cfg)
-        step = cfg.get("decoder_sparse_step", 1)
+        num_experts = positive(cfg, "num_local_experts" if cfg.get("num_local_experts")
+                               else "num_experts")
+        step = cfg.get("decoder_sparse_step") or 1
         dense_only = set(cfg.get("mlp_only_layers") or ())
-        sparse = tuple(i not in dense_only and num_experts > 0 and (i + 1) % step == 0
+        sparse = tuple(i not in dense_only and (i + 1) % step == 0
                        for i in range(base.num_layers))
-        routing = Routing(num_experts, cfg["num_experts_per_tok"],
+        routing = Routing(num_experts, positive(cfg, "num_experts_per_tok"),
                           norm_topk_prob=mixtral or bool(cfg.get("norm_topk_prob", False)),
                           float32_weights=mixtral)
         fields = {f: getattr(base, f) for f in ModelArgs.__dataclass_fields__}
         fields |= dict(attention_bias=(arch == "Qwen2MoeForCausalLM" and cfg.get("qkv_bias", True)),
-                       qk_norm=arch == "Qwen3MoeForCausalLM")
-        return cls(**fields,
-                   moe_intermediate_size=cfg.get("moe_intermediate_size") or base.intermediate_size,
-                   shared_expert_intermediate_size=(cfg.get("shared_expert_intermediate_size", 0)
-                                                    if arch == "Qwen2MoeForCausalLM" else 0),
-                   sparse_layers=sparse, routing=routing,
-                   qk_norm_whole=arch == "OlmoeForCausalLM", clip_qkv=cfg.get("clip_qkv"))
+                       qk_norm=QK_NORMS.get(arch), clip_qkv=cfg.get("clip_qkv"))
+        shared = (cfg.get("shared_expert_intermediate_size") or 0
+                  if arch == "Qwen2MoeForCausalLM" else 0)
+        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+            raise ValueError(f"base model config.json: shared_expert_intermediate_size is "
+                             f"{shared!r}, not an int >= 0 (0: no shared expert)")
+        inter = (positive(cfg, "moe_intermediate_size") if cfg.get("moe_intermediate_size")
+                 else base.intermediate_size)  # Mixtral's and OLMoE's experts: intermediate_size
+        return cls(**fields, moe_intermediate_size=inter,
+                   shared_expert_intermediate_size=shared, sparse_layers=sparse, routing=routing)
+
+    @property
+    def num_experts(self) -> int:
+        return self.routing.num_experts
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, sparse in enumerate(self.sparse_layers) if sparse)
+
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """Llama's, then the router's [E, H], one expert's gate_up [2I, H] and down [H, I]
+        (of moe_intermediate_size I), and a shared expert's [S, H] ... with its gate [1, H]."""
+        shapes = super().projection_shapes()
+        hidden, inter = self.hidden_size, self.moe_intermediate_size
+        gate_up, down = EXPERT_TARGETS
+        shapes |= {ROUTER: (self.num_experts, hidden), gate_up: (2 * inter, hidden),
+                   down: (hidden, inter)}
+        if shared := self.shared_expert_intermediate_size:
+            s_gate, s_up, s_down, s_sg = SHARED_TARGETS
+            shapes |= {s_gate: (shared, hidden), s_up: (shared, hidden),
+                       s_down: (hidden, shared), s_sg: (1, hidden)}
+        return shapes
 
 
 def _refuse_unsupported(cfg: dict, arch: str) -> None:
@@ -91,34 +110,11 @@ def _refuse_unsupported(cfg: dict, arch: str) -> None:
                          f"{'; '.join(problems)}; serve a checkpoint without it")
 
 
-class WholeQKNormAttention(Attention):
-    """OLMoE's attention: RMSNorm over all of q and all of k, then optional clipping of q/k/v."""
-
-    def __init__(self, args: MoeArgs, shard: Shard):
-        super().__init__(args, shard)
-        self.q_norm = RMSNorm(self.num_heads * self.head_dim, args.rms_norm_eps)
-        self.k_norm = RMSNorm(self.num_kv_heads * self.head_dim, args.rms_norm_eps)
-        self.clip_qkv = args.clip_qkv
-
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q, k = self.q_norm(q), self.k_norm(k)  # [T, n_heads * D], [T, n_kv * D]
-        if self.clip_qkv is not None:
-            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rope)
-        return self.o_proj(self.attn(q, k, v))
-
-
-class MoeDecoderLayer(nn.Module):
+class MoeDecoderLayer(Layer):
     def __init__(self, args: MoeArgs, index: int, shard: Shard):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = (WholeQKNormAttention if args.qk_norm_whole else Attention)(args, shard)
+        self.self_attn = Attention(args, shard)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         if not args.sparse_layers[index]:
             self.mlp = MLP(args, shard)
@@ -137,11 +133,12 @@ class MoeDecoderLayer(nn.Module):
 
 class MoeForCausalLM(LlamaForCausalLM):
     """Llama's model with MoeDecoderLayers: checkpoint names, attention layers, forward and
-    logits are Llama's; the expert and LoRA maps below are the MoE's own."""
+    logits are Llama's (the layers yield their router, shared expert and Experts); the parameter
+    counts and the per-expert checkpoint placement below are the MoE's own."""
 
     def __init__(self, hf_config: dict, shard: Shard = ONE):
         if shard.size > 1:
-            raise ValueError(f"{hf_config['architectures'][0]}: Mixture-of-Experts bases are not "
+            raise ValueError(f"{architecture(hf_config)}: Mixture-of-Experts bases are not "
                              "split across ranks; serve them with tensor_parallel_size 1")
         super().__init__(hf_config, shard)
 
@@ -153,28 +150,14 @@ class MoeForCausalLM(LlamaForCausalLM):
         layers = [MoeDecoderLayer(self.args, i, shard) for i in range(self.args.num_layers)]
         return LlamaModel(self.args, hf_config, shard, layers)
 
-    def expert_modules(self):
-        """(layer index, Experts) of every sparse layer."""
-        for index, layer in enumerate(self.model.layers):
-            if isinstance(layer.mlp, SparseMoeBlock):
-                yield index, layer.mlp.experts
-
-    def lora_linears(self):
-        """(layer index, Linear) of every projection an adapter may adapt: attention, dense
-        MLPs, the router, the shared expert and its gate (experts: expert_modules)."""
-        for index, layer in enumerate(self.model.layers):
-            yield index, layer.self_attn.qkv_proj
-            yield index, layer.self_attn.o_proj
-            mlp = layer.mlp
-            if isinstance(mlp, SparseMoeBlock):
-                yield index, mlp.gate
-                if hasattr(mlp, "shared_expert"):
-                    yield index, mlp.shared_expert.gate_up_proj
-                    yield index, mlp.shared_expert.down_proj
-                    yield index, mlp.shared_expert_gate
-            else:
-                yield index, mlp.gate_up_proj
-                yield index, mlp.down_proj
+    def parameter_counts(self) -> tuple[int, int]:
+        """(total, active): of each sparse layer's experts only top_k of E are active."""
+        total, _ = super().parameter_counts()
+        r = self.args.routing
+        inactive = sum(sum(p.numel() for p in experts.parameters())
+                       * (r.num_experts - r.top_k) // r.num_experts
+                       for _, experts in self.expert_modules())
+        return total, total - inactive
 
     def checkpoint_target(self, name: str) -> tuple[torch.Tensor, str] | None:
         """For the loader: where a per-expert or Mixtral `block_sparse_moe` checkpoint tensor

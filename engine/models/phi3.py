@@ -3,14 +3,14 @@ fused checkpoint projections.
 
 The checkpoint stores `self_attn.qkv_proj.weight` [q + 2 kv, H] and `mlp.gate_up_proj.weight`
 [2 I, H] as one tensor each; the engine's Linears already hold those slices (q|k|v, gate|up),
-so the loader splits each fused tensor by slice rows (`fused_projections`) and, under tensor
-parallelism, every Linear keeps its rank's part of each slice. Adapters name the fused modules
-too (qkv_proj, gate_up_proj: adapters.types.FUSED_TARGETS); the slot pool gives each slice the
-adapter's A and its rows of B.
+so the loader splits each fused tensor by slice rows (`fused_projections`, from
+`fused_modules`) and, under tensor parallelism, every Linear keeps its rank's part of each
+slice. Adapters name the fused modules too (qkv_proj, gate_up_proj: the BaseModelSpec's
+`fused`, from the same layout); the slot pool gives each slice the adapter's A and its rows of B.
 
 Rope: default or longrope, over partial_rotary_factor of each head (engine/layers/rotary.py).
 Phi-3 configs carry `sliding_window` (2047 for Phi-3-mini-4k): every layer slides, as in
-transformers (engine/models/llama.py layer_windows; the attention layer applies it).
+transformers (engine/models/args.py layer_windows; the attention layer applies it).
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ from engine.parallel.shard import ONE, Shard
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     merged_projections = {}  # no separately named q/k/v, gate/up tensors
+    # checkpoint module -> the slices its rows stack, in order (their rows: the args' shapes)
+    fused_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
+                     "gate_up_proj": ("gate_proj", "up_proj")}
 
     def __init__(self, hf_config: dict, shard: Shard = ONE):
         act = hf_config.get("hidden_act", "silu")
@@ -29,13 +32,6 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         # Phi3Config's default when config.json has none; it overrides rope_scaling's own
         hf_config = {"original_max_position_embeddings": 4096, **hf_config}
         super().__init__(hf_config, shard)
-        a = self.args
-        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        # checkpoint module -> its slices in row order, each (slice name, rows in the checkpoint)
-        self.fused_projections = {
-            "qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
-            "gate_up_proj": (("gate_proj", a.intermediate_size), ("up_proj", a.intermediate_size)),
-        }
 
 
 # config.json "architectures" -> the class that serves it (engine/models/__init__.py)

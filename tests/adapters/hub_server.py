@@ -33,8 +33,9 @@ from urllib.parse import unquote, urlsplit
 
 Files = dict[str, bytes]
 
-TINY_LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, intermediate_size=128, vocab_size=128)  # fmt: skip
+TINY_LLAMA = dict(architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                  vocab_size=128)  # fmt: skip
 
 
 class HubServer:

@@ -8,6 +8,7 @@ embed_tokens / lm_head). peft and transformers are imported only when adapters a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,8 +20,9 @@ import torch
 from adapters.format import BaseModelSpec, LoraAdapter, load_adapter_bytes
 from adapters.types import MODEL_TARGETS
 
-TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=128)  # fmt: skip
+TINY = dict(architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+            vocab_size=128)  # fmt: skip
 EMBED = "base_model.model.model.embed_tokens"  # the PEFT key prefixes of the vocabulary ends
 HEAD = "base_model.model.lm_head"
 
@@ -94,3 +96,11 @@ def load_edited(path: Path, spec: BaseModelSpec,
     if config_changes:
         config = json.dumps({**json.loads(config), **config_changes}).encode()
     return load_adapter_bytes(config, safetensors.torch.save(tensors), spec)
+
+
+def without_vocabulary(spec: BaseModelSpec) -> BaseModelSpec:
+    """`spec` with no embed_tokens / lm_head shapes (the engine's always have them): a base
+    whose vocabulary adapters/ cannot check against."""
+    return dataclasses.replace(spec, module_shapes={
+        target: shape for target, shape in spec.module_shapes.items()
+        if target not in MODEL_TARGETS})

@@ -11,11 +11,15 @@ import torch
 from adapters.errors import AdapterError
 from adapters.format import BaseModelSpec, load_adapter, load_adapter_bytes
 from adapters.lora_config import parse_adapter_config
+from engine.models import adapter_spec
 
 # hidden 32 != moe intermediate 48, so every factor's shape says which parameter it is for
 MIXTRAL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, num_local_experts=3,
                num_experts_per_tok=2)  # fmt: skip
+MIXTRAL_BASE = {"architectures": ["MixtralForCausalLM"], **MIXTRAL}  # its config.json
+DENSE = {"architectures": ["LlamaForCausalLM"],  # the same base without experts
+         **{k: v for k, v in MIXTRAL.items() if k != "num_local_experts"}}
 E, H, INTER = 3, 32, 48
 ALL = ["experts.gate_up_proj", "experts.down_proj", "gate.weight"]
 VARIANTS = {
@@ -41,7 +45,7 @@ def made(tmp_path_factory):
     torch.manual_seed(0)
     MixtralForCausalLM(MixtralConfig(**MIXTRAL)).save_pretrained(root / "base")
     base_config = json.loads((root / "base" / "config.json").read_text())
-    spec = BaseModelSpec.from_hf_config(base_config, max_lora_rank=16)
+    spec = adapter_spec(base_config, max_lora_rank=16)
     out = {}
     for name, kwargs in VARIANTS.items():
         model = get_peft_model(MixtralForCausalLM.from_pretrained(root / "base"),
@@ -99,20 +103,20 @@ def test_deltas_match_peft(made, name):
 
 
 def test_spec_of_moe_bases():
-    spec = BaseModelSpec.from_hf_config(MIXTRAL, max_lora_rank=8)
+    spec = adapter_spec(MIXTRAL_BASE, max_lora_rank=8)
     assert spec.num_experts == E
     shapes = spec.module_shapes
     assert (shapes["gate"], shapes["experts.gate_up_proj"], shapes["experts.down_proj"]) == (
         (E, H), (2 * INTER, H), (H, INTER))
     assert spec.moe_layers == (0, 1)
-    qwen = MIXTRAL | dict(num_local_experts=None, num_experts=5, moe_intermediate_size=24,
-                          num_hidden_layers=5, decoder_sparse_step=2, mlp_only_layers=[3])
-    spec = BaseModelSpec.from_hf_config(qwen, max_lora_rank=8)
+    qwen = MIXTRAL_BASE | dict(num_local_experts=None, num_experts=5, moe_intermediate_size=24,
+                               num_hidden_layers=5, decoder_sparse_step=2, mlp_only_layers=[3],
+                               architectures=["Qwen2MoeForCausalLM"])
+    spec = adapter_spec(qwen, max_lora_rank=8)
     shapes = spec.module_shapes
     assert (shapes["gate"], shapes["experts.down_proj"]) == ((5, H), (H, 24))
     assert shapes["down_proj"] == (H, INTER) and spec.moe_layers == (1,)  # 0, 2, 4 dense
-    dense = {k: v for k, v in MIXTRAL.items() if k != "num_local_experts"}
-    assert BaseModelSpec.from_hf_config(dense, max_lora_rank=8).num_experts == 0
+    assert adapter_spec(DENSE, max_lora_rank=8).num_experts == 0
 
 
 def _files(made, name):
@@ -179,7 +183,7 @@ def test_untargeted_parameter_refused(made):
 
 def test_rank_over_max_refused(made):
     path, spec, _ = made["rslora"]  # rank 8
-    small = BaseModelSpec.from_hf_config(MIXTRAL, max_lora_rank=4)
+    small = adapter_spec(MIXTRAL_BASE, max_lora_rank=4)
     with pytest.raises(AdapterError, match=r"rank 8 > --max-lora-rank 4"):
         load_adapter(path, small)
     assert load_adapter(path, spec).max_rank == 8
@@ -187,8 +191,9 @@ def test_rank_over_max_refused(made):
 
 def test_dense_base_refused(made):
     config, tensors = _files(made, "all")
-    dense = {k: v for k, v in MIXTRAL.items() if k != "num_local_experts"}
-    spec = BaseModelSpec.from_hf_config(dense, max_lora_rank=16)
+    # trained on a Mixtral (auto_mapping), whose class check would refuse it first on a Llama
+    config = json.dumps(json.loads(config) | {"auto_mapping": None}).encode()
+    spec = adapter_spec(DENSE, max_lora_rank=16)
     with pytest.raises(AdapterError, match=r"sets target_parameters .*experts.gate_up_proj.*"
                                            r"not a mixture of experts"):
         _load(config, tensors, spec)

@@ -13,12 +13,14 @@ import safetensors.torch
 import torch
 
 from adapters.errors import AdapterError, AdapterNotFound
-from adapters.format import BaseModelSpec, load_adapter, load_adapter_bytes
+from adapters.format import load_adapter, load_adapter_bytes
 from adapters.lora_config import parse_adapter_config
 from adapters.types import TARGET_MODULES, pattern_key
+from engine.models import adapter_spec
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=128)  # fmt: skip
+LLAMA = {"architectures": ["LlamaForCausalLM"], **TINY}  # the base the engine serves
 PREFIX = "base_model.model.model.layers"
 
 # name -> (base model overrides, peft LoraConfig kwargs)
@@ -80,13 +82,14 @@ def made(tmp_path_factory):
             for module_name, module in _lora_modules(reloaded)
         }  # fmt: skip
         out[name] = (path, expected)
-        out[name, "hf_config"] = base_config.to_dict()
+        # as save_pretrained writes it: the class it was saved from
+        out[name, "hf_config"] = base_config.to_dict() | {"architectures": [model_cls.__name__]}
     return out
 
 
 @pytest.fixture
 def spec():
-    return BaseModelSpec.from_hf_config(TINY, max_lora_rank=16)
+    return adapter_spec(LLAMA, max_lora_rank=16)
 
 
 def files(made, name="basic"):
@@ -113,8 +116,9 @@ def raw_safetensors(header, data: bytes = b"") -> bytes:
 
 
 @pytest.mark.parametrize("name", [n for n in VARIANTS if n != "bigger_model"])
-def test_load_matches_peft_weights_and_scaling(made, spec, name):
+def test_load_matches_peft_weights_and_scaling(made, name):
     path, expected = made[name]
+    spec = adapter_spec(made[name, "hf_config"], max_lora_rank=16)  # the class it was saved on
     adapter = load_adapter(path, spec)
     assert len(adapter.modules) == len(expected) > 0
     for module_name, (a, b, scaling) in expected.items():
@@ -136,8 +140,9 @@ def test_load_matches_peft_weights_and_scaling(made, spec, name):
 
 def test_spec_from_real_hf_configs_accepts_their_adapters(made):
     for name in ("basic", "qwen2"):
-        spec = BaseModelSpec.from_hf_config(made[name, "hf_config"], max_lora_rank=8)
-        assert spec == BaseModelSpec.from_hf_config(TINY, max_lora_rank=8)
+        hf_config = made[name, "hf_config"]
+        spec = adapter_spec(hf_config, max_lora_rank=8)
+        assert spec == adapter_spec({**TINY, "architectures": hf_config["architectures"]}, 8)
         assert load_adapter(made[name][0], spec).modules
 
 
@@ -201,7 +206,7 @@ def test_default_adapter_name_and_bare_model_prefix_are_accepted(made, spec):
 
 
 def test_spec_from_hf_config_shapes():
-    spec = BaseModelSpec.from_hf_config(TINY, max_lora_rank=8)
+    spec = adapter_spec(LLAMA, max_lora_rank=8)
     assert spec.num_layers == 2
     assert spec.module_shapes == {
         "q_proj": (64, 64), "k_proj": (32, 64), "v_proj": (32, 64), "o_proj": (64, 64),
@@ -209,17 +214,19 @@ def test_spec_from_hf_config_shapes():
         "embed_tokens": (64, 128), "lm_head": (128, 64),
     }  # fmt: skip
     assert not spec.tie_word_embeddings
-    assert BaseModelSpec.from_hf_config(dict(TINY, tie_word_embeddings=True), 8).tie_word_embeddings
-    no_vocab = BaseModelSpec.from_hf_config({k: v for k, v in TINY.items() if k != "vocab_size"}, 8)
-    assert "embed_tokens" not in no_vocab.module_shapes and "lm_head" not in no_vocab.module_shapes
-    qwen3 = dict(TINY, head_dim=32, model_type="qwen3")  # head_dim != hidden / heads
-    shapes = BaseModelSpec.from_hf_config(qwen3, max_lora_rank=8).module_shapes
+    assert adapter_spec(dict(LLAMA, tie_word_embeddings=True), 8).tie_word_embeddings
+    qwen3 = dict(TINY, head_dim=32, architectures=["Qwen3ForCausalLM"])  # != hidden / heads
+    shapes = adapter_spec(qwen3, max_lora_rank=8).module_shapes
     assert shapes["q_proj"] == (128, 64) and shapes["o_proj"] == (64, 128)
     assert shapes["k_proj"] == (64, 64)
     with pytest.raises(ValueError, match="hidden_size 64 % heads 5"):
-        BaseModelSpec.from_hf_config(dict(TINY, num_attention_heads=5), 8)
+        adapter_spec(dict(LLAMA, num_attention_heads=5), 8)
     with pytest.raises(ValueError, match="intermediate_size"):
-        BaseModelSpec.from_hf_config({k: v for k, v in TINY.items() if k != "intermediate_size"}, 8)
+        adapter_spec({k: v for k, v in LLAMA.items() if k != "intermediate_size"}, 8)
+    # the engine builds embed_tokens and lm_head from vocab_size, so it must be there (a spec
+    # without vocabulary shapes is built directly: test_vocab_targets.py, test_saved_modules.py)
+    with pytest.raises(ValueError, match="vocab_size"):
+        adapter_spec({k: v for k, v in LLAMA.items() if k != "vocab_size"}, 8)
 
 
 # --- pickles are refused and never opened ---------------------------------------------------------
@@ -442,7 +449,7 @@ def test_adapter_for_a_bigger_model_is_refused(made, spec):
 
 
 def test_rank_above_max_lora_rank_says_what_to_do(made):
-    small = BaseModelSpec.from_hf_config(TINY, max_lora_rank=8)
+    small = adapter_spec(LLAMA, max_lora_rank=8)
     message = ("adapter has rank 16 > --max-lora-rank 8; restart with --max-lora-rank 16"
                " or use a smaller adapter")  # fmt: skip
     with pytest.raises(AdapterError, match=message):

@@ -11,6 +11,7 @@ import torch
 
 from adapters.errors import AdapterError
 from adapters.format import BaseModelSpec, load_adapter_bytes
+from engine.models import adapter_spec
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=512)
@@ -24,7 +25,7 @@ BLOCK = {"qkv_proj": "self_attn", "o_proj": "self_attn", "q_proj": "self_attn",
 
 
 def spec_of(hf_config: dict) -> BaseModelSpec:
-    return BaseModelSpec.from_hf_config(hf_config, max_lora_rank=16)
+    return adapter_spec(hf_config, max_lora_rank=16)
 
 
 def adapter_files(targets: list[str], r: int = 4, **config) -> tuple[bytes, bytes]:

@@ -7,13 +7,14 @@ import pytest
 from hub_server import TINY_LLAMA, HubServer, peft_files
 
 from adapters.errors import AdapterError, AdapterNotFound
-from adapters.format import BaseModelSpec, load_adapter
+from adapters.format import load_adapter
 from adapters.hub import HubUnavailable, fetch_hub_adapter
 from adapters.source_checks import InvalidSource
 from adapters.sources import AdapterSource, hub_allowed, parse_source, resolve_source
+from engine.models import adapter_spec
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-SPEC = BaseModelSpec.from_hf_config(TINY_LLAMA, max_lora_rank=16)
+SPEC = adapter_spec(TINY_LLAMA, max_lora_rank=16)
 A, B = peft_files(rank=4, seed=0), peft_files(rank=8, seed=1, targets=("q_proj", "down_proj"))
 PICKLE = b"\x80\x04\x95\x05\x00\x00\x00\x00\x00\x00\x00}\x94."  # pickle.dumps({})
 

@@ -13,7 +13,7 @@ from hub_server import TINY_LLAMA, peft_files
 from redis_server import free_port
 
 from adapters.errors import AdapterError, AdapterNotFound
-from adapters.format import BaseModelSpec, load_adapter_bytes
+from adapters.format import load_adapter_bytes
 from adapters.ids import validate_adapter_id
 from adapters.object_store import ObjectStore, digest, pair_digest
 from adapters.s3 import (
@@ -33,9 +33,10 @@ from adapters.sources import (
     s3_adapter_id,
     s3_allowed,
 )
+from engine.models import adapter_spec
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-SPEC = BaseModelSpec.from_hf_config(TINY_LLAMA, max_lora_rank=16)
+SPEC = adapter_spec(TINY_LLAMA, max_lora_rank=16)
 A, B = peft_files(rank=4, seed=0), peft_files(rank=8, seed=1, targets=("q_proj", "down_proj"))
 pytest_plugins = ("s3_server",)  # its fixtures: s3_server, s3_env
 PICKLE = b"\x80\x04\x95\x05\x00\x00\x00\x00\x00\x00\x00}\x94."  # pickle.dumps({})

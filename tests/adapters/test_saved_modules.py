@@ -14,11 +14,13 @@ from peft_saving import (
     save_with_peft,
     saved_files,
     saved_weights,
+    without_vocabulary,
 )
 
 from adapters.errors import AdapterError
 from adapters.format import BaseModelSpec, load_adapter
 from adapters.lora_config import parse_adapter_config
+from engine.models import adapter_spec
 
 FLAG = "--max-full-module-slots"
 # name -> (tie_word_embeddings, peft LoraConfig kwargs)
@@ -41,7 +43,7 @@ VARIANTS = {
 
 def spec_for(tied: bool, slots: int = 2, **overrides) -> BaseModelSpec:
     config = {**TINY, "tie_word_embeddings": tied, **overrides}
-    return BaseModelSpec.from_hf_config(config, max_lora_rank=16, max_full_module_slots=slots)
+    return adapter_spec(config, max_lora_rank=16, max_full_module_slots=slots)
 
 
 @pytest.fixture(scope="module")
@@ -157,8 +159,7 @@ def test_modules_to_save_must_be_a_list(made):
 
 
 def test_base_without_vocab_size_refuses_saved_modules(made):
-    spec = BaseModelSpec.from_hf_config({k: v for k, v in TINY.items() if k != "vocab_size"},
-                                        max_lora_rank=16, max_full_module_slots=1)
+    spec = without_vocabulary(adapter_spec(TINY, max_lora_rank=16, max_full_module_slots=1))
     with pytest.raises(AdapterError, match="gives no vocab_size"):
         load_adapter(made["head"][0], spec)
 

@@ -12,11 +12,13 @@ import torch
 
 from adapters.errors import AdapterError
 from adapters.format import BaseModelSpec, load_adapter_bytes
+from engine.models import adapter_spec
 
 H, INTER, SHARED, MOE_INTER = 32, 128, 80, 48  # hidden, dense MLP, shared expert, one expert
 QWEN2_MOE = dict(architectures=["Qwen2MoeForCausalLM"], hidden_size=H, intermediate_size=INTER,
                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                 num_experts=3, moe_intermediate_size=MOE_INTER,
+                 num_experts=3, num_experts_per_tok=2, vocab_size=64,
+                 moe_intermediate_size=MOE_INTER,
                  shared_expert_intermediate_size=SHARED, mlp_only_layers=[1])  # fmt: skip
 # Qwen3-MoE has no shared expert; every layer sparse
 QWEN3_MOE = {k: v for k, v in QWEN2_MOE.items() if k not in (
@@ -26,7 +28,7 @@ PREFIX = "base_model.model.model.layers"
 
 
 def spec_of(hf_config: dict) -> BaseModelSpec:
-    return BaseModelSpec.from_hf_config(hf_config, max_lora_rank=8)
+    return adapter_spec(hf_config, max_lora_rank=8)
 
 
 def files(modules: dict[str, tuple[int, int]], r: int = 4, **config) -> tuple[bytes, bytes]:

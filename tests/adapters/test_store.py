@@ -12,13 +12,14 @@ from hub_server import TINY_LLAMA, peft_files
 
 from adapters import store as store_mod
 from adapters.errors import AdapterNotFound, InvalidAdapterId
-from adapters.format import BaseModelSpec, load_adapter
+from adapters.format import load_adapter
 from adapters.store import AdapterExists, AdapterStore
 from adapters.store_meta import StoredMeta
+from engine.models import adapter_spec
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-SPEC = BaseModelSpec.from_hf_config(TINY_LLAMA, max_lora_rank=16)
+SPEC = adapter_spec(TINY_LLAMA, max_lora_rank=16)
 A, B = peft_files(rank=4, seed=0), peft_files(rank=8, seed=1)
 META = StoredMeta(source="upload", rank=4, targets=("q_proj", "v_proj"))
 

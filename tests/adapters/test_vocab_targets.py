@@ -13,11 +13,13 @@ from peft_saving import (
     module_key,
     save_with_peft,
     saved_files,
+    without_vocabulary,
 )
 
 from adapters.errors import AdapterError
-from adapters.format import BaseModelSpec, load_adapter
+from adapters.format import load_adapter
 from adapters.lora_config import parse_adapter_config
+from engine.models import adapter_spec
 
 # name -> (tie_word_embeddings, peft LoraConfig kwargs)
 VARIANTS = {
@@ -36,7 +38,7 @@ def made(tmp_path_factory):
     for name, saved_by_peft in save_with_peft(VARIANTS, tmp_path_factory).items():
         expected = {module_key(n): (a.detach().clone(), b.detach().clone(), m.scaling["default"])
                     for n, a, b, m in lora_weights(saved_by_peft.reloaded)}
-        spec = BaseModelSpec.from_hf_config(saved_by_peft.base_config, max_lora_rank=16)
+        spec = adapter_spec(saved_by_peft.base_config, max_lora_rank=16)
         out[name] = (saved_by_peft.path, expected, spec)
     return out
 
@@ -159,6 +161,6 @@ def test_broken_weight_tying_is_refused(made):
 
 
 def test_base_without_vocab_size_refuses_vocabulary_loras(made):
-    no_vocab = BaseModelSpec.from_hf_config({k: v for k, v in TINY.items() if k != "vocab_size"}, 16)
+    no_vocab = without_vocabulary(adapter_spec(TINY, 16))
     with pytest.raises(AdapterError, match="gives no vocab_size"):
         load_adapter(made["vocab"][0], no_vocab)

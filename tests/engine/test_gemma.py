@@ -13,7 +13,7 @@ from peft_reference import ALL_SEVEN, load_peft, peft_greedy, save_peft_adapters
 from window_parity import SCHEDULES, check_schedules, make_prompts
 
 from engine import LLM, SamplingParams
-from engine.models import model_class
+from engine.models import adapter_spec, model_class
 from engine.models.gemma import FULL, SLIDING, GemmaArgs
 
 # The two bases under every schedule; config variants batched only (the file stays fast).
@@ -53,6 +53,30 @@ def test_config_reading():
     with pytest.raises(ValueError, match="hidden_activation 'relu'"):
         GemmaArgs.from_hf_config({**base, "architectures": ["Gemma2ForCausalLM"],
                                   "hidden_activation": "relu"})
+
+
+def test_the_adapter_spec_takes_gemmas_defaults_as_the_engine_does():
+    """Adapters are checked against the model the engine builds: with config.json silent, lm_head
+    is tied to embed_tokens and head_dim is 256 (not hidden / heads) on both sides. (The adapter
+    side once read config.json itself, untied and hidden / heads: a Gemma adapter's LoRA shapes
+    were then refused, or a tied base's lm_head LoRA checked as an untied one's.)"""
+    base = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_attention_heads=2,
+                num_key_value_heads=1, num_hidden_layers=2)
+    for arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        hf_config = {**base, "architectures": [arch]}
+        spec = adapter_spec(hf_config, max_lora_rank=4)
+        assert spec.tie_word_embeddings
+        shapes = spec.module_shapes
+        assert (shapes["q_proj"], shapes["k_proj"], shapes["o_proj"]) == ((512, 8), (256, 8),
+                                                                          (8, 512))
+        with torch.device("meta"):
+            model = model_class(hf_config)(hf_config)
+        attention = model.model.layers[0].self_attn
+        assert model.lm_head.tied and attention.head_dim == 256
+        assert attention.qkv_proj.out_features == 512 + 2 * 256
+        assert attention.o_proj.in_features == 512
+        untied = adapter_spec({**hf_config, "tie_word_embeddings": False, "head_dim": 4}, 4)
+        assert not untied.tie_word_embeddings and untied.module_shapes["q_proj"] == (8, 8)
 
 
 # ---- adapters ------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from peft_reference import MAX_TOKENS as PEFT_MAX_TOKENS
 from peft_reference import World, hf_greedy, load_peft, peft_greedy, save_peft_adapters
 
 from engine import LLM, SamplingParams
-from engine.layers.moe import count_parameters
+from engine.models import adapter_spec
 from engine.models.moe import PER_EXPERT_KEY, MoeForCausalLM
 from engine.parallel.shard import Shard
 
@@ -158,7 +158,7 @@ def test_parameter_counts(tiny_checkpoint, arch):
     path = tiny_checkpoint(arch)
     hf = AutoModelForCausalLM.from_pretrained(path)
     llm = LLM(path, device="cpu", dtype="float32")
-    total, active = count_parameters(llm.engine.runner.model)
+    total, active = llm.engine.runner.model.parameter_counts()
     assert total == hf.num_parameters()
     cfg = hf.config
     experts = sum(p.numel() for n, p in hf.named_parameters() if ".experts." in n)
@@ -237,7 +237,7 @@ def test_the_block_is_bit_exact_with_transformers_in_bfloat16(arch):
         hf = Qwen2MoeSparseMoeBlock(Qwen2MoeConfig(
             hidden_size=64, moe_intermediate_size=48, shared_expert_intermediate_size=80,
             num_experts=5, num_experts_per_tok=2))
-        shared = MLP(ModelArgs(1, 64, 80, 1, 4, 4, 16, 1e-6, False, False, False, 64), ONE)
+        shared = MLP(ModelArgs(1, 64, 80, 1, 4, 4, 16, 1e-6, False, None, False, 64), ONE)
         ours = SparseMoeBlock(64, 48, Routing(5, 2, False), shared)
     for p in hf.parameters():
         p.data.normal_(0, 0.3)
@@ -271,12 +271,12 @@ SHARED_EXPERT_ADAPTERS = {
 
 
 def test_shared_expert_lora_matches_peft_beside_base_rows(tiny_checkpoint, tmp_path):
-    from adapters.format import BaseModelSpec, load_adapter
+    from adapters.format import load_adapter
 
     base = tiny_checkpoint("qwen2_moe")
     world = World(str(tmp_path), SHARED_EXPERT_ADAPTERS, base=base)
     with open(os.path.join(base, "config.json")) as f:
-        spec = BaseModelSpec.from_hf_config(json.load(f), max_lora_rank=16)
+        spec = adapter_spec(json.load(f), max_lora_rank=16)
     held = {name: set(load_adapter(path, spec).modules) for name, path in world.dirs.items()}
     shared = {(i, f"shared_expert.{t}") for i in (0, 2) for t in ("gate_proj", "up_proj",
                                                                    "down_proj")}

@@ -15,9 +15,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from adapters.format import BaseModelSpec, load_adapter
+from adapters.format import load_adapter
 from adapters.types import BLOCK_OF
 from engine import LLM
+from engine.models import adapter_spec
 from gateway.config import ServerConfig
 from gateway.http.app import create_app
 from gateway.server import BackgroundServer
@@ -34,7 +35,7 @@ def write_random_adapter(out_dir: str, hf_config: dict, seed: int, rank: int = 8
                          ) -> str:
     """A PEFT LoRA on `targets` with random A and B (B nonzero, unlike PEFT's init) large
     enough that greedy outputs differ from the base model's."""
-    shapes = BaseModelSpec.from_hf_config(hf_config, max_lora_rank=rank).module_shapes
+    shapes = adapter_spec(hf_config, max_lora_rank=rank).module_shapes
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(hf_config["num_hidden_layers"]):
@@ -68,7 +69,7 @@ def hf_config(model_dir) -> dict:
 @pytest.fixture(scope="session")
 def adapter_dirs(model_dir, hf_config, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("gateway-adapters")
-    spec = BaseModelSpec.from_hf_config(hf_config, max_lora_rank=16)
+    spec = adapter_spec(hf_config, max_lora_rank=16)
     paths = {}
     for i, name in enumerate(ADAPTERS):
         paths[name] = write_random_adapter(str(root / name), hf_config, seed=100 + i)
