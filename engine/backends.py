@@ -1,7 +1,7 @@
 """Which kernels a step runs on, decided once per engine (by the model runner, at start-up)
-and read by every layer from the forward context.
+and read by every layer from the forward context, as the callables themselves.
 
-    lora       kernels.apply_lora / embedding_lora: "torch" (kernels/reference.py, the CPU
+    lora       kernels.LoRAKernels (apply, embedding): "torch" (kernels/reference.py, the CPU
                production path) or "triton" (kernels/lora_triton.py).
     attention  decode rows of engine/layers/attention.py: "torch" (gather whole blocks, one
                batched SDPA) or "triton" (kernels/paged_attention.py reads K/V in place).
@@ -20,9 +20,12 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
+
+from kernels import LoRAKernels, lora_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +34,17 @@ logger = logging.getLogger(__name__)
 class Backends:
     lora: str = "torch"
     attention: str = "torch"
+    # what the layers call, resolved here once from the names: the LoRA kernels, and the decode
+    # attention kernel (None: the torch path of engine/layers/attention.py)
+    lora_kernels: LoRAKernels = field(init=False, repr=False, compare=False)
+    decode_attention: Callable | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lora_kernels", lora_kernels(self.lora))
+        decode = None
+        if self.attention == "triton":  # triton imported only when it serves
+            decode = importlib.import_module("kernels.paged_attention").paged_attention_decode
+        object.__setattr__(self, "decode_attention", decode)
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,18 +85,6 @@ class LoRAMeta:
         refilled each step by make_lora_meta(..., out=meta)."""
         return make_lora_meta([-1] * num_tokens, num_slots, block_m=block_m, device=device)
 
-    def copy_(self, other: LoRAMeta) -> LoRAMeta:
-        """Copy `other` into this meta's tensors in place (static buffers of a CUDA graph)."""
-        assert (other.num_slots, other.block_m) == (self.num_slots, self.block_m), (
-            "a captured meta can only take a step with the same pool size and tile size")
-        assert other.packed.shape == self.packed.shape, (
-            f"captured {self.num_tokens} tokens, got {other.num_tokens}")
-        self.packed.copy_(other.packed, non_blocking=True)
-        self.max_tokens_per_slot = other.max_tokens_per_slot
-        self.has_lora = other.has_lora
-        self.segments = other.segments
-        return self
-
 
 def make_lora_meta(token_slots: Tensor | list[int] | np.ndarray, num_slots: int, *,
                    block_m: int | None = None, device: torch.device | str | None = None,

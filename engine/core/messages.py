@@ -3,7 +3,7 @@ server's they cross as they are; to an engine process as MessagePack, one frame 
 (engine/core/channel.py).
 
     to the engine       Submit (requests, all or none), Abort, AddAdapter (a parsed adapter,
-                        or the directory to read one from), Call (one of EngineLoop.CALLS by
+                        or the directory to read one from), Call (one of EngineLoop's calls by
                         name), Stop
     from the engine     Ready (EngineInfo), Outputs (everything one step produced, for every
                         stream at once), Failed (a step failed these requests), Reply (to a

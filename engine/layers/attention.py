@@ -3,7 +3,7 @@
 New keys/values are scattered into the cache by slot; queries then read their whole context
 back through the sequence's block table. Prefill rows run one SDPA call per sequence, causal
 within the chunk and full over the cached prefix. Decode rows (one query each) run on the
-backend the engine chose at start-up (ForwardContext.backends.attention, engine/backends.py):
+kernel the engine chose at start-up (ForwardContext.backends.decode_attention, engine/backends.py):
 
     triton  kernels/paged_attention.py: one flash-decoding kernel reads each K/V block in place
             through the padded block tables (AttentionMetadata.decode_block_tables and
@@ -24,8 +24,6 @@ entries then name the padding block, whose keys the window mask never lets throu
 """
 
 from __future__ import annotations
-
-import importlib
 
 import torch
 import torch.nn.functional as F
@@ -61,12 +59,11 @@ class PagedAttention(nn.Module):
 
         out = torch.empty_like(q)
         decoded = meta.num_decode_tokens
-        if decoded and ctx.backends.attention == "triton":
-            paged = importlib.import_module("kernels.paged_attention")  # triton only when used
-            paged.paged_attention_decode(q[:decoded], self.k_cache, self.v_cache,
-                                         meta.decode_block_tables, meta.decode_context_lens,
-                                         self.scale, out=out[:decoded],
-                                         sliding_window=self.sliding_window, softcap=self.softcap)
+        kernel = ctx.backends.decode_attention  # None: the torch path below
+        if decoded and kernel is not None:
+            kernel(q[:decoded], self.k_cache, self.v_cache, meta.decode_block_tables,
+                   meta.decode_context_lens, self.scale, out=out[:decoded],
+                   sliding_window=self.sliding_window, softcap=self.softcap)
         elif decoded:
             assert meta.decode_block_ids is not None, "the model runner built no torch decode addressing"
             out[:decoded] = self._decode(q[:decoded], meta.decode_block_ids, meta.decode_mask,

@@ -34,12 +34,11 @@ from engine.layers.linear import LoRABuffers
 from engine.layers.parts import Loadable
 from engine.parallel import group
 from engine.parallel.shard import ONE, Shard
-from kernels import embedding_lora
 
 
 @dataclass(slots=True)
 class EmbeddingLoRABuffers:
-    """embed_tokens' device slot pool (see kernels.embedding_lora for the math)."""
+    """embed_tokens' device slot pool (see kernels.LoRAKernels.embedding for the math)."""
 
     lora_a: torch.Tensor  # [S, V, R]: lora_embedding_A transposed, one row per token id
     lora_b: torch.Tensor  # [S, H, R]: lora_embedding_B
@@ -96,8 +95,8 @@ class VocabEmbedding(nn.Module, VocabShard):
             embed_full_rows(y, ids, ctx.lora.full)
         if self.lora is not None and ctx.lora.embed:
             lora = self.lora
-            embedding_lora(y, ids, lora.lora_a, lora.lora_b, lora.ranks, lora.scales,
-                           ctx.lora.tokens, backend=ctx.backends.lora)
+            ctx.backends.lora_kernels.embedding(y, ids, lora.lora_a, lora.lora_b, lora.ranks,
+                                                lora.scales, ctx.lora.tokens)
         return y
 
 
@@ -131,7 +130,8 @@ class LMHead(nn.Module, VocabShard):
             assert meta.num_tokens == hidden.shape[0], (
                 f"lm_head LoRA metadata has {meta.num_tokens} rows, the step samples "
                 f"{hidden.shape[0]}")
-            self.lora.apply(logits, hidden, (0, self.local_vocab), meta, ctx.backends.lora)
+            self.lora.apply(logits, hidden, (0, self.local_vocab), meta,
+                            ctx.backends.lora_kernels)
         if self.shard.size > 1:
             logits = group.all_gather(logits)[:, :self.vocab_size]
         return logits.float()

@@ -24,12 +24,12 @@ from torch import nn
 from engine.forward_context import get_forward_context
 from engine.layers.parts import Loadable
 from engine.parallel import group
-from kernels import apply_lora
+from kernels import LoRAKernels
 
 
 @dataclass(slots=True)
 class LoRABuffers:
-    """A projection's device slot pool (see kernels.apply_lora for the math)."""
+    """A projection's device slot pool (see kernels.LoRAKernels.apply for the math)."""
 
     lora_a: torch.Tensor  # [n_slices, S, R, H]
     lora_b: torch.Tensor  # [S, O_total, R]
@@ -37,10 +37,10 @@ class LoRABuffers:
     scales: torch.Tensor  # [n_slices, S] float32
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, slice_offsets: tuple[int, ...], meta,
-              backend: str) -> None:
+              kernels: LoRAKernels) -> None:
         """y += each row's own slot's delta (meta: a kernels.LoRAMeta over the rows of x)."""
-        apply_lora(y, x, self.lora_a, self.lora_b, self.ranks, self.scales, slice_offsets, meta,
-                   backend=backend)
+        kernels.apply(y, x, self.lora_a, self.lora_b, self.ranks, self.scales, slice_offsets,
+                      meta)
 
     @property
     def num_bytes(self) -> int:
@@ -106,7 +106,7 @@ class Linear(nn.Module, Loadable):
             ctx = get_forward_context()
             if ctx.lora is not None and ctx.lora.tokens.has_lora:
                 self.lora.apply(y, x, self.slice_offsets, ctx.lora.tokens,
-                                ctx.backends.lora)
+                                ctx.backends.lora_kernels)
         if self.row_parallel:
             group.all_reduce(y)
             if self.bias is not None:

@@ -37,7 +37,9 @@ class AdapterRecord:
 
     entry: CatalogEntry
     stored: StoredAdapter | None = None
-    in_engine: bool = False  # False: not parsed yet (on disk only, or remote)
+    # registered in the engine (parsed once; after a host eviction the engine re-reads it from
+    # its disk copy itself); False: never handed to the engine yet (on disk only, or remote)
+    in_engine: bool = False
     pinned: bool = False
 
     @property

@@ -49,7 +49,7 @@ def test_plan_is_built_once_per_step():
     other = make_lora_meta(torch.tensor([0, 1, 2]), num_slots=4)
     assert step_plan(other) is not step_plan(meta)
     plan = step_plan(meta)
-    meta.copy_(make_lora_meta(torch.tensor([3, 3, 3]), num_slots=4))  # refilled in place
+    make_lora_meta(torch.tensor([3, 3, 3]), num_slots=4, out=meta)  # refilled in place
     assert step_plan(meta) is not plan and step_plan(meta).loop[0].slot == 3
 
 

@@ -91,6 +91,6 @@ def test_cuda_graph_replays_with_new_metadata(lt):
         p.ranks, p.scales = weights["ranks"], weights["scales"]
         x.copy_(p.x)
         out.copy_(p.out0)
-        meta.copy_(make_lora_meta(p.token_slots, S))
+        make_lora_meta(p.token_slots, S, out=meta)
         graph.replay()
         torch.testing.assert_close(out.double(), slot_oracle(p), atol=2e-2, rtol=2e-2)

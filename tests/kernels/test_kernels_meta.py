@@ -72,16 +72,15 @@ def test_decode_steps_get_small_tiles():
     assert make_lora_meta(torch.zeros(DECODE_MAX_TOKENS + 1, dtype=torch.long), 1).block_m == 64
 
 
-def test_copy_into_captured_meta_keeps_the_tensors():
+def test_refilling_a_captured_meta_keeps_the_tensors():
     static = make_lora_meta(torch.tensor([0, 0, 1, -1]), num_slots=2)
     tensors = [static.tile_slots, static.sorted_token_ids]
-    step = make_lora_meta(torch.tensor([1, -1, -1, 1]), num_slots=2)
-    static.copy_(step)
+    assert make_lora_meta(torch.tensor([1, -1, -1, 1]), num_slots=2, out=static) is static
     assert static.tile_slots is tensors[0] and static.sorted_token_ids is tensors[1]
     assert static.sorted_token_ids.tolist() == [0, 3, 1, 2]
     assert static.segments == ((1, 0, 2),) and static.max_tokens_per_slot == 2
-    with pytest.raises(AssertionError, match="captured"):
-        static.copy_(make_lora_meta(torch.tensor([0]), num_slots=2))
+    with pytest.raises(AssertionError, match="out holds 4 tokens"):
+        make_lora_meta(torch.tensor([0]), num_slots=2, out=static)
 
 
 def test_meta_is_a_slotted_dataclass():
