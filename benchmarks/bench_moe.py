@@ -139,7 +139,7 @@ def main() -> None:
     attn = write_adapters(os.path.join(root, "attn"), dense_config, ATTENTION, 32, seed=1,
                           rank=RANK)  # the same shapes on both bases
     try:
-        import engine.expert_slots  # noqa: F401  the expert-LoRA work, once it has landed
+        import engine.lora.expert_slots  # noqa: F401  the expert-LoRA work, once it has landed
         expert = write_expert_adapters(os.path.join(root, "expert"), bases["moe"], 32)
     except ImportError:
         expert = None

@@ -15,10 +15,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from adapters.format import LoraAdapter, load_adapter
-from engine.block_manager import BlockManager
 from engine.config import Config
 from engine.detokenizer import IncrementalDetokenizer
-from engine.lora import LoRAManager
+from engine.kv.block_manager import BlockManager
+from engine.lora.manager import LoRAManager
 from engine.model_runner import ModelRunner
 from engine.prompt_logprobs import record_prompt_logprobs
 from engine.request_checks import RequestLimits, check_request

@@ -21,10 +21,10 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from engine.distributed.shard import ONE, Shard
 from engine.layers.parts import Loadable
 from engine.models import model_class
 from engine.models.base import CausalLM
-from engine.parallel.shard import ONE, Shard
 
 logger = logging.getLogger(__name__)
 

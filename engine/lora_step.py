@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from adapters.types import EMBED_TOKENS, LM_HEAD
 from kernels import LoRAMeta, make_lora_meta
@@ -94,3 +95,21 @@ def _full_step(rows: LoRARows, device: torch.device) -> FullModuleStep | None:
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long, device=device)  # [n]
+
+
+def embed_full_rows(y: torch.Tensor, ids: torch.Tensor, step: FullModuleStep) -> None:
+    """y[t] = E_a[ids[t]] for each (E_a, rows) group and t in rows; in place.
+    y: [T, H]   ids: [T]   E_a: [V, H] (y.dtype)"""
+    for weight, rows in step.embed:
+        y.index_copy_(0, rows, weight.index_select(0, ids.index_select(0, rows)))
+
+
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor, step: FullModuleStep) -> torch.Tensor:
+    """logits[b] = hidden[b] @ W_a.T for the rows of each (W_a, rows) group, hidden[b] @
+    weight.T (the base lm_head) for the rest. hidden: [B, H]   weight, W_a: [V, H] -> [B, V]"""
+    logits = hidden.new_empty(hidden.shape[0], weight.shape[0])
+    groups = ((weight, step.head_base_rows),) + step.head
+    for w, rows in groups:
+        if rows.numel():
+            logits.index_copy_(0, rows, F.linear(hidden.index_select(0, rows), w))
+    return logits

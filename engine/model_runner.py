@@ -19,10 +19,10 @@ import torch
 from engine.backends import attention_shape, resolve_backends
 from engine.config import Config
 from engine.cuda_graphs import DecodeGraphs, GraphKey, graph_buckets, graphs_off_reason
+from engine.distributed.shard import ONE, Shard
 from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from engine.loader import load_model
 from engine.lora_step import LoRAStep
-from engine.parallel.shard import ONE, Shard
 from engine.scheduler import PromptRows
 from engine.step_inputs import DecodeBuffers, DecodeViews, StepInputs, decode_metadata
 from engine.step_plan import StepPlan
@@ -40,7 +40,7 @@ class StepLogits:
 
 class ModelRunner:
     def __init__(self, config: Config, shard: Shard = ONE):
-        """shard: this rank's part of the model under tensor parallelism (engine/parallel)."""
+        """shard: this rank's part of the model under tensor parallelism (engine/distributed)."""
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
@@ -55,7 +55,7 @@ class ModelRunner:
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.model.model.rotary_emb.reserve(config.max_model_len)
-        # Every layer slides: blocks before the window are freed (engine/block_manager.py).
+        # Every layer slides: blocks before the window are freed (engine/kv/block_manager.py).
         self.kv_window = kv_window(self.model.attention_layers())
         self.backends = resolve_backends(
             config.lora_backend, config.attention_backend, self.device, self.dtype,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.block_manager import peak_blocks
+from engine.kv.block_manager import peak_blocks
 from engine.sampling_params import InvalidParam, SamplingParams
 
 # Stop strings are matched against the text after every token: their count and length bound

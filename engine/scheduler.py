@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager
 from engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)

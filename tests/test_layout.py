@@ -1,8 +1,8 @@
 """The code's layout (tools/layout.py): imports point one way between packages, no module of a
 package imports another that imports it back, modules stay under the size a reader takes in at
 once, tests import no other test module, the README's map names what is there, config.json is
-read by engine/config.py alone, and no model part is probed with hasattr / isinstance outside
-the model."""
+read by engine/config.py alone, no model part is probed with hasattr / isinstance outside
+the model, and no engine module imports from a higher layer of engine/ (ENGINE_LAYERS)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ _spec.loader.exec_module(layout)
 
 
 @pytest.mark.parametrize("check", ["import_problems", "size_problems", "test_import_problems",
-                                   "readme_problems", "config_json_problems", "probe_problems"])
+                                   "readme_problems", "config_json_problems", "probe_problems",
+                                   "layer_problems"])
 def test_layout(check):
     problems = list(getattr(layout, check)(ROOT))
     assert not problems, "\n".join(problems)
@@ -76,3 +77,19 @@ def test_config_json_and_probe_checks_can_fail(tmp_path):
     assert "engine/loader.py:4 probes the model's expert_modules with getattr()" in text
     assert len(found) == 6, text  # not engine/config.py, adapter_config.json, a plain getattr,
     # isinstance(owner, int), nor engine/layers (which declares the interface)
+
+
+def test_the_layer_check_can_fail(tmp_path):
+    """A layer importing the engine above it (as layers/ imported parallel/'s shard), and a
+    module no layer names."""
+    layers = tmp_path / "engine" / "layers"
+    layers.mkdir(parents=True)
+    for folder in (tmp_path / "engine", layers):
+        (folder / "__init__.py").write_text("")
+    (tmp_path / "engine" / "llm_engine.py").write_text("")
+    (layers / "linear.py").write_text("from engine.llm_engine import LLMEngine\n")
+    (tmp_path / "engine" / "odd.py").write_text("")
+    found = "\n".join(layout.layer_problems(tmp_path))
+    assert ("engine.layers.linear (layers) imports engine.llm_engine (engine), a higher layer"
+            in found)
+    assert "engine.odd is in none of tools/layout.py's ENGINE_LAYERS" in found

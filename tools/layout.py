@@ -250,9 +250,49 @@ def probe_problems(root: Path = ROOT) -> Iterator[str]:
                        "engine/models/base.py declare")
 
 
+# engine/'s layers, lowest first, each by the first component of its modules' names under
+# engine ("" is engine/__init__): a module imports modules of its own layer or lower ones only.
+ENGINE_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("nouns", ("sampling_params", "structured", "sequence", "tokenizer", "detokenizer",
+               "stopping", "backends", "lora_step", "forward_context")),
+    ("distributed", ("distributed",)),  # shard and group primitives, below the layers
+    ("layers", ("layers",)),
+    ("models", ("models", "loader")),
+    ("config", ("config",)),  # reads config.json into the models' description
+    ("kv", ("kv", "request_checks", "scheduler", "step_plan")),
+    ("lora", ("lora",)),
+    ("runner", ("model_runner", "cuda_graphs", "step_inputs", "prompt_logprobs", "sampler")),
+    ("parallel", ("parallel",)),  # the tensor-parallel runner, above the model runner
+    ("engine", ("llm_engine", "snapshot")),
+    ("fronts", ("llm", "core", "")),  # the offline API, the engine loop and its transports
+)
+
+
+def engine_layer(name: str) -> int | None:
+    """The index in ENGINE_LAYERS of engine module `name` (dotted), None if it has none."""
+    first = name.removeprefix("engine").removeprefix(".").split(".")[0]
+    return next((i for i, (_, parts) in enumerate(ENGINE_LAYERS) if first in parts), None)
+
+
+def layer_problems(root: Path = ROOT) -> Iterator[str]:
+    """Every engine module sits in a layer, and imports nothing from a higher one."""
+    known = modules(root, ("engine",))
+    for name, m in sorted(known.items()):
+        own = engine_layer(name)
+        if own is None:
+            yield f"{name} is in none of tools/layout.py's ENGINE_LAYERS: add it to one"
+            continue
+        for target in sorted(imports(m, known)):
+            other = engine_layer(target)
+            if other is not None and other > own:
+                yield (f"{name} ({ENGINE_LAYERS[own][0]}) imports {target} "
+                       f"({ENGINE_LAYERS[other][0]}), a higher layer")
+
+
 def problems(root: Path = ROOT) -> list[str]:
     return [*import_problems(root), *size_problems(root), *test_import_problems(root),
-            *readme_problems(root), *config_json_problems(root), *probe_problems(root)]
+            *readme_problems(root), *config_json_problems(root), *probe_problems(root),
+            *layer_problems(root)]
 
 
 if __name__ == "__main__":

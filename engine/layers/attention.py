@@ -19,7 +19,7 @@ Two per-layer options (Mistral / Qwen2 sliding windows, Gemma 2 / 3):
                       hook for that, so such layers compute their scores explicitly; layers
                       without it keep the fused SDPA call.
 The Triton decode kernel takes both as runtime arguments (kernels/paged_attention.py).
-Blocks wholly before every window may have been freed (engine/block_manager.py): their table
+Blocks wholly before every window may have been freed (engine/kv/block_manager.py): their table
 entries then name the padding block, whose keys the window mask never lets through.
 """
 

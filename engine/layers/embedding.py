@@ -9,10 +9,10 @@ pool buffers when the first adapter that adapts the module arrives; until then, 
 where no row's slot adapts the module, nothing is computed for it.
 
 An adapter may instead replace either module outright with its own saved copy (PEFT's
-modules_to_save; engine/full_modules.py): LoRAStep.full names those rows, which then use the
+modules_to_save; engine/lora/full_modules.py): LoRAStep.full names those rows, which then use the
 copy in place of the base weight (never both: PEFT saves no LoRA beside a saved copy).
 
-Under tensor parallelism both are vocab-parallel (engine/parallel/shard.py): a rank holds rows
+Under tensor parallelism both are vocab-parallel (engine/distributed/shard.py): a rank holds rows
 [vocab_start, vocab_start + local_vocab) of the weight (the last rank's tail is padding).
 embed_tokens looks up the ids in its range, the ranks' rows are summed (all-reduce), and the
 embedding LoRA and saved rows are applied to the full result, identically on every rank (their
@@ -28,12 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed import group
+from engine.distributed.shard import ONE, Shard
 from engine.forward_context import get_forward_context
-from engine.full_modules import embed_full_rows, head_logits
 from engine.layers.linear import LoRABuffers
 from engine.layers.parts import Loadable
-from engine.parallel import group
-from engine.parallel.shard import ONE, Shard
+from engine.lora_step import embed_full_rows, head_logits
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ One `Linear` may hold several output slices stacked along its rows (q|k|v, gate|
 from separately named checkpoint tensors. LoRA attaches by slice name: the adapter manager
 sets `lora` to the projection's slot-pool buffers, and forward adds each token's own delta.
 
-Under tensor parallelism (engine/parallel/shard.py) a Linear holds its rank's part: `sources`
+Under tensor parallelism (engine/distributed/shard.py) a Linear holds its rank's part: `sources`
 names where each of its slices starts in the checkpoint's full tensor, along the output rows
 (column-parallel) or the input columns (row_parallel). A row-parallel projection's partial
 outputs are all-reduced; its LoRA delta is added before that, with A split by input columns
@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed import group
 from engine.forward_context import get_forward_context
 from engine.layers.parts import Loadable
-from engine.parallel import group
 from kernels import LoRAKernels
 
 

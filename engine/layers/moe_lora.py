@@ -5,7 +5,7 @@ token's adapter slot and its own expert, as PEFT's target_parameters LoRA adds t
                                                                    e = expert_ids[i]
 
 The experts module's `lora` is {parameter name: ExpertLoRABuffers}, set by the slot pool
-(engine/expert_slots.py) when the first adapter with expert LoRA on that parameter is
+(engine/lora/expert_slots.py) when the first adapter with expert LoRA on that parameter is
 registered; None before. Rows whose token has no adapter (slot -1), or whose slot holds no LoRA
 on that parameter (scale 0), are left untouched.
 

@@ -13,13 +13,13 @@ import torch
 from torch import nn
 
 from adapters.types import EMBED_TOKENS, LM_HEAD, BaseModelSpec, base_name
+from engine.distributed.shard import ONE, Shard
 from engine.layers.attention import PagedAttention
 from engine.layers.embedding import LMHead
 from engine.layers.linear import Linear
 from engine.layers.moe import Experts
 from engine.layers.parts import Block
 from engine.models.args import ModelArgs, architecture
-from engine.parallel.shard import ONE, Shard
 
 Fused = dict[str, tuple[tuple[str, int], ...]]  # module -> (slice, its rows) of each slice
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed.shard import Shard
 from engine.layers.attention import PagedAttention
 from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear
@@ -23,7 +24,6 @@ from engine.layers.parts import Block
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.args import ModelArgs
 from engine.models.base import CausalLM, Layer
-from engine.parallel.shard import Shard
 
 
 class Attention(Block):

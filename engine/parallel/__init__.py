@@ -1,2 +1,3 @@
-"""Tensor parallelism: one model split across N ranks (engine/parallel/group.py), each rank a
-process holding 1/N of every layer (Megatron-style, engine/parallel/shard.py)."""
+"""Tensor parallelism's runner (runner.py): rank 0 drives N - 1 worker ranks, each a process
+holding 1/N of every layer (the shard and group primitives the layers use are
+engine/distributed/)."""

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 from adapters.format import LoraAdapter
 from engine.config import Config
-from engine.lora_pool import SlotPool
+from engine.distributed import group
+from engine.distributed.shard import Shard
+from engine.lora.pool import SlotPool
 from engine.model_runner import ModelRunner, StepLogits
-from engine.parallel import group
-from engine.parallel.shard import Shard
 from engine.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)

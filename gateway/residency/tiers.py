@@ -3,7 +3,7 @@
 Remote: listed in the fleet's catalog, not on this replica yet (gateway/residency/fetch.py says
 where the bytes come from). Disk: the store under --adapter-dir (versioned, known again after a
 restart, parsed lazily on first use). Host and device: inside the engine (LRU host copies and
-device slots, see engine/lora.py). Every adapter is validated against the base model off the
+device slots, see engine/lora/manager.py). Every adapter is validated against the base model off the
 engine thread before anything is stored; the engine thread only copies tensors. With a shared
 object store, uploads and path registrations are written through to it before they count.
 

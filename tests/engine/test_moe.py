@@ -15,9 +15,9 @@ from peft_reference import MAX_TOKENS as PEFT_MAX_TOKENS
 from peft_reference import World, hf_greedy, load_peft, peft_greedy, save_peft_adapters
 
 from engine import LLM, SamplingParams
+from engine.distributed.shard import Shard
 from engine.models import adapter_spec
 from engine.models.moe import PER_EXPERT_KEY, MoeForCausalLM
-from engine.parallel.shard import Shard
 
 MAX_TOKENS = 16
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -55,7 +55,7 @@ def test_greedy_matches_transformers(tiny_checkpoint, variant):
         for prompt, out, want in zip(batch, llm.generate(batch, PARAMS), expected, strict=True):
             assert out.token_ids == want, f"{variant}/{name}: prompt of {len(prompt)} differs"
         engine = llm.engine
-        assert engine.num_free_kv_blocks == engine.block_manager.num_blocks, "leaked KV blocks"
+        assert engine.num_free_kv_blocks == engine.kv.block_manager.num_blocks, "leaked KV blocks"
         if name == "preempted":
             assert engine.scheduler.num_preemptions > 0, "the schedule did not force preemption"
 
@@ -224,9 +224,9 @@ def test_the_block_is_bit_exact_with_transformers_in_bfloat16(arch):
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
+    from engine.distributed.shard import ONE
     from engine.layers.moe import Routing, SparseMoeBlock
     from engine.models.llama import MLP, ModelArgs
-    from engine.parallel.shard import ONE
 
     torch.manual_seed(0)
     if arch == "mixtral":

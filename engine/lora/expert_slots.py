@@ -1,4 +1,4 @@
-"""The expert part of the adapter slot pool (engine/lora_pool.py): every MoE layer's
+"""The expert part of the adapter slot pool (engine/lora/pool.py): every MoE layer's
 Experts.lora, one ExpertLoRABuffers per expert parameter (engine/layers/moe_lora.py), each
 allocated when the first adapter with a LoRA on that parameter is registered. Per slot, in
 elements (R = max_lora_rank, E experts, H hidden, I expert intermediate size):

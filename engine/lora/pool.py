@@ -5,13 +5,13 @@ Four kinds of pool, each allocated once, when the first adapter that needs it is
     projections    every decoder layer's Linear.lora (LoRABuffers), with the first adapter
     embed_tokens   VocabEmbedding.lora (EmbeddingLoRABuffers), with the first embedding LoRA
     lm_head        LMHead.lora (LoRABuffers, one slice), with the first lm_head LoRA
-    experts        every MoE layer's Experts.lora (engine/expert_slots.py), with the first expert LoRA
+    experts        every MoE layer's Experts.lora (engine/lora/expert_slots.py), with the first expert LoRA
 so a server whose adapters never touch the vocabulary ends holds no vocabulary-sized buffers.
 Per slot, in elements (R = max_lora_rank, V = vocab, H = hidden):
     projections    R * (sum over layers and Linears of n_slices * in + out)
     embed_tokens   R * (V + H)       lm_head   R * (H + V)
 Adapters with saved modules (modules_to_save) also hold a full-module slot, keyed by their
-LoRA slot, whose copies are allocated per adapter (engine/full_modules.py).
+LoRA slot, whose copies are allocated per adapter (engine/lora/full_modules.py).
 `num_bytes` reports what each kind holds.
 
 Per step, `rows(batch)` gives the slot of every row (LoRARows: engine/lora_step.py): of every
@@ -32,10 +32,10 @@ import torch
 
 from adapters.format import LoraAdapter
 from adapters.types import EMBED_TOKENS, LM_HEAD
-from engine.expert_slots import ExpertSlots
-from engine.full_modules import FullModuleSlots
 from engine.layers.embedding import EmbeddingLoRABuffers
 from engine.layers.linear import LoRABuffers
+from engine.lora.expert_slots import ExpertSlots
+from engine.lora.full_modules import FullModuleSlots
 from engine.lora_step import LoRARows
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledBatch

@@ -8,7 +8,7 @@ reference goes with them), since each is vocabulary-sized (~1 GB per module on a
 bf16). Saved copies PEFT ties to one tensor (ensure_weight_tying) stay one tensor here.
 
 Per step, rows whose adapter replaces a module are grouped by adapter (FullModuleStep, built
-by engine/lora_step.py from the copies of the slots the step uses):
+by engine/lora_step.py from the copies of the slots the step uses, which also holds the math):
     embed_tokens   y[t] = E_a[ids[t]]          for every new token t of adapter a
     lm_head        logits[b] = h[b] @ W_a.T    for every sampling row b of adapter a
 """
@@ -16,8 +16,6 @@ by engine/lora_step.py from the copies of the slots the step uses):
 from __future__ import annotations
 
 import torch
-
-from engine.lora_step import FullModuleStep
 
 
 class FullModuleSlots:
@@ -51,21 +49,3 @@ class FullModuleSlots:
 
     def clear(self, index: int) -> None:
         self.held.pop(index, None)
-
-
-def embed_full_rows(y: torch.Tensor, ids: torch.Tensor, step: FullModuleStep) -> None:
-    """y[t] = E_a[ids[t]] for each (E_a, rows) group and t in rows; in place.
-    y: [T, H]   ids: [T]   E_a: [V, H] (y.dtype)"""
-    for weight, rows in step.embed:
-        y.index_copy_(0, rows, weight.index_select(0, ids.index_select(0, rows)))
-
-
-def head_logits(hidden: torch.Tensor, weight: torch.Tensor, step: FullModuleStep) -> torch.Tensor:
-    """logits[b] = hidden[b] @ W_a.T for the rows of each (W_a, rows) group, hidden[b] @
-    weight.T (the base lm_head) for the rest. hidden: [B, H]   weight, W_a: [V, H] -> [B, V]"""
-    logits = hidden.new_empty(hidden.shape[0], weight.shape[0])
-    groups = ((weight, step.head_base_rows),) + step.head
-    for w, rows in groups:
-        if rows.numel():
-            logits.index_copy_(0, rows, torch.nn.functional.linear(hidden.index_select(0, rows), w))
-    return logits

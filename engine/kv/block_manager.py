@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence as Ids
 
-from engine.prefix_cache import Block, PrefixCache, block_hash
+from engine.kv.prefix_cache import Block, PrefixCache, block_hash
 from engine.sequence import Sequence
 
 

@@ -1,4 +1,4 @@
-"""The adapter manager's nouns (engine/lora.py): a device Slot, a RegisteredAdapter with its
+"""The adapter manager's nouns (engine/lora/manager.py): a device Slot, a RegisteredAdapter with its
 tiers, the LoRAStats counters the metrics read, and how a host copy is made."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.parallel.shard import Shard
+from engine.distributed.shard import Shard
 
 logger = logging.getLogger(__name__)
 

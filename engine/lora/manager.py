@@ -1,5 +1,5 @@
 """Adapters inside the engine: host copies (an LRU bounded by `max_cpu_loras`) and the device
-slots (`max_loras` slots of up to `max_lora_rank`; their buffers: engine/lora_pool.py). An
+slots (`max_loras` slots of up to `max_lora_rank`; their buffers: engine/lora/pool.py). An
 adapter with saved modules (modules_to_save) needs one of `max_full_module_slots` full-module
 slots too: it gets a LoRA slot only while one is free or held by an idle adapter it evicts.
 
@@ -19,8 +19,8 @@ from adapters.errors import AdapterError, AdapterNotFound
 from adapters.format import LoraAdapter, load_adapter
 from adapters.saved_modules import FLAG, full_modules_off
 from engine.config import Config
-from engine.lora_pool import SlotPool, SlotSink
-from engine.lora_state import LoRAStats, RegisteredAdapter, Slot, host_copy
+from engine.lora.pool import SlotPool, SlotSink
+from engine.lora.state import LoRAStats, RegisteredAdapter, Slot, host_copy
 from engine.lora_step import LoRARows
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledBatch
@@ -261,7 +261,7 @@ class LoRAManager:
         self.stats.device_evictions += 1
         return min(idle, key=lambda i: self.slots[i].last_used)
 
-    # ---- device buffers (engine/lora_pool.py) ---------------------------------------------
+    # ---- device buffers (engine/lora/pool.py) ---------------------------------------------
     @property
     def device_bytes(self) -> dict[str, int]:
         """Bytes of the device slot pools, per kind: projections, embed_tokens, lm_head, and
