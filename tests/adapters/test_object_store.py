@@ -10,7 +10,6 @@ import time
 
 import pytest
 from hub_server import TINY_LLAMA, peft_files
-from redis_server import free_port
 
 from adapters.errors import AdapterError, AdapterNotFound
 from adapters.format import BaseModelSpec, load_adapter_bytes
@@ -33,6 +32,7 @@ from adapters.sources import (
     s3_adapter_id,
     s3_allowed,
 )
+from gateway.bench.server import free_port
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 SPEC = BaseModelSpec.from_hf_config(TINY_LLAMA, max_lora_rank=16)

@@ -16,7 +16,7 @@ import pytest
 from litestar.testing import AsyncTestClient, TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.config import ServerConfig
+from gateway.config import MB, ServerConfig
 from gateway.flags import add_options
 from gateway.http.app import create_app
 from gateway.runtime import Runtime
@@ -101,7 +101,7 @@ def test_bad_requests_get_4xx_in_openai_shape_and_the_server_keeps_serving(http,
         "model": base_name, "prompt": ["mixed", 1]}), 400)
     assert_openai_error(http.post("/v1/completions", json={
         "model": base_name, "prompt": [10**7]}), 400)
-    assert_openai_error(http.post("/v1/completions", content=b" " * (33 * 1024 * 1024),
+    assert_openai_error(http.post("/v1/completions", content=b" " * (33 * MB),
                                   headers={"content-type": "application/json"}), 413)
     assert_openai_error(http.get("/v1/completions"), 405)
     assert_openai_error(http.get("/v1/nothing-here"), 404)
@@ -132,7 +132,6 @@ def test_a_huge_model_name_is_echoed_cut_short(server, method, path, body, statu
     assert f"'{'m' * 64}'... ({length} characters)" in error["message"], error["message"]
 
 
-MB = 1024 * 1024
 JSON_BODIES = {"/v1/completions": {"model": BASE, "prompt": "hi", **SMALL},
                "/v1/chat/completions": {"model": BASE, "messages": [
                    {"role": "user", "content": "hi"}], **SMALL},
