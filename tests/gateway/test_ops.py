@@ -405,9 +405,10 @@ def test_serve_exits_nonzero_when_start_up_fails(model_dir, tmp_path):
     broken = tmp_path / "no-weights"
     broken.mkdir()
     (broken / "config.json").write_bytes((Path(model_dir) / "config.json").read_bytes())
-    assert serve_main(["--model", str(broken), "--port", "0", "--device", "cpu"]) == 1
-    bad_adapter = ["--model", model_dir, "--port", "0", "--device", "cpu",
-                   "--adapter", f"x={tmp_path / 'nothing-here'}"]
+    # its own adapter store: the default one is `make demo`'s and every other local run's
+    common = ["--port", "0", "--device", "cpu", "--adapter-dir", str(tmp_path / "store")]
+    assert serve_main(["--model", str(broken), *common]) == 1
+    bad_adapter = ["--model", model_dir, *common, "--adapter", f"x={tmp_path / 'nothing-here'}"]
     assert serve_main(bad_adapter) == 1
 
 
