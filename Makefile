@@ -4,7 +4,6 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
-DEMO_DIR ?= $(HOME)/.cache/lora-gateway/demo
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
@@ -19,8 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --quiet -e ".[dev]"
 	touch $@
 
+# Builds into ~/.cache/lora-gateway/demo (demo.DEMO_DIR), where `serve --demo` looks.
 demo: install
-	$(VENV)/bin/loragw demo --out $(DEMO_DIR)
+	$(VENV)/bin/loragw demo
 	$(VENV)/bin/loragw serve --demo --host $(HOST) --port $(PORT)
 
 test: install

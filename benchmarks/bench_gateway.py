@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from engine.config import Config
 from engine.core.client import EngineClient
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from gateway.bench.server import free_port
 
 PROMPT = "Tell me about the ocean"
 SHORT_TOKENS = 8
@@ -167,9 +167,7 @@ async def _measure(engine: EngineClient, url: str, args) -> dict[str, list[float
 
 
 def start_server(model: str, max_num_seqs: int) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     code = ("import sys; from gateway.server import serve_main; "
             "sys.exit(serve_main(sys.argv[1:]))")
     proc = subprocess.Popen(

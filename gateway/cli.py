@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
+from demo import DEMO_DIR
 from gateway.flags import add_flag, add_options, env_var, options_from
 
 __all__ = ["build_parser", "env_var", "main"]
 logger = logging.getLogger(__name__)
 
-DEFAULT_DEMO_DIR = os.path.join("~", ".cache", "lora-gateway", "demo")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
@@ -46,7 +45,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from gateway.bench import BenchConfig, bench_main
+    from gateway.bench.client import bench_main
+    from gateway.bench.config import BenchConfig
 
     try:
         config = BenchConfig(**options_from(args, BenchConfig))
@@ -58,7 +58,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def add_demo_parser(subparsers) -> None:
     parser = subparsers.add_parser("demo", help="build the demo base model and demo adapters")
-    add_flag(parser, "--out", default=DEFAULT_DEMO_DIR,
+    add_flag(parser, "--out", default=DEMO_DIR,
              help="directory for model/ and adapters/")
     add_flag(parser, "--seed", kind=int, default=0, help="seed for weights and training")
     parser.set_defaults(command=cmd_demo)
@@ -71,7 +71,7 @@ def add_serve_parser(subparsers) -> None:
 
 
 def add_bench_parser(subparsers) -> None:
-    from gateway.bench import BenchConfig
+    from gateway.bench.config import BenchConfig
 
     parser = subparsers.add_parser(
         "bench", help="serving benchmark against a running server or one started for it",

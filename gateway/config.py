@@ -13,10 +13,12 @@ import os
 import socket
 from dataclasses import dataclass
 
+from demo import DEMO_DIR
 from engine.config import Config, EngineOptions, option
 from gateway.flags import add_options, options_from
 
-DEMO_DIR = os.path.join("~", ".cache", "lora-gateway", "demo")
+DEFAULT_ADAPTER_DIR = os.path.join("~", ".cache", "lora-gateway", "adapters")
+MB = 1024 * 1024  # the unit of --max-upload-mb and --max-request-mb
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +34,7 @@ class ServerConfig(EngineOptions):
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(8000, "port to listen on (0: any free port)")
     adapter_dir: str | None = option(None, "directory where uploaded and downloaded adapters "
-                                     "are stored (default ~/.cache/lora-gateway/adapters)")
+                                     f"are stored (default {DEFAULT_ADAPTER_DIR})")
     hub_allow: tuple[str, ...] = option((), "ORG/REPO glob of Hub adapters loaded on first use "
                                         "(repeatable)")
     s3_allow: tuple[str, ...] = option((), "BUCKET/PATH glob of s3:// adapters (PEFT folders) "

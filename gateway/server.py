@@ -21,8 +21,9 @@ from dataclasses import replace
 import prometheus_client
 import uvicorn
 
+from demo import DEMO_DIR
 from demo.examples import demo_examples
-from gateway.config import DEMO_DIR, ServerConfig, add_serve_arguments
+from gateway.config import ServerConfig, add_serve_arguments
 from gateway.http.app import create_app
 
 logger = logging.getLogger("gateway")

@@ -1,16 +1,75 @@
-"""Session fixtures shared by every test package: tiny random checkpoints and the demo model.
+"""Session fixtures shared by every test package: tiny random checkpoints and the demo model,
+and a home of the session's own.
 
 Heavy imports (torch, transformers, peft) stay inside the fixtures, so collecting tests that do
 not use them stays fast. Tests must not write into the directories these fixtures return.
+
+The home: before any other conftest or test module is imported, HOME, the XDG directories and
+HF_HOME point into a temporary directory (`test_home`), and the variables that would lead past
+it (a Hub token, cache paths of its own) are unset, for the whole session and every subprocess
+a test starts. So a server started without --adapter-dir, huggingface_hub, datasets, lm-eval,
+Helm and Triton all write there, never into the user's ~/.cache, and no stored Hub login is
+sent anywhere. It is done on import, not in pytest_configure: pytest imports the conftest of a
+test's own directory (tests/gateway/conftest.py imports the engine, and so huggingface_hub,
+which fixes its paths at import) before it calls pytest_configure.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 from checkpoints import make_tiny_checkpoint
+
+# Where each home variable points, under the temporary home.
+HOME_LAYOUT = {"HOME": ".", "XDG_CACHE_HOME": ".cache", "XDG_CONFIG_HOME": ".config",
+               "XDG_DATA_HOME": ".local/share", "XDG_STATE_HOME": ".local/state",
+               "HF_HOME": ".cache/huggingface"}
+# Each would lead a test past the temporary home: a credential, a Hub, or a cache of its own.
+UNSET_VARIABLES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_OIDC_RESOURCE",
+                   "HF_ENDPOINT", "HF_HUB_CACHE", "HF_ASSETS_CACHE", "HF_XET_CACHE",
+                   "HF_DATASETS_CACHE", "HF_MODULES_CACHE", "TRANSFORMERS_CACHE", "TORCH_HOME",
+                   "TRITON_CACHE_DIR")
+# Read their paths from the environment once, at import: they must not be imported before this.
+FIXED_AT_IMPORT = ("huggingface_hub", "datasets", "transformers")
+
+
+def isolate_home() -> tuple[Path, dict[str, str | None]]:
+    """Point HOME_LAYOUT's variables into a new temporary directory and unset UNSET_VARIABLES;
+    returns (that directory, every variable changed, as it was)."""
+    early = [name for name in FIXED_AT_IMPORT if name in sys.modules]
+    assert not early, (f"{early} imported before tests/conftest.py set up the test home: they "
+                       "would read and write the user's ~/.cache; import them inside fixtures")
+    home = Path(tempfile.mkdtemp(prefix="loragw-test-home-"))
+    saved = {name: os.environ.get(name) for name in (*HOME_LAYOUT, *UNSET_VARIABLES)}
+    for name in UNSET_VARIABLES:
+        os.environ.pop(name, None)
+    for name, under in HOME_LAYOUT.items():
+        os.environ[name] = str((home / under).resolve())
+    return home, saved
+
+
+TEST_HOME, _USER_ENVIRONMENT = isolate_home()
+
+
+def pytest_unconfigure(config):
+    for name, value in _USER_ENVIRONMENT.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    shutil.rmtree(TEST_HOME, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def test_home() -> Path:
+    """The session's HOME (also the root of XDG_*_HOME and HF_HOME), removed at the end."""
+    return TEST_HOME
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,7 @@ class ServerStartError(Exception):
 
 
 def free_port() -> int:
+    """A loopback TCP port nobody listens on right now (the OS picks it)."""
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]

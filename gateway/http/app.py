@@ -22,7 +22,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from adapters.errors import short_name
-from gateway.config import ServerConfig
+from gateway.config import MB, ServerConfig
 from gateway.fleet.router import served_by_hook
 from gateway.http.admin import AdminController
 from gateway.http.error_handlers import EXCEPTION_HANDLERS
@@ -35,7 +35,6 @@ from gateway.metrics import CLIENT_CLOSED_REQUEST, STREAM_FAILED, Metrics
 from gateway.runtime import Runtime
 
 access_log = logging.getLogger("gateway.access")
-MB = 1024 * 1024
 REQUEST_ID_HEADER = b"x-request-id"
 MODEL_LOGGED = 256  # characters of a client's `model` an access-log line carries
 _CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces

@@ -14,10 +14,8 @@ import asyncio
 from litestar.middleware import ASGIMiddleware
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.config import ServerConfig
+from gateway.config import MB, ServerConfig
 from gateway.errors import APIError
-
-MB = 1024 * 1024
 
 
 def too_large(config: ServerConfig) -> APIError:

@@ -25,7 +25,7 @@ from adapters.store import AdapterExists
 from adapters.store_meta import StoredAdapter, StoredMeta
 from engine.core.client import EngineClient
 from engine.snapshot import EngineSnapshot
-from gateway.config import ServerConfig
+from gateway.config import DEFAULT_ADAPTER_DIR, ServerConfig
 from gateway.errors import APIError
 from gateway.metrics import Metrics
 from gateway.residency.catalog import FleetCatalog
@@ -36,7 +36,6 @@ from gateway.residency.names import Location, on_demand
 from gateway.residency.tiers import AdapterRecord, AdapterTiers
 
 logger = logging.getLogger(__name__)
-DEFAULT_ADAPTER_DIR = os.path.join("~", ".cache", "lora-gateway", "adapters")
 PUBLISH_INTERVAL_S = 1.0  # this replica's state, and a read of the whole catalog
 
 

@@ -16,7 +16,8 @@ utils/_http.py):
   a private repo answers 401 RepoNotFound without a token, and any request with a token it
   does not know answers 401 "Invalid credentials in Authorization header".
 Revisions in the URL are percent-encoded (``refs%2Fpr%2F1``). Each revision gets a stable
-fake commit sha. Every request is counted by (method, decoded path).
+fake commit sha. Every request is counted by (method, decoded path), and every token one
+carried is kept in ``tokens_seen``.
 
 Also here: `peft_files`, a tiny PEFT LoRA adapter (adapter_config.json +
 adapter_model.safetensors bytes) for the tiny Llama of `TINY_LLAMA`, written without peft.
@@ -50,6 +51,7 @@ class HubServer:
         self.repos = repos  # repo id -> revision name -> path -> bytes; may change while serving
         self.private, self.gated, self.tokens = set(private), set(gated), set(tokens)
         self.requests: Counter[tuple[str, str]] = Counter()  # (method, decoded path) -> count
+        self.tokens_seen: set[str] = set()  # the token of each request that carried one
         self._lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -135,8 +137,11 @@ class _Handler(BaseHTTPRequestHandler):
     def _serve(self, head: bool) -> None:
         url = urlsplit(self.path)
         raw_parts = url.path.split("/")[1:]
+        auth = self.headers.get("Authorization", "")
         with self.hub._lock:
             self.hub.requests[(self.command, unquote(url.path))] += 1
+            if auth:
+                self.hub.tokens_seen.add(auth.removeprefix("Bearer "))
         try:
             if raw_parts[:2] == ["api", "models"]:
                 status, headers, body = self._api(raw_parts[2:], url.query)

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from gateway.bench.server import free_port
+
 REDIS_SERVER_BIN = "/usr/bin/redis-server"
 START_TIMEOUT_S = 10.0
 
@@ -37,13 +39,6 @@ def find_redis_server() -> str:
             pytrace=False,
         )
     return found
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _pings(port: int) -> bool:

@@ -24,7 +24,6 @@ import atexit
 import itertools
 import json
 import logging
-import socket
 import subprocess
 import sys
 import time
@@ -33,6 +32,8 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
+
+from gateway.bench.server import free_port
 
 REGION = "us-east-1"
 START_TIMEOUT_S = 30.0  # moto's server in a process of its own: imports, then it listens
@@ -80,9 +81,7 @@ class S3Server:
             self._server.stop()
 
     def _start_process(self) -> None:
-        with socket.socket() as sock:  # a free port: moto's own pick is not printed reliably
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()  # moto's own pick is not printed reliably
         self._process = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

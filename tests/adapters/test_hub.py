@@ -3,6 +3,7 @@
 import hashlib
 import os
 
+import huggingface_hub.constants
 import pytest
 from hub_server import TINY_LLAMA, HubServer, peft_files
 
@@ -19,10 +20,17 @@ A, B = peft_files(rank=4, seed=0), peft_files(rank=8, seed=1, targets=("q_proj",
 PICKLE = b"\x80\x04\x95\x05\x00\x00\x00\x00\x00\x00\x00}\x94."  # pickle.dumps({})
 
 
+GIVEN_TOKENS = {"hf_ok", "hf_wrong"}  # the only tokens these tests hand the client
+
+
 @pytest.fixture
-def hub(monkeypatch):
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+def hub(monkeypatch, tmp_path):
+    """The fake Hub, and a client with no login of the user's. huggingface_hub sends a stored
+    login (HF_TOKEN, else the token file at HF_TOKEN_PATH, a path fixed at import) to whatever
+    endpoint it is given: rightly, for the Hub the user logged in to; this fake one is not it."""
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE", "HF_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-login"))
     repos = {
         "org/adapter": {"main": A, "v2": B, "refs/pr/1": B},
         "org/private": {"main": A},
@@ -33,6 +41,7 @@ def hub(monkeypatch):
     }
     with HubServer(repos, private={"org/private"}, gated={"org/gated"}, tokens={"hf_ok"}) as h:
         yield h
+    assert h.tokens_seen <= GIVEN_TOKENS, f"a token no test gave reached the Hub: {h.tokens_seen}"
 
 
 def fetch(hub, tmp_path, repo_id, revision=None, **kw):

@@ -10,7 +10,6 @@ import time
 
 import pytest
 from hub_server import TINY_LLAMA, peft_files
-from redis_server import free_port
 
 from adapters.errors import AdapterError, AdapterNotFound
 from adapters.format import load_adapter_bytes
@@ -34,6 +33,7 @@ from adapters.sources import (
     s3_allowed,
 )
 from engine.models import adapter_spec
+from gateway.bench.server import free_port
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 SPEC = adapter_spec(TINY_LLAMA, max_lora_rank=16)

@@ -1,7 +1,7 @@
 """CUDA-graph decode on a GPU: replayed steps give the tokens eager steps give, token for
 token, with LoRA in mixed batches, base rows, token masks (allowed_token_ids, logit_bias) and
-batches that shrink through the buckets. Run by benchmarks/gpu_session.sh on the device
-machine; on a machine without CUDA these tests are skipped (marked gpu)."""
+batches that shrink through the buckets. Run by benchmarks/gpu_session.sh on a CUDA machine;
+on a machine without CUDA these tests are skipped (marked gpu)."""
 
 from __future__ import annotations
 

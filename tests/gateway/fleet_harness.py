@@ -30,6 +30,7 @@ import redis
 from uploads import read_files
 
 from adapters.registry import ReplicaState, decode_state
+from gateway.bench.server import free_port
 from gateway.fleet.router import FORWARDED_HEADER
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,7 +76,7 @@ class Fleet:
             disk = self.workdir / f"{rid}-store"
             if empty_disk:
                 shutil.rmtree(disk, ignore_errors=True)
-            self.urls.setdefault(rid, f"http://127.0.0.1:{redis_fixture.free_port()}")
+            self.urls.setdefault(rid, f"http://127.0.0.1:{free_port()}")
             port = self.urls[rid].rsplit(":", 1)[1]
             store = ["--adapter-store-url", self.store_url] if self.store_url else []
             self.logs[rid] = open(self.workdir / f"{rid}.log", "ab")

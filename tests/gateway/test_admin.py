@@ -15,7 +15,7 @@ import pytest
 
 from adapters.types import TARGET_MODULES
 from engine.sampling_params import SamplingParams
-from gateway.config import ServerConfig
+from gateway.config import MB, ServerConfig
 from gateway.http.app import create_app
 from gateway.metrics import Metrics
 from gateway.residency.manager import AdapterManager
@@ -24,7 +24,6 @@ from tests.adapters.hub_server import HubServer
 from tests.gateway.raw_http import RawRequest
 from tests.gateway.uploads import read_files
 
-MB = 1024 * 1024
 KEY = "admin-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "Tell me a story"
@@ -211,7 +210,7 @@ def test_oversize_missing_fields_and_auth_are_refused(admin, admin_server, make_
                                                       tmp_path):
     files = read_files(make_adapter(tmp_path / "a", 6))
     before = tree_hash(admin_server.adapter_dir)
-    assert_openai_error(upload(admin, "big", files[0], b"\0" * (3 * 1024 * 1024 // 2)), 413)
+    assert_openai_error(upload(admin, "big", files[0], b"\0" * (3 * MB // 2)), 413)
     assert_openai_error(admin.post("/admin/adapters", data={"adapter_id": "x"},
                                    files={"adapter_config": ("c", files[0])}), 400)
     no_key = {"Authorization": ""}

@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import math
 import random
-import socket
 
 import pytest
 
-from gateway.bench import BenchConfig, assign_models
+from gateway.bench.client import assign_models
+from gateway.bench.config import BenchConfig
 from gateway.bench.report import Latency, RequestResult, format_table, percentile, summarize
+from gateway.bench.server import free_port
 from gateway.cli import build_parser, main
 
 
@@ -117,9 +118,7 @@ def test_bench_chat_base_model_whole_responses(server, base_name, tmp_path, caps
 
 
 def test_unreachable_url_fails_with_a_message(capsys):
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens there
     assert main(["bench", "--url", f"http://127.0.0.1:{port}", "--num-requests", "2"]) == 1
     err = capsys.readouterr().err
     assert f"cannot reach http://127.0.0.1:{port}" in err and "Traceback" not in err

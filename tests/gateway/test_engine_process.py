@@ -18,9 +18,8 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from fleet_harness import redis_fixture
 
-from gateway.bench.server import wait_ready
+from gateway.bench.server import free_port, wait_ready
 from gateway.config import ServerConfig, parse_cpu_list
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +42,7 @@ def test_a_killed_engine_process_ends_every_stream_and_the_server(model_dir, tmp
     # On the engine's own CPU when there are two: --engine-cpus is checked on the way.
     cpus = sorted(os.sched_getaffinity(0))
     pin = ["--engine-cpus", str(cpus[0])] if len(cpus) > 1 else []
-    port = redis_fixture.free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w+b")
     server = subprocess.Popen(

@@ -70,7 +70,12 @@ def samples(out: Path, task: str) -> list[dict]:
 
 
 def run(args: list[str], out: Path, tasks: Path) -> None:
+    # datasets caches the task files it reads (and huggingface_hub would cache downloads) under
+    # HF_HOME: this run's own, beside its output, not the user's ~/.cache/huggingface
+    hf_home = out.with_name(f"{out.name}-hf-home")
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+           "HF_HOME": str(hf_home), "HF_DATASETS_CACHE": str(hf_home / "datasets"),
+           "HF_HUB_CACHE": str(hf_home / "hub"),
            "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     result = subprocess.run([*LM_EVAL, *args, "--tasks", "tiny_mc,tiny_gen", "--include_path",
                              str(tasks), "--output_path", str(out), "--log_samples"],

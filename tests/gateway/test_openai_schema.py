@@ -19,6 +19,7 @@ import jsonschema
 import pytest
 from litestar.testing import TestClient
 
+from gateway.config import MB
 from gateway.http.app import create_app
 from gateway.runtime import Runtime
 
@@ -177,7 +178,7 @@ def test_errors_of_every_status_conform(http, server, server_config, tmp_path, m
     _error(http.get("/v1/models/nope"), 404)
     _error(http.get("/v1/no-such-route"), 404)
     _error(http.get("/v1/completions"), 405)
-    _error(http.post("/v1/completions", content=b" " * (33 * 1024 * 1024),
+    _error(http.post("/v1/completions", content=b" " * (33 * MB),
                      headers={"content-type": "application/json"}), 413)
     _error(http.post("/v1/load_lora_adapter", json={"lora_name": "bad",
                                                      "lora_path": str(tmp_path)}), 422)

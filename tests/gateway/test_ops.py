@@ -16,7 +16,7 @@ import pytest
 from litestar.testing import AsyncTestClient, TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.config import ServerConfig
+from gateway.config import MB, ServerConfig
 from gateway.flags import add_options
 from gateway.http.app import create_app
 from gateway.runtime import Runtime
@@ -101,7 +101,7 @@ def test_bad_requests_get_4xx_in_openai_shape_and_the_server_keeps_serving(http,
         "model": base_name, "prompt": ["mixed", 1]}), 400)
     assert_openai_error(http.post("/v1/completions", json={
         "model": base_name, "prompt": [10**7]}), 400)
-    assert_openai_error(http.post("/v1/completions", content=b" " * (33 * 1024 * 1024),
+    assert_openai_error(http.post("/v1/completions", content=b" " * (33 * MB),
                                   headers={"content-type": "application/json"}), 413)
     assert_openai_error(http.get("/v1/completions"), 405)
     assert_openai_error(http.get("/v1/nothing-here"), 404)
@@ -132,7 +132,6 @@ def test_a_huge_model_name_is_echoed_cut_short(server, method, path, body, statu
     assert f"'{'m' * 64}'... ({length} characters)" in error["message"], error["message"]
 
 
-MB = 1024 * 1024
 JSON_BODIES = {"/v1/completions": {"model": BASE, "prompt": "hi", **SMALL},
                "/v1/chat/completions": {"model": BASE, "messages": [
                    {"role": "user", "content": "hi"}], **SMALL},
@@ -406,9 +405,10 @@ def test_serve_exits_nonzero_when_start_up_fails(model_dir, tmp_path):
     broken = tmp_path / "no-weights"
     broken.mkdir()
     (broken / "config.json").write_bytes((Path(model_dir) / "config.json").read_bytes())
-    assert serve_main(["--model", str(broken), "--port", "0", "--device", "cpu"]) == 1
-    bad_adapter = ["--model", model_dir, "--port", "0", "--device", "cpu",
-                   "--adapter", f"x={tmp_path / 'nothing-here'}"]
+    # its own adapter store: the default one is `make demo`'s and every other local run's
+    common = ["--port", "0", "--device", "cpu", "--adapter-dir", str(tmp_path / "store")]
+    assert serve_main(["--model", str(broken), *common]) == 1
+    bad_adapter = ["--model", model_dir, *common, "--adapter", f"x={tmp_path / 'nothing-here'}"]
     assert serve_main(bad_adapter) == 1
 
 
@@ -499,7 +499,8 @@ class SchemaFuzzer:
 
 
 def test_fuzzed_bodies_from_the_openapi_schema_never_get_a_5xx(http, server, wait_idle):
-    # schemathesis is not installed here; this seeded fuzzer over the same schema stands in.
+    # schemathesis explores the same schema in test_openapi.py; this is the quick, seeded pass
+    # that also reads every stream for an error event and checks the adapter set is unchanged.
     spec = http.get("/schema/openapi.json").json()
     operations = [(path, op["requestBody"]["content"]["application/json"]["schema"])
                   for path, item in spec["paths"].items() for method, op in item.items()

@@ -152,8 +152,12 @@ def test_workspace_made_in_inference_mode_serves_calls_outside_it(monkeypatch):
     meta = make_lora_meta(torch.arange(4), 4)
     args = (torch.randn(4, 16), torch.randn(1, 4, 8, 16), torch.randn(4, 12, 8),
             torch.full((1, 4), 8, dtype=torch.int32), torch.ones(1, 4), (0, 12), meta)
+    want = reference.oracle_apply(torch.zeros(4, 12), *args[:-1], token_slots=meta.token_slots)
     with torch.inference_mode():
-        apply_lora(torch.zeros(4, 12), *args)
+        inside = torch.zeros(4, 12)
+        apply_lora(inside, *args)
     out = torch.zeros(4, 12)
     apply_lora(out, *args)
     assert out.abs().sum() > 0
+    for got in (inside, out):
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
