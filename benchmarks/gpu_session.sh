@@ -4,13 +4,13 @@
 # transformers, peft and safetensors (litestar, xgrammar and redis are not needed: the kernel
 # tests and the engine run without them). From the repository root:
 #
-#     bash benchmarks/gpu_session.sh [OUT_DIR]      (default /tmp/loragw-gpu; PY=python3)
+#     bash benchmarks/gpu_session.sh [OUT_DIR]      (default $OUT, else /tmp/loragw-gpu; PY=python3)
 #
 # Each step has a timeout of its own; together they come to 500 s. Order matters: correctness
 # first (CUDA decode attention and LoRA default to the Triton kernels), so a broken kernel is
 # known even if the benchmarks run out of time.
 set -uo pipefail
-OUT_DIR=${1:-/tmp/loragw-gpu}
+OUT_DIR=${1:-${OUT:-/tmp/loragw-gpu}}
 PY=${PY:-python3}
 mkdir -p "$OUT_DIR"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
