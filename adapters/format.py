@@ -45,7 +45,7 @@ from adapters.types import (
 
 # BaseModelSpec lives in adapters.types; the engine imports it from here with the loader.
 __all__ = [
-    "BaseModelSpec", "LoraModuleWeights", "LoraAdapter", "load_adapter", "load_adapter_bytes",
+    "BaseModelSpec", "LoraModuleWeights", "LoraAdapter", "read_adapter", "parse_adapter",
 ]  # fmt: skip
 
 logger = logging.getLogger(__name__)
@@ -110,13 +110,14 @@ class LoraAdapter:
         return out
 
 
-def load_adapter(path: str | os.PathLike, spec: BaseModelSpec) -> LoraAdapter:
-    """Load and validate a local PEFT adapter directory."""
-    return load_adapter_bytes(*read_adapter_files(os.fspath(path)), spec)
+def read_adapter(path: str | os.PathLike, spec: BaseModelSpec) -> LoraAdapter:
+    """Read, validate and parse a local PEFT adapter directory."""
+    return parse_adapter(*read_adapter_files(os.fspath(path)), spec)
 
 
-def load_adapter_bytes(config_raw: bytes, weights_raw: bytes, spec: BaseModelSpec) -> LoraAdapter:
-    """Validate an uploaded adapter_config.json + adapter_model.safetensors pair and load it."""
+def parse_adapter(config_raw: bytes, weights_raw: bytes, spec: BaseModelSpec) -> LoraAdapter:
+    """Validate an adapter_config.json + adapter_model.safetensors pair (an upload, a fetch) and
+    parse it."""
     if len(config_raw) > MAX_CONFIG_BYTES:
         raise AdapterError(f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
     config = parse_adapter_config(config_raw)

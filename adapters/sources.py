@@ -10,7 +10,7 @@ A source string (``--adapter NAME=SOURCE``, ``POST /admin/adapters/register``, v
                                                 credentials from the AWS variables and chain
 
 `resolve_source` turns a parsed source into the two files' bytes plus the provenance the store
-records; callers validate them (adapters.format.load_adapter_bytes) before storing anything.
+records; callers validate them (adapters.format.parse_adapter) before storing anything.
 Uploads skip this module: the admin API already holds the bytes. huggingface_hub and boto3 are
 imported only when a Hub or S3 source is resolved.
 """

@@ -14,7 +14,7 @@ adapters.durable_fs), then makes it visible with one rename (or, replacing, one 
 with the old copy; where the filesystem cannot exchange, the old copy is renamed to .old-* first
 and restored at start if the process died in between). Before that last step a failure leaves
 the tree as it was; after it, nothing is raised. The store does not validate adapters: callers run
-adapters.format.load_adapter_bytes first.
+adapters.format.parse_adapter first.
 """
 
 from __future__ import annotations

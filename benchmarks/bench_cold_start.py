@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save
 from tqdm import tqdm
 
-from adapters.format import load_adapter
+from adapters.format import read_adapter
 from adapters.hub import fetch_hub_adapter
 from adapters.object_store import ObjectStore
 from adapters.store import AdapterStore
@@ -99,14 +99,14 @@ def measure(name: str, model_dir: str, work: str, store: ObjectStore) -> dict:
                                     cache_dir=os.path.join(work, name, "hf"))
         hub_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    adapter = load_adapter(fetched.path, llm.lora.spec)
+    adapter = read_adapter(fetched.path, llm.lora.spec)
     host_s = time.perf_counter() - t0
     llm.add_adapter("cold", fetched.path, adapter)
     t0 = time.perf_counter()
     llm.to_device("cold")
     device_s = time.perf_counter() - t0
     ttft(llm, None)  # warm the model
-    llm.add_adapter("cold2", adapter, fetched.path)
+    llm.add_adapter("cold2", fetched.path, adapter)
     llm.evict_adapter("cold2")  # disk tier: the engine re-reads it on first use
     cold_s = ttft(llm, "cold2")
     resident_s = min(ttft(llm, "cold") for _ in range(3))

@@ -98,9 +98,7 @@ def main() -> None:
             decode_steps(llm, args.batch, adapters, 3, traffic)  # warm-up
             ms, (reduced, gathered) = decode_steps(llm, args.batch, adapters, args.steps, traffic)
             rows.append((tp, len(adapters), ms, reduced, gathered))
-        if tp > 1:
-            llm.engine.runner.close()
-        del llm
+        llm.close()
     layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
     print(f"Machine: {machine()}; model: random Llama, {layers} layers, hidden {hidden}, vocab "
           f"{cfg.vocab_size}, float32; decode steps of {args.batch} rows (median of "

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from adapters.format import LoraAdapter, load_adapter
+from adapters.format import LoraAdapter, read_adapter
 from engine.config import Config
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.block_manager import BlockManager
@@ -172,7 +172,7 @@ class LLMEngine:
         host eviction; None: in memory only); returns its version. A bad adapter raises
         AdapterError, changing nothing."""
         if adapter is None:
-            adapter = load_adapter(path, self.lora.spec)
+            adapter = read_adapter(path, self.lora.spec)
         busy = {r.seq.adapter for r in self.requests.values() if r.seq.adapter}
         return self.lora.add(name, adapter, path=path, busy=busy)
 

@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from adapters.format import LoraAdapter, load_adapter
+from adapters.format import LoraAdapter, read_adapter
 from adapters.wire import unpack
 from engine.core.messages import (
     Abort,
@@ -112,7 +112,7 @@ class EngineLoop:
     def _parse(self, message: AddAdapter) -> LoraAdapter:
         """On the loader thread: the adapter as the server handed it on, or read from disk."""
         if message.adapter is None:
-            return load_adapter(message.path, self.engine.lora.spec)
+            return read_adapter(message.path, self.engine.lora.spec)
         return unpack(message.adapter) if isinstance(message.adapter, bytes) else message.adapter
 
     def reply(self, call: int, fn, *args) -> None:

@@ -16,7 +16,7 @@ import time
 import torch
 
 from adapters.errors import AdapterError, AdapterNotFound
-from adapters.format import LoraAdapter, load_adapter
+from adapters.format import LoraAdapter, read_adapter
 from adapters.saved_modules import FLAG, full_modules_off
 from engine.config import Config
 from engine.lora.pool import SlotPool, SlotSink
@@ -167,7 +167,7 @@ class LoRAManager:
 
     def _ensure_host(self, name: str, entry: RegisteredAdapter) -> LoraAdapter:
         if entry.host is None:  # the disk tier: re-read and re-validate
-            entry.host = host_copy(load_adapter(entry.path, self.spec), self.device)
+            entry.host = host_copy(read_adapter(entry.path, self.spec), self.device)
             self.stats.host_loads += 1
             self._trim_host(keep={name})
         entry.last_used = time.monotonic()

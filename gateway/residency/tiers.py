@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from adapters.errors import AdapterNotFound, short_name
-from adapters.format import load_adapter_bytes
+from adapters.format import parse_adapter
 from adapters.object_store import ObjectStore
 from adapters.registry import CatalogEntry
 from adapters.sources import parse_source, resolve_source
@@ -101,7 +101,7 @@ class AdapterTiers:
                   meta: StoredMeta, write_through: bool = True) -> StoredAdapter:
         """Validate against the base model, write through to the object store (if there is one
         and `write_through`), store `meta.version` here, register it in the engine."""
-        adapter = await asyncio.to_thread(load_adapter_bytes, config_raw, weights_raw,
+        adapter = await asyncio.to_thread(parse_adapter, config_raw, weights_raw,
                                           self.engine.adapter_spec)
         key = meta.object_key
         if write_through and self.object_store is not None:

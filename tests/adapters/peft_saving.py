@@ -17,7 +17,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from adapters.format import BaseModelSpec, LoraAdapter, load_adapter_bytes
+from adapters.format import BaseModelSpec, LoraAdapter, parse_adapter
 from adapters.types import MODEL_TARGETS
 
 TINY = dict(architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=2,
@@ -95,7 +95,7 @@ def load_edited(path: Path, spec: BaseModelSpec,
         edit(tensors)
     if config_changes:
         config = json.dumps({**json.loads(config), **config_changes}).encode()
-    return load_adapter_bytes(config, safetensors.torch.save(tensors), spec)
+    return parse_adapter(config, safetensors.torch.save(tensors), spec)
 
 
 def without_vocabulary(spec: BaseModelSpec) -> BaseModelSpec:

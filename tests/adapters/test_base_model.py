@@ -13,7 +13,7 @@ import safetensors.torch
 from peft_saving import load_edited
 
 from adapters.errors import AdapterError
-from adapters.format import BaseModelSpec, load_adapter
+from adapters.format import BaseModelSpec, read_adapter
 from adapters.lora_config import parse_adapter_config
 from engine.models import adapter_spec
 
@@ -91,7 +91,7 @@ def test_adapter_for_another_class_is_refused_naming_both(bases, saved, arch, mo
     assert spec.architecture not in (None, LLAMA)
     monkeypatch.setattr(safetensors.torch, "load", lambda *a: pytest.fail("deserialized"))
     with caplog.at_level(logging.WARNING), pytest.raises(AdapterError) as info:
-        load_adapter(saved["llama"], spec)
+        read_adapter(saved["llama"], spec)
     assert info.value.status == 422
     assert str(info.value) == (
         f"adapter_config.json says the adapter was trained on '{LLAMA}'"
@@ -102,17 +102,17 @@ def test_adapter_for_another_class_is_refused_naming_both(bases, saved, arch, mo
 
 
 def test_unknown_class_on_either_side_is_not_refused(bases, saved):
-    assert load_adapter(saved["causal_lm"], served(bases["qwen2"])).modules  # no auto_mapping
+    assert read_adapter(saved["causal_lm"], served(bases["qwen2"])).modules  # no auto_mapping
     # the engine serves only a named architecture; a spec that names none is built directly
     no_archs = dataclasses.replace(served(bases["qwen2"]), architecture=None)
     assert no_archs.architecture is None
-    assert load_adapter(saved["llama"], no_archs).modules
+    assert read_adapter(saved["llama"], no_archs).modules
 
 
 def test_another_base_name_is_served_with_one_warning(bases, saved, caplog):
     spec = served(bases["llama"])
     with caplog.at_level(logging.WARNING, logger="adapters.format"):
-        adapter = load_adapter(saved["hub_named"], spec)
+        adapter = read_adapter(saved["hub_named"], spec)
     assert adapter.modules and adapter.targets == ("q_proj", "v_proj")
     assert adapter.warnings == (
         f"adapter_config.json says it was trained on '{HUB_ID}'; this server serves"
@@ -165,7 +165,7 @@ def test_a_spec_without_model_path_checks_no_names(bases, saved):
     """Every caller but the engine builds its spec without model_path, as before."""
     spec = adapter_spec(read_json(bases["llama"], "config.json"), 16)
     assert (spec.architecture, spec.model_names) == (LLAMA, ())
-    assert load_adapter(saved["hub_named"], spec).warnings == ()
+    assert read_adapter(saved["hub_named"], spec).warnings == ()
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import safetensors.torch
 import torch
 
 from adapters.errors import AdapterError
-from adapters.format import BaseModelSpec, load_adapter, load_adapter_bytes
+from adapters.format import BaseModelSpec, parse_adapter, read_adapter
 from adapters.lora_config import parse_adapter_config
 from engine.models import adapter_spec
 
@@ -86,7 +86,7 @@ def our_delta(m) -> torch.Tensor:
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_deltas_match_peft(made, name):
     path, spec, expected = made[name]
-    adapter = load_adapter(path, spec)
+    adapter = read_adapter(path, spec)
     assert sorted(adapter.modules) == sorted(expected)
     for key, want in expected.items():
         m = adapter.modules[key]
@@ -126,7 +126,7 @@ def _files(made, name):
 
 
 def _load(config: bytes, tensors: dict, spec: BaseModelSpec):
-    return load_adapter_bytes(config, safetensors.torch.save(tensors), spec)
+    return parse_adapter(config, safetensors.torch.save(tensors), spec)
 
 
 def test_unsupported_target_parameter_refused():
@@ -185,8 +185,8 @@ def test_rank_over_max_refused(made):
     path, spec, _ = made["rslora"]  # rank 8
     small = adapter_spec(MIXTRAL_BASE, max_lora_rank=4)
     with pytest.raises(AdapterError, match=r"rank 8 > --max-lora-rank 4"):
-        load_adapter(path, small)
-    assert load_adapter(path, spec).max_rank == 8
+        read_adapter(path, small)
+    assert read_adapter(path, spec).max_rank == 8
 
 
 def test_dense_base_refused(made):

@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 
 from adapters.errors import AdapterError, AdapterNotFound
-from adapters.format import load_adapter, load_adapter_bytes
+from adapters.format import parse_adapter, read_adapter
 from adapters.lora_config import parse_adapter_config
 from adapters.types import TARGET_MODULES, pattern_key
 from engine.models import adapter_spec
@@ -119,7 +119,7 @@ def raw_safetensors(header, data: bytes = b"") -> bytes:
 def test_load_matches_peft_weights_and_scaling(made, name):
     path, expected = made[name]
     spec = adapter_spec(made[name, "hf_config"], max_lora_rank=16)  # the class it was saved on
-    adapter = load_adapter(path, spec)
+    adapter = read_adapter(path, spec)
     assert len(adapter.modules) == len(expected) > 0
     for module_name, (a, b, scaling) in expected.items():
         layer, target = int(module_name.split(".")[2]), module_name.rsplit(".", 1)[-1]
@@ -143,16 +143,16 @@ def test_spec_from_real_hf_configs_accepts_their_adapters(made):
         hf_config = made[name, "hf_config"]
         spec = adapter_spec(hf_config, max_lora_rank=8)
         assert spec == adapter_spec({**TINY, "architectures": hf_config["architectures"]}, 8)
-        assert load_adapter(made[name][0], spec).modules
+        assert read_adapter(made[name][0], spec).modules
 
 
 def test_variants_cover_what_they_claim(made, spec):
-    assert load_adapter(made["all_linear_rslora"][0], spec).targets == tuple(sorted(TARGET_MODULES))
-    assert load_adapter(made["regex"][0], spec).targets == ("down_proj", "k_proj")
-    layered = load_adapter(made["layers_rslora_patterns"][0], spec)
+    assert read_adapter(made["all_linear_rslora"][0], spec).targets == tuple(sorted(TARGET_MODULES))
+    assert read_adapter(made["regex"][0], spec).targets == ("down_proj", "k_proj")
+    layered = read_adapter(made["layers_rslora_patterns"][0], spec)
     assert {layer for layer, _ in layered.modules} == {1}
     assert layered.modules[(1, "up_proj")].rank == 2
-    patterns = load_adapter(made["patterns"][0], spec)
+    patterns = read_adapter(made["patterns"][0], spec)
     assert patterns.modules[(0, "q_proj")].scaling == 5 / 4
     assert patterns.modules[(1, "o_proj")].scaling == 3 / 8
     assert patterns.modules[(1, "down_proj")].scaling == 16 / 12
@@ -162,7 +162,7 @@ def test_overlapping_patterns_resolve_in_file_order_like_peft_from_pretrained(ma
     """PEFT writes adapter_config.json with sort_keys=True, so where alpha_pattern keys overlap
     the first match in the *file* wins: what PeftModel.from_pretrained serves, even though the
     training run (dict in insertion order, "o_proj" first) used 3 for layer 0's o_proj."""
-    patterns = load_adapter(made["patterns"][0], spec)
+    patterns = read_adapter(made["patterns"][0], spec)
     assert list(patterns.config.alpha_pattern) == [r"model\.layers\.0\..*", "o_proj"]
     assert patterns.modules[(0, "o_proj")].scaling == 5 / 8
     assert made["training_scaling"]["patterns", "model.layers.0.self_attn.o_proj"] == 3 / 8
@@ -189,7 +189,7 @@ def test_pattern_key_mirrors_peft(made):
 def test_half_precision_weights_become_float32(made, spec):
     config, weights = files(made)
     halves = {k: v.to(torch.bfloat16) for k, v in tensors_of(weights).items()}
-    adapter = load_adapter_bytes(config, safetensors.torch.save(halves), spec)
+    adapter = parse_adapter(config, safetensors.torch.save(halves), spec)
     for (layer, target), m in adapter.modules.items():
         key = f"{PREFIX}.{layer}.self_attn.{target}.lora_A.weight"
         assert m.lora_a.dtype == torch.float32
@@ -201,8 +201,8 @@ def test_default_adapter_name_and_bare_model_prefix_are_accepted(made, spec):
     t = tensors_of(weights)
     renamed = {k.replace(".lora_A.", ".lora_A.default.").replace("model.model.", "model."): v
                for k, v in t.items()}  # fmt: skip
-    adapter = load_adapter_bytes(config, safetensors.torch.save(renamed), spec)
-    assert sorted(adapter.modules) == sorted(load_adapter_bytes(config, weights, spec).modules)
+    adapter = parse_adapter(config, safetensors.torch.save(renamed), spec)
+    assert sorted(adapter.modules) == sorted(parse_adapter(config, weights, spec).modules)
 
 
 def test_spec_from_hf_config_shapes():
@@ -252,13 +252,13 @@ def test_pickled_weights_are_refused_without_unpickling(
     with pytest.raises(
         AdapterError, match="pickled weights .* convert them to adapter_model.safetensors"
     ):
-        load_adapter(tmp_path, spec)
+        read_adapter(tmp_path, spec)
 
 
 def test_safetensors_wins_over_a_pickle_beside_it(made, spec, tmp_path, no_unpickling):
     shutil.copytree(made["basic"][0], tmp_path, dirs_exist_ok=True)
     (tmp_path / "adapter_model.bin").write_bytes(pickle.dumps({"boom": 1}))
-    assert load_adapter(tmp_path, spec).targets == ("q_proj", "v_proj")
+    assert read_adapter(tmp_path, spec).targets == ("q_proj", "v_proj")
 
 
 # --- missing files and bad configs ----------------------------------------------------------------
@@ -266,7 +266,7 @@ def test_safetensors_wins_over_a_pickle_beside_it(made, spec, tmp_path, no_unpic
 
 def test_missing_directory_is_not_found(spec, tmp_path):
     with pytest.raises(AdapterNotFound) as info:
-        load_adapter(tmp_path / "nope", spec)
+        read_adapter(tmp_path / "nope", spec)
     assert info.value.status == 404
 
 
@@ -275,7 +275,7 @@ def test_missing_file_is_named(made, spec, tmp_path, missing):
     shutil.copytree(made["basic"][0], tmp_path, dirs_exist_ok=True)
     (tmp_path / missing).unlink()
     with pytest.raises(AdapterError, match=f"has no {missing}") as info:
-        load_adapter(tmp_path, spec)
+        read_adapter(tmp_path, spec)
     assert info.value.status == 422
 
 
@@ -321,7 +321,7 @@ def test_missing_file_is_named(made, spec, tmp_path, missing):
 def test_bad_config_is_refused_naming_the_field(made, spec, changes, message):
     config, weights = files(made)
     with pytest.raises(AdapterError, match=message):
-        load_adapter_bytes(with_config(config, **changes), weights, spec)
+        parse_adapter(with_config(config, **changes), weights, spec)
 
 
 @pytest.mark.parametrize("field", ["r", "lora_alpha"])
@@ -421,7 +421,7 @@ def test_lying_header_is_refused_before_deserializing(made, spec, monkeypatch, h
     config, weights = files(made)
     monkeypatch.setattr(safetensors.torch, "load", lambda *a: pytest.fail("deserialized"))
     with pytest.raises(AdapterError, match="truncated or corrupt safetensors"):
-        load_adapter_bytes(config, _lie(weights, how), spec)
+        parse_adapter(config, _lie(weights, how), spec)
 
 
 @pytest.mark.parametrize(
@@ -431,7 +431,7 @@ def test_lying_header_is_refused_before_deserializing(made, spec, monkeypatch, h
 )  # fmt: skip
 def test_garbage_safetensors_is_refused(made, spec, weights):
     with pytest.raises(AdapterError, match="truncated or corrupt safetensors"):
-        load_adapter_bytes(files(made)[0], weights, spec)
+        parse_adapter(files(made)[0], weights, spec)
 
 
 @pytest.mark.parametrize("cut", [1, 100, 1000])
@@ -440,12 +440,12 @@ def test_truncated_safetensors_is_refused(made, spec, tmp_path, cut):
     weights = tmp_path / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-cut])
     with pytest.raises(AdapterError, match="truncated or corrupt safetensors"):
-        load_adapter(tmp_path, spec)
+        read_adapter(tmp_path, spec)
 
 
 def test_adapter_for_a_bigger_model_is_refused(made, spec):
     with pytest.raises(AdapterError, match=r"needs lora_A \[r, 64\] .* different base model"):
-        load_adapter(made["bigger_model"][0], spec)
+        read_adapter(made["bigger_model"][0], spec)
 
 
 def test_rank_above_max_lora_rank_says_what_to_do(made):
@@ -453,7 +453,7 @@ def test_rank_above_max_lora_rank_says_what_to_do(made):
     message = ("adapter has rank 16 > --max-lora-rank 8; restart with --max-lora-rank 16"
                " or use a smaller adapter")  # fmt: skip
     with pytest.raises(AdapterError, match=message):
-        load_adapter(made["layers_rslora_patterns"][0], small)
+        read_adapter(made["layers_rslora_patterns"][0], small)
 
 
 def _edit(made, spec, edit, config_changes=None):
@@ -462,7 +462,7 @@ def _edit(made, spec, edit, config_changes=None):
     edit(t)
     if config_changes:
         config = with_config(config, **config_changes)
-    return load_adapter_bytes(config, safetensors.torch.save(t), spec)
+    return parse_adapter(config, safetensors.torch.save(t), spec)
 
 
 A0, B0 = f"{PREFIX}.0.self_attn.q_proj.lora_A.weight", f"{PREFIX}.0.self_attn.q_proj.lora_B.weight"
@@ -534,7 +534,7 @@ def test_huge_untrusted_names_are_cut_short_in_errors(made, spec):
     t = tensors_of(weights)
     t["x" * 100_000] = torch.zeros(1)
     with pytest.raises(AdapterError, match=r"unexpected tensor 'x+\.\.\.\(100002 chars\)") as info:
-        load_adapter_bytes(config, safetensors.torch.save(t), spec)
+        parse_adapter(config, safetensors.torch.save(t), spec)
     assert len(str(info.value)) < 400
 
 
@@ -570,6 +570,6 @@ def test_weights_past_the_served_dtype_are_refused(made, spec):
     half = dataclasses.replace(spec, dtype="float16")
     with pytest.raises(AdapterError, match=r"values up to 1e\+05 in magnitude, past float16's "
                                            r"largest \(65504\).*--dtype bfloat16 or --dtype float32"):
-        load_adapter_bytes(config, big, half)
-    adapter = load_adapter_bytes(config, big, dataclasses.replace(spec, dtype="bfloat16"))
+        parse_adapter(config, big, half)
+    adapter = parse_adapter(config, big, dataclasses.replace(spec, dtype="bfloat16"))
     assert max(m.lora_b.abs().max().item() for m in adapter.modules.values()) == 1e5

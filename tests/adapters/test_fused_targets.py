@@ -10,7 +10,7 @@ import safetensors.torch
 import torch
 
 from adapters.errors import AdapterError
-from adapters.format import BaseModelSpec, load_adapter_bytes
+from adapters.format import BaseModelSpec, parse_adapter
 from engine.models import adapter_spec
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -59,7 +59,7 @@ def test_fused_lora_is_one_a_and_b_rows_per_slice_with_patterns_keyed_by_the_fus
     config, weights = adapter_files(["qkv_proj", "gate_up_proj", "o_proj"], r=4,
                                     rank_pattern={"qkv_proj": 8},
                                     alpha_pattern={"gate_up_proj": 2})
-    adapter = load_adapter_bytes(config, weights, spec_of(PHI3))
+    adapter = parse_adapter(config, weights, spec_of(PHI3))
     assert adapter.targets == ("gate_up_proj", "o_proj", "qkv_proj")
     qkv, gate_up = adapter.modules[(1, "qkv_proj")], adapter.modules[(1, "gate_up_proj")]
     assert (qkv.rank, qkv.scaling) == (8, 1.0) and (gate_up.rank, gate_up.scaling) == (4, 0.5)
@@ -80,13 +80,13 @@ def test_fused_lora_is_one_a_and_b_rows_per_slice_with_patterns_keyed_by_the_fus
 def test_all_linear_on_phi3_means_the_four_fused_and_plain_projections():
     config, weights = adapter_files(["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
     config = json.dumps({**json.loads(config), "target_modules": "all-linear"}).encode()
-    adapter = load_adapter_bytes(config, weights, spec_of(PHI3))
+    adapter = parse_adapter(config, weights, spec_of(PHI3))
     assert adapter.targets == ("down_proj", "gate_up_proj", "o_proj", "qkv_proj")
 
 
 def test_q_proj_adapter_on_a_phi3_base_is_refused_naming_what_the_base_offers():
     with pytest.raises(AdapterError) as refused:
-        load_adapter_bytes(*adapter_files(["q_proj", "v_proj"]), spec_of(PHI3))
+        parse_adapter(*adapter_files(["q_proj", "v_proj"]), spec_of(PHI3))
     message = str(refused.value)
     assert "'q_proj'" in message and "Phi3ForCausalLM" in message, message
     assert "fuses q_proj into qkv_proj" in message, message
@@ -95,7 +95,7 @@ def test_q_proj_adapter_on_a_phi3_base_is_refused_naming_what_the_base_offers():
 
 def test_qkv_proj_adapter_on_a_llama_base_is_refused_naming_what_the_base_offers():
     with pytest.raises(AdapterError) as refused:
-        load_adapter_bytes(*adapter_files(["qkv_proj"]), spec_of(LLAMA))
+        parse_adapter(*adapter_files(["qkv_proj"]), spec_of(LLAMA))
     message = str(refused.value)
     assert "'qkv_proj'" in message and "has no qkv_proj" in message, message
     assert "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj" in message, message
@@ -107,4 +107,4 @@ def test_fused_lora_b_of_the_wrong_height_is_refused():
     key = "base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"
     tensors[key] = torch.randn(Q, 4)  # q rows only
     with pytest.raises(AdapterError, match=r"lora_B \[64, 4\]; the base model needs .* \[128, r\]"):
-        load_adapter_bytes(config, safetensors.torch.save(tensors), spec_of(PHI3))
+        parse_adapter(config, safetensors.torch.save(tensors), spec_of(PHI3))

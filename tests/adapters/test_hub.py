@@ -8,7 +8,7 @@ import pytest
 from hub_server import TINY_LLAMA, HubServer, peft_files
 
 from adapters.errors import AdapterError, AdapterNotFound
-from adapters.format import load_adapter
+from adapters.format import read_adapter
 from adapters.hub import HubUnavailable, fetch_hub_adapter
 from adapters.source_checks import InvalidSource
 from adapters.sources import AdapterSource, hub_allowed, parse_source, resolve_source
@@ -57,7 +57,7 @@ def test_fetch_by_repo_id_gets_only_the_adapter_files(hub, tmp_path):
     assert (got.repo_id, got.revision) == ("org/adapter", "main")
     assert got.commit_sha == hub.commit_sha("org/adapter", "main")
     assert got.source == f"hf://org/adapter@{got.commit_sha}"
-    adapter = load_adapter(got.path, SPEC)
+    adapter = read_adapter(got.path, SPEC)
     assert adapter.sha256 == hashlib.sha256(A[WEIGHTS]).hexdigest()
     assert adapter.max_rank == 4
 
@@ -66,14 +66,14 @@ def test_fetch_by_revision_branch_pr_and_commit(hub, tmp_path):
     main = fetch(hub, tmp_path, "org/adapter")
     v2 = fetch(hub, tmp_path, "org/adapter", "v2")
     assert v2.commit_sha == hub.commit_sha("org/adapter", "v2") != main.commit_sha
-    a, b = load_adapter(main.path, SPEC), load_adapter(v2.path, SPEC)
+    a, b = read_adapter(main.path, SPEC), read_adapter(v2.path, SPEC)
     assert a.sha256 != b.sha256 == hashlib.sha256(B[WEIGHTS]).hexdigest()
     assert b.targets == ("down_proj", "q_proj") and b.max_rank == 8
     pr = fetch(hub, tmp_path, "org/adapter", "refs/pr/1")  # travels as refs%2Fpr%2F1
     assert pr.commit_sha == hub.commit_sha("org/adapter", "refs/pr/1")
     by_sha = fetch(hub, tmp_path / "fresh", "org/adapter", v2.commit_sha)
     assert by_sha.commit_sha == v2.commit_sha
-    assert load_adapter(by_sha.path, SPEC).sha256 == b.sha256
+    assert read_adapter(by_sha.path, SPEC).sha256 == b.sha256
 
 
 def test_cache_hit_downloads_nothing(hub, tmp_path):
@@ -118,7 +118,7 @@ def test_private_repo_needs_a_token(hub, tmp_path, monkeypatch):
         fetch(hub, tmp_path, "org/private")
     with pytest.raises(AdapterNotFound, match="token in HF_TOKEN is invalid"):
         fetch(hub, tmp_path, "org/private", token="hf_wrong")
-    assert load_adapter(fetch(hub, tmp_path, "org/private", token="hf_ok").path, SPEC)
+    assert read_adapter(fetch(hub, tmp_path, "org/private", token="hf_ok").path, SPEC)
     monkeypatch.setenv("HF_TOKEN", "hf_ok")
     assert fetch(hub, tmp_path / "env", "org/private").commit_sha
 

@@ -12,7 +12,7 @@ import pytest
 from hub_server import TINY_LLAMA, peft_files
 
 from adapters.errors import AdapterError, AdapterNotFound
-from adapters.format import load_adapter_bytes
+from adapters.format import parse_adapter
 from adapters.ids import validate_adapter_id
 from adapters.object_store import ObjectStore, digest, pair_digest
 from adapters.s3 import (
@@ -64,7 +64,7 @@ def test_put_get_round_trip_of_a_real_adapter(store):
     assert digest(A[CONFIG], A[WEIGHTS]) == pair_digest(sha(A[CONFIG]), sha(A[WEIGHTS]))
     config_raw, weights_raw = store.get(key, sha(A[WEIGHTS]), sha(A[CONFIG]))
     assert (config_raw, weights_raw) == (A[CONFIG], A[WEIGHTS])
-    adapter = load_adapter_bytes(config_raw, weights_raw, SPEC)
+    adapter = parse_adapter(config_raw, weights_raw, SPEC)
     assert adapter.max_rank == 4 and adapter.sha256 == sha(A[WEIGHTS])
     store.check()
 
@@ -232,7 +232,7 @@ def test_resolve_an_s3_folder(s3_env):
     assert (files.config_raw, files.weights_raw) == (A[CONFIG], A[WEIGHTS])
     assert files.origin == f"s3://{bucket}/team/adapter-a/"
     assert files.revision == hashlib.md5(A[WEIGHTS]).hexdigest()  # the ETag of one PUT
-    assert load_adapter_bytes(files.config_raw, files.weights_raw, SPEC).max_rank == 4
+    assert parse_adapter(files.config_raw, files.weights_raw, SPEC).max_rank == 4
 
 
 def test_a_pickle_only_folder_is_refused_without_downloading(s3_env):

@@ -18,7 +18,7 @@ from peft_saving import (
 )
 
 from adapters.errors import AdapterError
-from adapters.format import BaseModelSpec, load_adapter
+from adapters.format import BaseModelSpec, read_adapter
 from adapters.lora_config import parse_adapter_config
 from engine.models import adapter_spec
 
@@ -68,7 +68,7 @@ def files(made, name: str) -> tuple[bytes, dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_load_matches_peft(made, name):
     path, lora, saved, spec, distinct = made[name]
-    adapter = load_adapter(path, spec)
+    adapter = read_adapter(path, spec)
     assert sorted(adapter.modules, key=str) == sorted(lora, key=str)
     for key, (a, b) in lora.items():
         torch.testing.assert_close(adapter.modules[key].lora_a, a, rtol=0, atol=0)
@@ -101,7 +101,7 @@ def test_what_peft_saves(made):
 def test_off_without_full_module_slots(made):
     for name in VARIANTS:
         with pytest.raises(AdapterError, match=FLAG) as refused:
-            load_adapter(made[name][0], spec_for(VARIANTS[name][0], slots=0))
+            read_adapter(made[name][0], spec_for(VARIANTS[name][0], slots=0))
         assert refused.value.status == 422 and "modules_to_save is [" in str(refused.value)
 
 
@@ -161,7 +161,7 @@ def test_modules_to_save_must_be_a_list(made):
 def test_base_without_vocab_size_refuses_saved_modules(made):
     spec = without_vocabulary(adapter_spec(TINY, max_lora_rank=16, max_full_module_slots=1))
     with pytest.raises(AdapterError, match="gives no vocab_size"):
-        load_adapter(made["head"][0], spec)
+        read_adapter(made["head"][0], spec)
 
 
 def test_unlisted_resized_vocabulary_copies_stay_refused(made):

@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 
 from adapters.errors import AdapterError
-from adapters.format import BaseModelSpec, load_adapter_bytes
+from adapters.format import BaseModelSpec, parse_adapter
 from engine.models import adapter_spec
 
 H, INTER, SHARED, MOE_INTER = 32, 128, 80, 48  # hidden, dense MLP, shared expert, one expert
@@ -59,7 +59,7 @@ def test_spec_offers_the_shared_expert_and_its_gate():
 
 
 def test_shared_expert_and_dense_mlp_load_each_with_its_shape():
-    adapter = load_adapter_bytes(*files(ALL), spec_of(QWEN2_MOE))
+    adapter = parse_adapter(*files(ALL), spec_of(QWEN2_MOE))
     got = {key: tuple(w.lora_b.shape[:1]) + tuple(w.lora_a.shape[1:])
            for key, w in adapter.modules.items()}
     assert got[(0, "shared_expert.gate_proj")] == (SHARED, H)
@@ -73,14 +73,14 @@ def test_dense_mlp_key_on_a_sparse_layer_refused():
     bad = ALL | {"0.mlp.up_proj": DENSE_SHAPES["up_proj"]}
     with pytest.raises(AdapterError, match=r"layers\.0\.mlp\.up_proj\.lora_A.*is for mlp\.up_proj,"
                                            r" which layer 0 .* experts .* and a shared expert"):
-        load_adapter_bytes(*files(bad), spec_of(QWEN2_MOE))
+        parse_adapter(*files(bad), spec_of(QWEN2_MOE))
 
 
 def test_shared_expert_key_on_a_dense_layer_refused():
     bad = ALL | {"1.mlp.shared_expert_gate": (1, H)}
     with pytest.raises(AdapterError, match=r"is for mlp\.shared_expert_gate, which layer 1 .*"
                                            r" a dense MLP \(mlp\.gate_proj"):
-        load_adapter_bytes(*files(bad), spec_of(QWEN2_MOE))
+        parse_adapter(*files(bad), spec_of(QWEN2_MOE))
 
 
 @pytest.mark.parametrize("module", ["shared_expert.down_proj", "shared_expert_gate"])
@@ -89,22 +89,22 @@ def test_shared_expert_key_on_a_base_without_one_refused(module):
     one = {f"0.mlp.{module}": shapes[module.removeprefix("shared_expert.")]}
     with pytest.raises(AdapterError, match=rf"targets module '{module}'.*Qwen3MoeForCausalLM.*"
                                            r"no shared expert"):
-        load_adapter_bytes(*files(one), spec_of(QWEN3_MOE))
+        parse_adapter(*files(one), spec_of(QWEN3_MOE))
 
 
 def test_dense_shapes_on_the_shared_expert_refused():
     bad = ALL | {"0.mlp.shared_expert.gate_proj": DENSE_SHAPES["gate_proj"]}
     with pytest.raises(AdapterError, match=r"layers\.0\.mlp\.shared_expert\.gate_proj' has"
                                            rf" lora_A \[4, {H}\] and lora_B \[{INTER}, 4\]"):
-        load_adapter_bytes(*files(bad), spec_of(QWEN2_MOE))
+        parse_adapter(*files(bad), spec_of(QWEN2_MOE))
 
 
 def test_untargeted_shared_expert_gate_refused():
     with pytest.raises(AdapterError, match=r"module 'model\.layers\.0\.mlp\.shared_expert_gate',"
                                            r" which adapter_config.json does not target"):
-        load_adapter_bytes(*files(ALL, target_modules=list(MLP)), spec_of(QWEN2_MOE))
+        parse_adapter(*files(ALL, target_modules=list(MLP)), spec_of(QWEN2_MOE))
 
 
 def test_all_linear_targets_the_shared_expert_and_its_gate():
-    adapter = load_adapter_bytes(*files(ALL, target_modules="all-linear"), spec_of(QWEN2_MOE))
+    adapter = parse_adapter(*files(ALL, target_modules="all-linear"), spec_of(QWEN2_MOE))
     assert (0, "shared_expert_gate") in adapter.modules

@@ -12,7 +12,7 @@ from hub_server import TINY_LLAMA, peft_files
 
 from adapters import store as store_mod
 from adapters.errors import AdapterNotFound, InvalidAdapterId
-from adapters.format import load_adapter
+from adapters.format import read_adapter
 from adapters.store import AdapterExists, AdapterStore
 from adapters.store_meta import StoredMeta
 from engine.models import adapter_spec
@@ -58,7 +58,7 @@ def test_put_get_list_delete(root):
     assert [m.adapter_id for m in store.list()] == ["a", "org/b"]
     assert b.path == store.path("org/b") == os.path.join(root, "org", "b")
     assert sorted(os.listdir(b.path)) == sorted([CONFIG, WEIGHTS, "meta.json"])
-    assert load_adapter(b.path, SPEC).sha256 == b.sha256  # the stored folder is a PEFT folder
+    assert read_adapter(b.path, SPEC).sha256 == b.sha256  # the stored folder is a PEFT folder
     assert store.delete("org/b") == b
     assert store.get("org/b") is None and [m.adapter_id for m in store.list()] == ["a"]
     assert not os.path.exists(os.path.join(root, "org"))  # empty org folder goes too
@@ -75,7 +75,7 @@ def test_replace_bumps_version_and_refuses_without_replace(root):
     assert e.value.status == 409 and tree(root) == before
     new = put(store, "org/x", B, replace=True)
     assert new.version == 2 and new.sha256 == hashlib.sha256(B[WEIGHTS]).hexdigest()
-    assert load_adapter(new.path, SPEC).sha256 == new.sha256
+    assert read_adapter(new.path, SPEC).sha256 == new.sha256
     store.delete("org/x")  # versions never repeat, so nothing derived from v2 is reused
     assert put(store, "org/x").version == 3
 

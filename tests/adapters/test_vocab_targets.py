@@ -17,7 +17,7 @@ from peft_saving import (
 )
 
 from adapters.errors import AdapterError
-from adapters.format import load_adapter
+from adapters.format import read_adapter
 from adapters.lora_config import parse_adapter_config
 from engine.models import adapter_spec
 
@@ -50,7 +50,7 @@ def files(made, name: str) -> tuple[bytes, dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_load_matches_peft(made, name):
     path, expected, spec = made[name]
-    adapter = load_adapter(path, spec)
+    adapter = read_adapter(path, spec)
     assert sorted(adapter.modules, key=str) == sorted(expected, key=str)
     for key, (a, b, scaling) in expected.items():
         m = adapter.modules[key]
@@ -67,7 +67,7 @@ def test_what_peft_saves_for_vocabulary_targets(made):
     assert shapes == {f"{EMBED}.lora_embedding_A": [4, 128], f"{EMBED}.lora_embedding_B": [64, 4],
                       f"{EMBED}.base_layer.weight": [128, 64], f"{HEAD}.lora_A.weight": [2, 64],
                       f"{HEAD}.lora_B.weight": [128, 2], f"{HEAD}.base_layer.weight": [128, 64]}
-    adapter = load_adapter(made["vocab"][0], made["vocab"][2])
+    adapter = read_adapter(made["vocab"][0], made["vocab"][2])
     assert adapter.targets == ("embed_tokens", "lm_head", "q_proj")
     assert adapter.modules[(None, "embed_tokens")].scaling == 2 / 4  # alpha_pattern
     assert adapter.modules[(None, "lm_head")].rank == 2  # rank_pattern
@@ -140,9 +140,9 @@ def test_tied_base_lm_head_lora_is_its_own_unless_weight_tying(made):
     tied = made["tied-own-head"]
     assert tied[2].tie_word_embeddings
     # without ensure_weight_tying the two LoRAs are independent, tied base or not
-    assert load_adapter(tied[0], untied_spec).modules.keys() == tied[1].keys()
+    assert read_adapter(tied[0], untied_spec).modules.keys() == tied[1].keys()
     # ensure_weight_tying: lm_head's saved LoRA is the embedding LoRA transposed
-    adapter = load_adapter(made["tied-weight-tying"][0], made["tied-weight-tying"][2])
+    adapter = read_adapter(made["tied-weight-tying"][0], made["tied-weight-tying"][2])
     embed, head = adapter.modules[(None, "embed_tokens")], adapter.modules[(None, "lm_head")]
     assert torch.equal(head.lora_a, embed.lora_b.T) and torch.equal(head.lora_b, embed.lora_a.T)
 
@@ -163,4 +163,4 @@ def test_broken_weight_tying_is_refused(made):
 def test_base_without_vocab_size_refuses_vocabulary_loras(made):
     no_vocab = without_vocabulary(adapter_spec(TINY, 16))
     with pytest.raises(AdapterError, match="gives no vocab_size"):
-        load_adapter(made["vocab"][0], no_vocab)
+        read_adapter(made["vocab"][0], no_vocab)

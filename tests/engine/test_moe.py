@@ -271,13 +271,13 @@ SHARED_EXPERT_ADAPTERS = {
 
 
 def test_shared_expert_lora_matches_peft_beside_base_rows(tiny_checkpoint, tmp_path):
-    from adapters.format import load_adapter
+    from adapters.format import read_adapter
 
     base = tiny_checkpoint("qwen2_moe")
     world = World(str(tmp_path), SHARED_EXPERT_ADAPTERS, base=base)
     with open(os.path.join(base, "config.json")) as f:
         spec = adapter_spec(json.load(f), max_lora_rank=16)
-    held = {name: set(load_adapter(path, spec).modules) for name, path in world.dirs.items()}
+    held = {name: set(read_adapter(path, spec).modules) for name, path in world.dirs.items()}
     shared = {(i, f"shared_expert.{t}") for i in (0, 2) for t in ("gate_proj", "up_proj",
                                                                    "down_proj")}
     dense = {(1, t) for t in ("gate_proj", "up_proj", "down_proj")}

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from adapters.format import load_adapter
+from adapters.format import read_adapter
 from adapters.types import BLOCK_OF
 from engine import LLM
 from engine.models import adapter_spec
@@ -73,7 +73,7 @@ def adapter_dirs(model_dir, hf_config, tmp_path_factory) -> dict[str, str]:
     paths = {}
     for i, name in enumerate(ADAPTERS):
         paths[name] = write_random_adapter(str(root / name), hf_config, seed=100 + i)
-        load_adapter(paths[name], spec)  # a valid PEFT adapter for this base model
+        read_adapter(paths[name], spec)  # a valid PEFT adapter for this base model
     return paths
 
 
