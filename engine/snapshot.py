@@ -36,7 +36,7 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
     with torch.device("meta"):  # the whole model, not this rank's part under TP; no memory
         total, active = model_class(hf_config)(hf_config).parameter_counts()
     return EngineInfo(engine.vocab_size, engine.config.max_model_len, engine.config.block_size,
-                      engine.kv.block_manager.num_blocks, engine.limits, total, active)
+                      engine.block_manager.num_blocks, engine.limits, total, active)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +73,7 @@ class EngineSnapshot:
 
 def take_snapshot(engine: LLMEngine, step_errors: int = 0) -> EngineSnapshot:
     """Runs on the engine thread, between steps."""
-    lora, stats, blocks = engine.lora, engine.lora.stats, engine.kv.block_manager
+    lora, stats, blocks = engine.lora, engine.lora.stats, engine.block_manager
     return EngineSnapshot(
         num_running=engine.num_running, num_waiting=engine.num_waiting,
         kv_blocks_total=blocks.num_blocks, kv_blocks_free=blocks.num_free_blocks,

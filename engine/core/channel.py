@@ -13,7 +13,8 @@ admission bounds how many requests and how large each one is, so the queue stays
 `EngineChannel` is the engine's end: a blocking socket, so `send` returns once the whole frame
 is in the socket (the engine waits for a slow server rather than tearing a frame), while
 `receive` takes only what has arrived (MSG_DONTWAIT) and keeps a partial frame for later, so a
-large request arriving in pieces never holds up a step.
+large request arriving in pieces never holds up a step. Payloads arrive as bytearrays (msgspec
+decodes any buffer).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import threading
 from collections.abc import Callable
 
 HEADER = struct.Struct("<Q")  # the payload's length
-READ_CHUNK = 1 << 20
 # No message comes near this; a length past it means the stream is not frames (a bug): the
 # channel is closed rather than waiting forever for bytes that will never come.
 MAX_FRAME = 1 << 34
@@ -38,31 +38,44 @@ class ChannelClosed(EOFError):
 
 
 class FrameReader:
-    """Bytes in, whole frames out: `feed(data)` returns the payloads `data` completed."""
+    """Whole frames from a socket, read in place: each frame's bytes land in a buffer of its
+    own size (recv_into), so a large frame is copied once, by the kernel; a frame still
+    arriving is kept for the next read."""
 
     def __init__(self) -> None:
-        self._buf = bytearray()
-        self._need: int | None = None  # the current frame's payload length, once its header is in
+        self._header = bytearray(HEADER.size)
+        self._body: bytearray | None = None  # the frame being read, once its header is in
+        self._filled = 0  # bytes of the header, or of the body, read so far
 
-    def feed(self, data: bytes) -> list[bytes]:
-        self._buf += data
-        frames = []
-        start = 0
-        while True:
-            if self._need is None:
-                if len(self._buf) - start < HEADER.size:
-                    break
-                (self._need,) = HEADER.unpack_from(self._buf, start)
-                if self._need > MAX_FRAME:
-                    raise ChannelClosed(f"a frame header says {self._need} bytes: the stream is "
-                                        "not frames")
-                start += HEADER.size
-            if len(self._buf) - start < self._need:
-                break
-            frames.append(bytes(self._buf[start:start + self._need]))
-            start += self._need
-            self._need = None
-        del self._buf[:start]
+    def read(self, sock: socket.socket, flags: int = 0, one: bool = False) -> list[bytearray]:
+        """The frames completed by what `sock` holds now (reading until it would block, or
+        after the first with `one`); ChannelClosed at the end of the stream."""
+        frames: list[bytearray] = []
+        while not (one and frames):
+            buffer = self._header if self._body is None else self._body
+            if self._filled < len(buffer):
+                try:
+                    n = sock.recv_into(memoryview(buffer)[self._filled:], 0, flags)
+                except (BlockingIOError, InterruptedError):
+                    return frames
+                except OSError as exc:
+                    raise ChannelClosed(str(exc)) from None
+                if n == 0:
+                    if frames:
+                        return frames  # deliver these; the end reads again next time
+                    raise ChannelClosed("the other end closed the channel")
+                self._filled += n
+                if self._filled < len(buffer):
+                    continue
+            if self._body is None:
+                (size,) = HEADER.unpack(self._header)
+                if size > MAX_FRAME:
+                    raise ChannelClosed(f"a frame header says {size} bytes: the stream is not "
+                                        "frames")
+                self._body, self._filled = bytearray(size), 0
+            else:
+                frames.append(self._body)
+                self._body, self._filled = None, 0
         return frames
 
 
@@ -138,23 +151,14 @@ class ServerChannel:
                 self.loop.remove_writer(self.sock.fileno())
 
     def _readable(self) -> None:
-        while not self.closed:
-            try:
-                data = self.sock.recv(READ_CHUNK)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                data = b""
-            try:
-                frames = self.reader.feed(data) if data else None
-            except ChannelClosed:
-                frames = None
-            if frames is None:
-                self.close()
-                self.on_closed()
-                return
-            for payload in frames:
-                self.on_frame(payload)
+        try:
+            frames = self.reader.read(self.sock)
+        except ChannelClosed:
+            self.close()
+            self.on_closed()
+            return
+        for payload in frames:
+            self.on_frame(payload)
 
     def close(self) -> None:
         """Stop watching the socket and close it; queued frames are dropped."""
@@ -186,36 +190,15 @@ class EngineChannel:
         self.sock.sendall(header)
         self.sock.sendall(body)
 
-    def receive(self) -> list[bytes]:
+    def receive(self) -> list[bytearray]:
         """The frames completed by what has arrived (none if nothing has); ChannelClosed once
         the server's end is closed."""
-        frames: list[bytes] = []
-        while True:
-            try:
-                data = self.sock.recv(READ_CHUNK, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                return frames
-            except OSError as exc:
-                raise ChannelClosed(str(exc)) from None
-            if not data:
-                if frames:
-                    return frames  # deliver these; the EOF reads again next time
-                raise ChannelClosed("the server closed the channel")
-            frames += self.reader.feed(data)
+        return self.reader.read(self.sock, socket.MSG_DONTWAIT)
 
-    def receive_one(self) -> bytes:
+    def receive_one(self) -> bytearray:
         """Block until one whole frame has arrived (the config, before the loop starts)."""
-        while True:
-            frames = self.reader.feed(self._recv_blocking())
-            if frames:
-                assert len(frames) == 1, "the server sends nothing before the engine is Ready"
-                return frames[0]
-
-    def _recv_blocking(self) -> bytes:
-        data = self.sock.recv(READ_CHUNK)
-        if not data:
-            raise ChannelClosed("the server closed the channel")
-        return data
+        (frame,) = self.reader.read(self.sock, one=True)
+        return frame
 
 
 def _on_thread_of(loop: asyncio.AbstractEventLoop) -> bool:

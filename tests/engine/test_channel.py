@@ -30,20 +30,28 @@ def check(frame: bytes) -> tuple[int, int]:
 
 
 def test_the_reader_reassembles_frames_split_anywhere():
+    """Bytes arrive in pieces of any size, a frame's header split too; each read hands over
+    the frames completed so far and keeps the rest."""
     frames = [payload(0, i, size) for i, size in enumerate((0, 1, 7, 4096, 70_000))]
     stream = b"".join(HEADER.pack(len(f)) + f for f in frames)
-    rng = random.Random(0)
-    reader, got, at = FrameReader(), [], 0
+    ours, theirs = socket.socketpair()
+    reader, got, at, rng = FrameReader(), [], 0, random.Random(0)
     while at < len(stream):
         step = rng.choice((1, 3, 8, 1000, 50_000))
-        got += reader.feed(stream[at:at + step])
+        ours.sendall(stream[at:at + step])
         at += step
+        got += reader.read(theirs, socket.MSG_DONTWAIT)
     assert got == frames
+    ours.close()
+    with pytest.raises(ChannelClosed):
+        reader.read(theirs, socket.MSG_DONTWAIT)
 
 
 def test_a_header_that_is_no_frame_closes_the_channel():
-    with pytest.raises(ChannelClosed):
-        FrameReader().feed(HEADER.pack(1 << 40))
+    ours, theirs = socket.socketpair()
+    ours.sendall(HEADER.pack(1 << 40))
+    with pytest.raises(ChannelClosed, match="not frames"):
+        FrameReader().read(theirs, socket.MSG_DONTWAIT)
 
 
 async def test_frames_larger_than_the_socket_buffer_arrive_whole_past_a_slow_reader():

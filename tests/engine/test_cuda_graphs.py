@@ -46,7 +46,7 @@ def run(world: World, dtype: str, eager: bool):
     prompts = world.prompts * 2  # more rows than one bucket: 2 * n requests, max 8 at a time
     adapters = world.requests * 2
     outputs = llm.generate(prompts, mixed_params(2 * n), adapters=adapters)
-    assert llm.engine.num_free_kv_blocks == llm.engine.kv.block_manager.num_blocks
+    assert llm.engine.num_free_kv_blocks == llm.engine.block_manager.num_blocks
     return outputs, len(replays), {k.rows for k in (runner.graphs.graphs if runner.graphs else {})}
 
 

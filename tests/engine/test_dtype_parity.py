@@ -131,4 +131,4 @@ def test_mixed_batch_matches_peft_in_the_same_dtype(request, record_property, wo
     total = sum(len(out.token_ids) for out in outputs)
     assert len(ties) <= MAX_NEAR_TIE_SHARE * total, (
         f"{label}: {len(ties)} of {total} tokens are near-ties: {ties}")
-    assert llm.engine.num_free_kv_blocks == llm.engine.kv.block_manager.num_blocks
+    assert llm.engine.num_free_kv_blocks == llm.engine.block_manager.num_blocks

@@ -17,7 +17,7 @@ def llm(tiny_checkpoint):
 
 
 def all_blocks_free(llm) -> bool:
-    return llm.engine.num_free_kv_blocks == llm.engine.kv.block_manager.num_blocks
+    return llm.engine.num_free_kv_blocks == llm.engine.block_manager.num_blocks
 
 
 def test_text_prompts_and_token_prompts_agree(llm):
@@ -122,7 +122,7 @@ def test_abort_frees_blocks_at_once(llm):
            for _ in range(3)]
     engine.step()
     engine.step()
-    assert engine.num_free_kv_blocks < engine.kv.block_manager.num_blocks
+    assert engine.num_free_kv_blocks < engine.block_manager.num_blocks
     for request_id in ids:
         out = engine.abort(request_id)
         assert out.finished and out.finish_reason == "abort"

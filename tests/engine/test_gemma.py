@@ -120,4 +120,4 @@ def test_mixed_adapters_match_peft(gemma_world, options):
     outputs = llm.generate(prompts, params, adapters=REQUESTS)
     for i, (out, want) in enumerate(zip(outputs, expected, strict=True)):
         assert out.token_ids == want, f"request {i} ({REQUESTS[i]}) differs from PEFT"
-    assert llm.engine.num_free_kv_blocks == llm.engine.kv.block_manager.num_blocks
+    assert llm.engine.num_free_kv_blocks == llm.engine.block_manager.num_blocks

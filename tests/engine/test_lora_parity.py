@@ -33,7 +33,7 @@ def test_mixed_batch_matches_peft(lora_world, engine):
     needs_triton(ENGINES[engine])
     llm = lora_world.llm(**ENGINES[engine])
     lora_world.check(llm.generate(lora_world.prompts, GREEDY, adapters=lora_world.requests), engine)
-    assert llm.engine.num_free_kv_blocks == llm.engine.kv.block_manager.num_blocks
+    assert llm.engine.num_free_kv_blocks == llm.engine.block_manager.num_blocks
     assert llm.engine.lora.slots_in_use == 0
 
 

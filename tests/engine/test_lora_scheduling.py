@@ -91,7 +91,7 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
 
 def assert_all_free(engine: LLMEngine) -> None:
     assert not engine.has_unfinished()
-    assert engine.num_free_kv_blocks == engine.kv.block_manager.num_blocks
+    assert engine.num_free_kv_blocks == engine.block_manager.num_blocks
     assert all(slot.ref_count == 0 for slot in engine.lora.slots)
     assert engine.lora.slots_in_use == 0
 

@@ -55,7 +55,7 @@ def test_greedy_matches_transformers(tiny_checkpoint, variant):
         for prompt, out, want in zip(batch, llm.generate(batch, PARAMS), expected, strict=True):
             assert out.token_ids == want, f"{variant}/{name}: prompt of {len(prompt)} differs"
         engine = llm.engine
-        assert engine.num_free_kv_blocks == engine.kv.block_manager.num_blocks, "leaked KV blocks"
+        assert engine.num_free_kv_blocks == engine.block_manager.num_blocks, "leaked KV blocks"
         if name == "preempted":
             assert engine.scheduler.num_preemptions > 0, "the schedule did not force preemption"
 

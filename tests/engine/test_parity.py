@@ -51,6 +51,6 @@ def test_greedy_matches_transformers(tiny_checkpoint, variant):
             assert out.token_ids == ref, f"{variant}/{name}: prompt of {len(prompt)} tokens differs"
             assert out.finish_reason == "length"
         engine = llm.engine
-        assert engine.num_free_kv_blocks == engine.kv.block_manager.num_blocks, "leaked KV blocks"
+        assert engine.num_free_kv_blocks == engine.block_manager.num_blocks, "leaked KV blocks"
         if name == "preempted":
             assert engine.scheduler.num_preemptions > 0, "the schedule did not force preemption"

@@ -184,12 +184,12 @@ def test_shared_prefix_outputs_equal_transformers_with_caching_on_and_off(tiny_c
         # The whole blocks of the shared prefix, all of it in every schedule.
         assert cached == ([0] + [PREFIX // BS * BS] * len(rest) if caching else [0] * 5)
         engine = llm.engine
-        assert engine.kv.block_manager.num_used_blocks == 0, "a block is still referenced"
-        assert engine.num_free_kv_blocks == engine.kv.block_manager.num_blocks
+        assert engine.block_manager.num_used_blocks == 0, "a block is still referenced"
+        assert engine.num_free_kv_blocks == engine.block_manager.num_blocks
         if schedule == "preempted":
             assert engine.scheduler.num_preemptions > 0, "the schedule did not force preemption"
             if caching:  # recomputed sequences found (some of) their own blocks again
-                assert engine.kv.block_manager.cache.stats.hits > sum(cached)
+                assert engine.block_manager.cache.stats.hits > sum(cached)
 
 
 def test_a_repeated_prompt_recomputes_only_its_last_block(tiny_checkpoint):
@@ -200,7 +200,7 @@ def test_a_repeated_prompt_recomputes_only_its_last_block(tiny_checkpoint):
     first, second = (llm.generate([prompt], GREEDY)[0] for _ in range(2))
     assert first.token_ids == second.token_ids == expected
     assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 9 * BS)
-    assert llm.engine.kv.block_manager.num_used_blocks == 0
+    assert llm.engine.block_manager.num_used_blocks == 0
 
 
 def test_a_burst_shares_the_prefix_within_one_step(tiny_checkpoint):
@@ -213,7 +213,7 @@ def test_a_burst_shares_the_prefix_within_one_step(tiny_checkpoint):
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == expected
     assert [o.num_cached_tokens for o in outs] == [0] + [PREFIX // BS * BS] * 4
-    assert llm.engine.kv.block_manager.num_used_blocks == 0
+    assert llm.engine.block_manager.num_used_blocks == 0
 
 
 def test_a_failed_step_forgets_the_blocks_it_registered(tiny_checkpoint, monkeypatch):
@@ -226,12 +226,12 @@ def test_a_failed_step_forgets_the_blocks_it_registered(tiny_checkpoint, monkeyp
     request_id = engine.add_request(prompt, GREEDY)
     with pytest.raises(ZeroDivisionError):
         engine.step()
-    assert len(engine.kv.block_manager.cache) == 0, "blocks whose K/V were never written stay cached"
+    assert len(engine.block_manager.cache) == 0, "blocks whose K/V were never written stay cached"
     engine.abort(request_id)  # what AsyncEngine does with the requests of a failed step
     monkeypatch.setattr(engine.runner, "run", real_run)
     out = llm.generate([prompt], GREEDY)[0]
     assert out.num_cached_tokens == 0 and out.token_ids == hf_greedy(path, [prompt], MAX_TOKENS)[0]
-    assert engine.kv.block_manager.num_used_blocks == 0
+    assert engine.block_manager.num_used_blocks == 0
 
 
 def long_prompt(seed: int = 5, length: int = 30) -> list[int]:
@@ -252,7 +252,7 @@ def test_adapters_never_share_blocks_and_equal_their_solo_runs(lora_world):
     again = llm.generate([prompt] * 3, GREEDY, adapters=adapters)
     assert [o.num_cached_tokens for o in again] == [(len(prompt) - 1) // BS * BS] * 3
     assert [o.token_ids for o in again] == solo
-    assert llm.engine.kv.block_manager.num_used_blocks == 0
+    assert llm.engine.block_manager.num_used_blocks == 0
 
 
 def test_a_replaced_adapter_never_matches_its_old_blocks(lora_world, qv_replacement):
@@ -267,4 +267,4 @@ def test_a_replaced_adapter_never_matches_its_old_blocks(lora_world, qv_replacem
     want = fresh.generate([prompt], GREEDY, adapters=["qv-r16"])[0].token_ids
     assert new[0].num_cached_tokens == 0 and new[0].token_ids == want != old[0].token_ids
     assert new[1].num_cached_tokens > 0 and new[1].token_ids == old[1].token_ids  # base reused
-    assert llm.engine.kv.block_manager.num_used_blocks == 0
+    assert llm.engine.block_manager.num_used_blocks == 0

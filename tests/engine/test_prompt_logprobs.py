@@ -70,7 +70,7 @@ def test_mixed_adapters_match_peft_whatever_the_prefix_cache_holds(lora_world, c
         if len(prompt) > 1:
             check(out, prompt, reference(oracle, prompt, adapter))
         assert out.num_cached_tokens == 0, "prompt logprobs come from a prefill, not the cache"
-    assert llm.engine.num_free_kv_blocks == llm.engine.kv.block_manager.num_blocks
+    assert llm.engine.num_free_kv_blocks == llm.engine.block_manager.num_blocks
 
 
 @pytest.fixture(scope="module")

@@ -99,17 +99,17 @@ def test_kv_blocks_stay_bounded_past_the_window(tiny_checkpoint):
     llm = LLM(path, device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=8,
               num_kv_blocks=6)
     engine = llm.engine
-    assert engine.kv.block_manager.window == WINDOW
-    assert engine.kv.block_manager.peak_blocks(180) == 5  # blocks_for(7 + 8) + 1
+    assert engine.block_manager.window == WINDOW
+    assert engine.block_manager.peak_blocks(180) == 5  # blocks_for(7 + 8) + 1
     engine.add_request(prompt, SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True))
     held, tokens = [], []
     while engine.has_unfinished():
         for out in engine.step():
             tokens += out.new_token_ids
-        held.append(engine.kv.block_manager.num_used_blocks)
+        held.append(engine.block_manager.num_used_blocks)
     assert tokens == expected
     assert max(held) <= WINDOW // 4 + 2, f"held up to {max(held)} blocks"
-    assert engine.num_free_kv_blocks == engine.kv.block_manager.num_blocks
+    assert engine.num_free_kv_blocks == engine.block_manager.num_blocks
 
 
 def test_shared_prefix_past_the_window(tiny_checkpoint):
@@ -122,7 +122,7 @@ def test_shared_prefix_past_the_window(tiny_checkpoint):
     llm = LLM(path, device="cpu", dtype="float32", block_size=4)
     for prompt, want in zip(prompts, expected):
         assert llm.generate([prompt], GREEDY)[0].token_ids == want
-    assert llm.engine.kv.block_manager.cache.stats.hits > 0, "the prefix was not shared"
+    assert llm.engine.block_manager.cache.stats.hits > 0, "the prefix was not shared"
 
 
 @pytest.mark.parametrize("arch,overrides", [("mistral", {"sliding_window": WINDOW}),

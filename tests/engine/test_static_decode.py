@@ -111,8 +111,8 @@ def test_graph_replay_is_token_identical_to_eager(lora_world: World, backend):
     assert sum(v for k, v in graphs.replays.items() if k.lora) > 0, graphs.replays
     assert any(rows > real for rows, real in steps), f"no padded step: {steps}"
     pad = runner.num_kv_blocks
-    assert llm.engine.kv.block_manager.num_blocks == pad, "the padding block is never handed out"
-    assert llm.engine.num_free_kv_blocks == llm.engine.kv.block_manager.num_blocks
+    assert llm.engine.block_manager.num_blocks == pad, "the padding block is never handed out"
+    assert llm.engine.num_free_kv_blocks == llm.engine.block_manager.num_blocks
 
 
 def test_enforce_eager_changes_nothing_on_the_cpu(lora_world: World):

@@ -36,6 +36,6 @@ def check_schedules(path: str, label: str, diverse: bool = True,
         for prompt, out, ref in zip(prompts, llm.generate(prompts, GREEDY), expected):
             assert out.token_ids == ref, f"{label}/{name}: prompt of {len(prompt)} tokens differs"
         engine = llm.engine
-        assert engine.num_free_kv_blocks == engine.kv.block_manager.num_blocks, "leaked KV blocks"
+        assert engine.num_free_kv_blocks == engine.block_manager.num_blocks, "leaked KV blocks"
         if name == "preempted":
             assert engine.scheduler.num_preemptions > 0, "the schedule did not force preemption"
