@@ -10,11 +10,10 @@ import pytest
 import safetensors.torch
 import torch
 
-import kernels
 from engine import LLM, SamplingParams
 from engine.config import Config
-from engine.layers import linear
 from engine.llm_engine import LLMEngine
+from kernels import LoRAKernels
 
 TARGETS = ("q_proj", "v_proj", "down_proj")
 SHAPES = {"q_proj": (64, 64), "v_proj": (64, 32), "down_proj": (128, 64)}  # (in, out)
@@ -282,8 +281,8 @@ def test_requests_without_adapters_never_reach_the_lora_kernels(checkpoint, monk
     llm = make_llm(checkpoint, max_loras=2)
     ps = prompts(4, seed=2)
     calls = []
-    apply_lora = kernels.apply_lora  # as the projections call it (engine/layers/linear.py)
-    monkeypatch.setattr(linear, "apply_lora", lambda *a, **k: (calls.append(1), apply_lora(*a, **k)))
+    apply = LoRAKernels.apply  # what the projections call (engine/layers/linear.py)
+    monkeypatch.setattr(LoRAKernels, "apply", lambda *a, **k: (calls.append(1), apply(*a, **k)))
     steps = []  # (step has adapter tokens, kernel calls in it)
     prepare = llm.engine.lora.prepare
 

@@ -17,7 +17,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -62,7 +64,9 @@ def long_model(tiny_checkpoint) -> str:
     return tiny_checkpoint("mistral", **MODEL)
 
 
-def start_server(model: str, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+@contextmanager
+def serving(model: str, tmp_path: Path, *extra: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`loragw serve` on the long-context model, ready, stopped however the block ends."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w+b")
@@ -70,9 +74,17 @@ def start_server(model: str, tmp_path: Path, *extra: str) -> tuple[subprocess.Po
         [sys.executable, "-m", "gateway.server", "--model", model, "--port", str(port),
          "--adapter-dir", str(tmp_path / "store"), *SERVE, *extra],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    with log:
+    try:
         wait_ready(url, server, log)
-    return server, url
+        yield server, url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
 
 
 def normal_text(http: httpx.Client, model: str) -> str:
@@ -114,9 +126,8 @@ def hammer(url: str, model: str, rounds: int = 2) -> None:
 
 
 def test_oversized_requests_never_wedge_the_engine_process(long_model, tmp_path):
-    server, url = start_server(long_model, tmp_path)
     model = os.path.basename(long_model)
-    try:
+    with serving(long_model, tmp_path) as (server, url):
         hammer(url, model)
         # The engine stops (SIGSTOP): /health says so within its bound while requests whose
         # frames outgrow the socket buffer queue up; SIGCONT: every one is served whole.
@@ -148,22 +159,11 @@ def test_oversized_requests_never_wedge_the_engine_process(long_model, tmp_path)
                 assert time.monotonic() < deadline, "/health never recovered"
                 time.sleep(0.1)
             assert normal_text(http, model)
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
 
 def test_oversized_requests_never_wedge_the_thread_engine(long_model, tmp_path):
-    server, url = start_server(long_model, tmp_path, "--no-engine-process")
-    try:
+    with serving(long_model, tmp_path, "--no-engine-process") as (_, url):
         hammer(url, os.path.basename(long_model))
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 def test_health_fails_within_its_bound_while_a_thread_engine_step_never_returns(
