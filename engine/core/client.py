@@ -132,21 +132,28 @@ class EngineClient:
                 loop.call_soon_threadsafe(queue.put_nowait, item)
 
     # ---- messages to the engine ------------------------------------------------------------
-    def _send(self, message: ToEngine) -> None:
+    def _send(self, message: ToEngine, encoded=None) -> None:
+        """Send `message` (or its frame, `encoded` already by the transport)."""
         if self.died is not None:
             raise self.died
         try:
-            self.transport.send(message)
+            if encoded is None:
+                self.transport.send(message)
+            else:
+                self.transport.send_encoded(encoded)
         except ChannelClosed:
             raise self.died or EngineDied("the engine process has closed its channel") from None
 
-    async def _request(self, make: Callable[[int], ToEngine]):
-        """Send the message `make(call id)` and wait for its Reply's value."""
+    async def _request(self, make: Callable[[int], ToEngine], off_loop: bool = False):
+        """Send the message `make(call id)` and wait for its Reply's value; `off_loop`: encode
+        it on a worker thread first (a packed adapter can be large)."""
         call = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call] = future
         try:
-            self._send(make(call))
+            message = make(call)
+            encoded = await asyncio.to_thread(self.transport.encode, message) if off_loop else None
+            self._send(message, encoded)
         except BaseException:
             self._calls.pop(call, None)
             raise
@@ -200,7 +207,8 @@ class EngineClient:
         """Register or replace `name`: `adapter`, parsed and validated already where its bytes
         were read, or else read and parsed from `path` (its disk copy, also where the engine
         re-reads it after a host eviction) on the engine's loader thread. Its version."""
-        return await self._request(lambda call: AddAdapter(call, name, path, adapter))
+        return await self._request(lambda call: AddAdapter(call, name, path, adapter),
+                                   off_loop=adapter is not None)
 
     async def to_device(self, name: str) -> str:
         """Into a device slot now if one can be had; "device" or "host"."""

@@ -96,15 +96,23 @@ class ProcessTransport:
         await ready
         logger.info("engine process %d ready", self.proc.pid)
 
-    def send(self, message: ToEngine) -> None:
-        """ValueError if the message holds a value the engine cannot take (nothing is sent);
-        ChannelClosed once the engine's end is gone."""
+    def encode(self, message: ToEngine) -> bytes:
+        """The message's frame (a parsed adapter packed first: adapters/wire.py); ValueError if
+        it holds a value the engine cannot take. Blocking for a large adapter: run it off the
+        event loop."""
         if isinstance(message, AddAdapter) and message.adapter is not None:
             message = msgspec.structs.replace(message, adapter=pack(message.adapter))
         try:
-            frame = encode(message)
+            return encode(message)
         except (OverflowError, TypeError) as exc:  # e.g. an integer past 64 bits: bad input
             raise ValueError(f"the request holds a value the engine cannot take: {exc}") from None
+
+    def send(self, message: ToEngine) -> None:
+        """ValueError if the message holds a value the engine cannot take (nothing is sent);
+        ChannelClosed once the engine's end is gone."""
+        self.send_encoded(self.encode(message))
+
+    def send_encoded(self, frame: bytes) -> None:
         self.channel.send(frame)
 
     def shutdown(self) -> None:

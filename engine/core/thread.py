@@ -81,8 +81,13 @@ class ThreadTransport:
         self._thread = threading.Thread(target=run, name="engine-loop", daemon=True)
         self._thread.start()
 
+    def encode(self, message: ToEngine) -> ToEngine:
+        return message  # messages cross a thread as they are
+
     def send(self, message: ToEngine) -> None:
         self.inbox.put(message)
+
+    send_encoded = send
 
     def shutdown(self) -> None:
         self._stopping = True
