@@ -32,7 +32,7 @@ from engine.config import Config
 from engine.core.client import EngineClient
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from gateway.bench.server import free_port
+from gateway.bench.server import free_port, stop_server
 
 PROMPT = "Tell me about the ocean"
 SHORT_TOKENS = 8
@@ -212,8 +212,7 @@ def main() -> None:
     try:
         result = asyncio.run(measure(llm_engine, url, args))
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop_server(proc)
 
     ms = 1e3
     r = result

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import build_llama25m_with_tokenizer, machine, write_adapters  # noqa: E402
-from gateway.bench.server import free_port  # noqa: E402
+from gateway.bench.server import free_port, stop_server  # noqa: E402
 
 logger = logging.getLogger("bench_serving")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -197,11 +197,7 @@ def run_http(command: list[str], ready_path: str, port: int, names, requests, co
             time.sleep(0.5)
         return asyncio.run(drive(url, names, requests, concurrency, mode, proc.pid))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
 
 
 def loragw(model: str, adapters: list[str], port: int, engine_cpus: str | None) -> list[str]:

@@ -54,12 +54,17 @@ def serve_subprocess(serve_args: list[str], api_key: str | None = None) -> Itera
             wait_ready(url, proc, log)
             yield url
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_server(proc)
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM (the server's graceful shutdown), then SIGKILL if it is not gone by `timeout`."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def wait_ready(url: str, proc: subprocess.Popen, log: IO[bytes]) -> None:

@@ -26,7 +26,7 @@ import httpx
 import psutil
 import pytest
 
-from gateway.bench.server import free_port, wait_ready
+from gateway.bench.server import free_port, stop_server, wait_ready
 from gateway.config import ServerConfig
 from gateway.http.app import create_app
 from gateway.server import BackgroundServer
@@ -78,12 +78,7 @@ def serving(model: str, tmp_path: Path, *extra: str) -> Iterator[tuple[subproces
         wait_ready(url, server, log)
         yield server, url
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_server(server)
         log.close()
 
 
