@@ -2,12 +2,15 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# llm-compressor pins its own transformers: the tests' quantized checkpoints and their
+# decompressed reference are made in a venv of its own (tests/quant_reference/).
+QVENV ?= .venv-quant
 PIP := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install demo test lint bench clean
+.PHONY: install quant-tools demo test lint bench clean
 
 install: $(VENV)/.installed
 
@@ -18,12 +21,20 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install --quiet -e ".[dev]"
 	touch $@
 
+quant-tools: $(QVENV)/.installed
+
+$(QVENV)/.installed:
+	test -x $(QVENV)/bin/python || $(PYTHON) -m venv $(QVENV)
+	$(QVENV)/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(QVENV)/bin/pip install --quiet "llmcompressor==0.14.0.1" peft
+	touch $@
+
 # Builds into ~/.cache/lora-gateway/demo (demo.DEMO_DIR), where `serve --demo` looks.
 demo: install
 	$(VENV)/bin/loragw demo
 	$(VENV)/bin/loragw serve --demo --host $(HOST) --port $(PORT)
 
-test: install
+test: install quant-tools
 	$(PY) -m pytest -q tests
 
 lint: install
@@ -33,4 +44,4 @@ bench: install
 	$(PY) benchmarks/bench_engine.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(QVENV) .pytest_cache build *.egg-info

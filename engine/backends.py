@@ -5,6 +5,9 @@ and read by every layer from the forward context, as the callables themselves.
                production path) or "triton" (kernels/lora_triton.py).
     attention  decode rows of engine/layers/attention.py: "torch" (gather whole blocks, one
                batched SDPA) or "triton" (kernels/paged_attention.py reads K/V in place).
+    quant      a quantized base's projections: "torch" (kernels/quant.py, dequantize then GEMM:
+               the CPU path, and CUDA's for FP8 before sm_89) or "triton" (kernels/quant_triton.py,
+               dequantizing in the GEMM's tiles: CUDA). None: the base is not quantized.
 
 `auto` is triton on CUDA and torch elsewhere, except that auto decode attention on CUDA takes
 the Triton kernel only after it matched the float64 reference on a small random cache of the
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import LoRAKernels, lora_kernels
+from kernels.quant import dequant_linear
 
 logger = logging.getLogger(__name__)
 
@@ -34,13 +38,20 @@ logger = logging.getLogger(__name__)
 class Backends:
     lora: str = "torch"
     attention: str = "torch"
-    # what the layers call, resolved here once from the names: the LoRA kernels, and the decode
-    # attention kernel (None: the torch path of engine/layers/attention.py)
+    quant: str | None = None
+    # what the layers call, resolved here once from the names: the LoRA kernels, the decode
+    # attention kernel (None: the torch path of engine/layers/attention.py) and a quantized
+    # projection's GEMM: quant_linear(x [T, I], QuantWeight, bias) -> [T, O]
     lora_kernels: LoRAKernels = field(init=False, repr=False, compare=False)
     decode_attention: Callable | None = field(init=False, repr=False, compare=False)
+    quant_linear: Callable = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_kernels", lora_kernels(self.lora))
+        quant = dequant_linear
+        if self.quant == "triton":
+            quant = importlib.import_module("kernels.quant_triton").quant_matmul
+        object.__setattr__(self, "quant_linear", quant)
         decode = None
         if self.attention == "triton":  # triton imported only when it serves
             decode = importlib.import_module("kernels.paged_attention").paged_attention_decode
@@ -90,8 +101,30 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
     return "triton"
 
 
+def quant_kind(model) -> str | None:
+    """The kind of the model's quantized weights ("int4", "int8", "fp8"), None if it has none."""
+    kinds = {linear.scheme.kind for _, linear in model.lora_linears() if linear.scheme}
+    return "fp8" if "fp8" in kinds else next(iter(kinds), None)
+
+
+def resolve_quant_backend(kind: str | None, device: torch.device) -> str | None:
+    """Triton's dequantizing GEMM on CUDA (FP8 weights need sm_89's e4m3 conversion; before it
+    they are dequantized, then multiplied); dequantize-then-GEMM on the CPU, where it is also
+    exactly the decompressed model's arithmetic."""
+    if kind is None:
+        return None
+    if device.type != "cuda":
+        return "torch"
+    if kind == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
+        logger.warning("FP8 weights on a GPU before sm_89: dequantized, then multiplied")
+        return "torch"
+    return "triton"
+
+
 def resolve_backends(lora: str, attention: str, device: torch.device, dtype: torch.dtype,
-                     shape: AttentionShape) -> Backends:
-    """The engine's Backends from Config.lora_backend and Config.attention_backend."""
+                     shape: AttentionShape, quant: str | None = None) -> Backends:
+    """The engine's Backends from Config.lora_backend and Config.attention_backend, and the
+    kind of a quantized base's weights."""
     return Backends(resolve_lora_backend(lora, device),
-                    resolve_attention_backend(attention, device, dtype, shape))
+                    resolve_attention_backend(attention, device, dtype, shape),
+                    resolve_quant_backend(quant, device))

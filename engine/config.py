@@ -20,6 +20,8 @@ import torch
 from adapters.types import BaseModelSpec
 from engine.layers.rotary import longrope_context
 from engine.models import adapter_spec, model_class
+from engine.quant.scheme import CHOICES as QUANTIZATION_CHOICES
+from engine.quant.scheme import QuantConfig, read_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,10 @@ class EngineOptions:
     tensor_parallel_size: int = option(1, "ranks the model is split across (one process and "
                                        "device each; gloo on the CPU, NCCL on CUDA)")
     seed: int = option(0, "seed of the sampler's generator (requests without a seed)")
+    quantization: str = option(
+        "auto", "the checkpoint's quantization: auto (config.json's quantization_config), "
+        "compressed-tensors, gptq, awq, fp8 (each must match the checkpoint) or none",
+        choices=QUANTIZATION_CHOICES)
     max_logprobs: int = option(20, "most alternatives a request may ask for per token "
                                "(logprobs, top_logprobs, prompt_logprobs)")
 
@@ -99,7 +105,7 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         n = self.option_name
-        for name in ("device", "dtype", "lora_backend", "attention_backend"):
+        for name in ("device", "dtype", "lora_backend", "attention_backend", "quantization"):
             choices = ENGINE_FIELDS[name].metadata["choices"]
             if getattr(self, name) not in choices:
                 raise ValueError(f"{n(name)} must be one of {', '.join(choices)}; got "
@@ -139,11 +145,14 @@ class Config(EngineOptions):
 
     model: str
     hf_config: dict = field(default_factory=dict, compare=False, repr=False)  # its config.json
+    # the checkpoint's quantization, read with hf_config (None: floating point)
+    quant: QuantConfig | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         object.__setattr__(self, "hf_config", read_hf_config(self.model))
-        model_class(self.hf_config)  # an architecture the engine does not serve fails here, named
+        cls = model_class(self.hf_config)  # an architecture not served fails here, named
+        object.__setattr__(self, "quant", _read_quant(self.hf_config, self.quantization, cls))
         if self.max_model_len is None:
             object.__setattr__(self, "max_model_len", _default_context(self.hf_config))
 
@@ -176,6 +185,24 @@ def read_hf_config(model_dir: str) -> dict:
         raise ValueError(f"{model_dir!r} has no config.json; expected a Hugging Face checkpoint")
     with open(config_path) as f:
         return json.load(f)
+
+
+def _read_quant(hf_config: dict, requested: str, cls) -> QuantConfig | None:
+    """The checkpoint's quantization, refused here (before any process or weight) when the
+    engine cannot serve it on this model."""
+    quant = read_quantization(hf_config, requested)
+    if quant is None:
+        return None
+    args = cls.make_args(hf_config)
+    if args.num_experts:
+        raise ValueError(f"quantized Mixture-of-Experts bases ({quant.method}) are not served "
+                         "yet; serve the unquantized checkpoint")
+    if quant.scheme("lm_head") is not None:
+        raise ValueError(f"the checkpoint's lm_head is quantized ({quant.method}), which is not "
+                         "served; quantize it with lm_head in the ignore list")
+    quant.check_shapes(args.projection_shapes())
+    logger.info("quantized base: %s", quant.describe())
+    return quant
 
 
 def _default_context(hf_config: dict) -> int:

@@ -9,6 +9,12 @@ range under --dtype float16), named with what to do instead of serving infs.
 Each parameter's owner (an engine.layers.parts.Loadable) says which checkpoint keys fill it and
 which part of a checkpoint tensor this rank holds; the model (engine/models/base.py) says how
 checkpoint names map to its modules (merged, fused, or its own placement).
+
+A quantized checkpoint (engine/quant/): each projection its scheme quantizes is made to hold
+its weight quantized before the model is materialised, so no full-precision copy is ever
+allocated; that module's tensors (weight_packed, scales, ...) are gathered as they are read,
+converted to kernels/quant.py's layout once all are in (engine/quant/formats.py), and placed
+slice by slice like a weight.
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ from engine.distributed.shard import ONE, Shard
 from engine.layers.parts import Loadable
 from engine.models import model_class
 from engine.models.base import CausalLM
+from engine.quant import shard as quant_shard
+from engine.quant.formats import PARTS, convert
+from engine.quant.scheme import QuantConfig, WeightScheme
 
 logger = logging.getLogger(__name__)
 
@@ -48,27 +57,95 @@ def checkpoint_files(model_dir: str) -> list[str]:
 
 
 def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype, device: torch.device,
-               shard: Shard = ONE) -> CausalLM:
+               shard: Shard = ONE, quant: QuantConfig | None = None) -> CausalLM:
     """The model, or under tensor parallelism this rank's part of every layer (each tensor
-    read whole, cut by the module it fills)."""
+    read whole, cut by the module it fills); `quant`: the checkpoint's quantization."""
     with torch.device("meta"):
         model = model_class(hf_config)(hf_config, shard)
+    model.to(dtype)  # on the meta device: no memory yet
+    quantized = _quantize(model, quant) if quant is not None else {}
     model.to_empty(device=device)
-    model.to(dtype)
     params = dict(model.named_parameters())
     required = set(_required_keys(model))
     filled: set[str] = set()
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # quantized module -> its tensors so far
     for path in tqdm(checkpoint_files(model_dir), desc="loading weights", unit="file",
                      disable=not logger.isEnabledFor(logging.INFO)):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                filled.update(_assign(model, params, name, f.get_tensor(name)))
+                module, _, suffix = name.rpartition(".")
+                if module in quantized and suffix in PARTS[quant.method]:
+                    pending.setdefault(module, {})[suffix] = f.get_tensor(name)
+                else:
+                    filled.update(_assign(model, params, name, f.get_tensor(name)))
+    for module, parts in pending.items():
+        linear, slice_name, scheme = quantized[module]
+        full = convert(quant, scheme, module, parts)
+        for name, part in _quant_slices(model, linear, slice_name, full, module):
+            linear.load_quant(name, part, module)
+            filled.add(f"{_name_of(model, linear)}.qweight" +
+                       ("" if len(linear.slice_names) == 1 else f":{name}"))
+    for linear, _, _ in quantized.values():
+        if linear.quant is None and set(linear._quant_parts) == set(linear.slice_names):
+            linear.finish_quant()
     # a fused tensor (`...experts.gate_up_proj`) fills every per-expert key of its name
     missing = sorted(k for k in required - filled if k.split(":")[0] not in filled)
     if missing:
         raise ValueError(f"checkpoint {model_dir} does not provide {len(missing)} weights, "
                          f"e.g. {', '.join(missing[:5])}")
     return model.eval()
+
+
+def _quantize(model: CausalLM, quant: QuantConfig) -> dict[str, tuple]:
+    """Make every projection the scheme quantizes hold its weight quantized; returns checkpoint
+    module -> (our Linear, its slice there or None for all of it, the scheme)."""
+    out: dict[str, tuple] = {}
+    for _, linear in model.lora_linears():
+        name = _name_of(model, linear)
+        modules = _checkpoint_modules(model, name, linear.slice_names)
+        schemes = {quant.scheme(module) for module, _ in modules}
+        if len(schemes) > 1:
+            raise ValueError(f"{', '.join(m for m, _ in modules)} are quantized differently "
+                             f"({quant.method}): the engine serves them as one projection, which "
+                             "needs one scheme")
+        scheme: WeightScheme | None = schemes.pop()
+        if scheme is None:
+            continue
+        linear.quantize(scheme)
+        out |= {module: (linear, slice_name, scheme) for module, slice_name in modules}
+    if next(model.expert_modules(), None) is not None:
+        raise ValueError("quantized Mixture-of-Experts bases are not served yet: their experts "
+                         "would load in full precision; serve the unquantized checkpoint")
+    return out
+
+
+def _quant_slices(model: CausalLM, linear, slice_name: str | None, full, module: str):
+    """(slice, its QuantWeight) of one checkpoint module: a fused one (Phi-3's qkv_proj) split
+    by its slices' rows, else the one slice it fills."""
+    if slice_name is not None or len(linear.slice_names) == 1:
+        return [(slice_name or linear.slice_names[0], full)]
+    widths = model.fused_projections[module.rpartition(".")[2]]
+    if full.out_features != sum(rows for _, rows in widths):
+        raise ValueError(f"checkpoint module {module!r} has {full.out_features} rows, the model "
+                         f"expects {sum(rows for _, rows in widths)}")
+    out, start = [], 0
+    for name, rows in widths:
+        out.append((name, quant_shard.rows(full, start, rows)))
+        start += rows
+    return out
+
+
+def _checkpoint_modules(model: CausalLM, name: str,
+                        slices: tuple[str, ...]) -> list[tuple[str, str | None]]:
+    """Checkpoint modules filling our Linear `name`: (module, our slice; None: every slice)."""
+    parent, _, own = name.rpartition(".")
+    if own in model.fused_projections or len(slices) == 1:
+        return [(name if own in model.fused_projections else f"{parent}.{slices[0]}", None)]
+    return [(f"{parent}.{s}", s) for s in slices]
+
+
+def _name_of(model: CausalLM, module: torch.nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
 
 
 def _required_keys(model: CausalLM):
@@ -98,6 +175,8 @@ def _assign(model: CausalLM, params: dict, name: str, tensor: torch.Tensor) -> l
     for fragment, (merged, slice_name) in model.merged_projections.items():
         if f".{fragment}." in name:
             merged_name = name.replace(f".{fragment}.", f".{merged}.")
+            if merged_name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             owner = _owner(model, merged_name)
             _copy(params[merged_name][owner.slice_rows(slice_name)],
                   owner.checkpoint_part(slice_name, tensor), name)

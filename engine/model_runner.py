@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.backends import attention_shape, resolve_backends
+from engine.backends import attention_shape, quant_kind, resolve_backends
 from engine.config import Config
 from engine.cuda_graphs import DecodeGraphs, GraphKey, graph_buckets, graphs_off_reason
 from engine.distributed.shard import ONE, Shard
@@ -44,7 +44,8 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
-        self.model = load_model(config.model, config.hf_config, self.dtype, self.device, shard)
+        self.model = load_model(config.model, config.hf_config, self.dtype, self.device, shard,
+                                config.quant)
         self.args = self.model.args
         attn = self.model.attention_layers()[0]
         self.heads = attention_shape(self.model.attention_layers())  # this rank's
@@ -59,15 +60,18 @@ class ModelRunner:
         self.kv_window = kv_window(self.model.attention_layers())
         self.backends = resolve_backends(
             config.lora_backend, config.attention_backend, self.device, self.dtype,
-            self.heads)
+            self.heads, quant_kind(self.model))
         self.max_blocks = -(-config.max_model_len // self.block_size)  # of one sequence
         self.decode_buffers = DecodeBuffers(config.max_num_seqs, self.max_blocks, self.block_size,
                                             pad_block=self.num_kv_blocks, device=self.device)
         self._metas: dict[tuple[int, int], LoRAMeta] = {}  # (rows, slots) -> decode LoRA meta
         off = graphs_off_reason(self.device, config.enforce_eager, self.backends)
         self.graphs = DecodeGraphs(graph_buckets(config.max_num_seqs)) if off is None else None
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB); LoRA on %s, decode attention "
-                    "on %s; decode %s", self.num_kv_blocks, self.block_size,
+        logger.info("weights: %.1f MiB%s; KV cache: %d blocks of %d tokens (%.1f MiB); LoRA on "
+                    "%s, decode attention on %s; decode %s",
+                    self.model.weight_bytes() / 2**20,
+                    f" ({config.quant.method}, GEMM on {self.backends.quant})"
+                    if config.quant else "", self.num_kv_blocks, self.block_size,
                     self.kv_cache_bytes / 2**20, self.backends.lora, self.backends.attention,
                     f"eager ({off})" if off else "in CUDA graphs")
         if self.graphs is not None:

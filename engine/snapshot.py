@@ -25,6 +25,10 @@ class EngineInfo:
     # experts per sparse layer; dense: all); defaults for EngineInfos built without a model
     total_parameters: int = 0
     active_parameters: int = 0
+    # bytes of the base's weights one rank holds, as stored (quantized bases: packed), and the
+    # checkpoint's quantization ("none" for a floating-point base)
+    weight_bytes: int = 0
+    quantization: str = "none"
 
 
 def engine_info(engine: LLMEngine) -> EngineInfo:
@@ -35,8 +39,11 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
     hf_config = engine.config.hf_config
     with torch.device("meta"):  # the whole model, not this rank's part under TP; no memory
         total, active = model_class(hf_config)(hf_config).parameter_counts()
+    quant = engine.config.quant
     return EngineInfo(engine.vocab_size, engine.config.max_model_len, engine.config.block_size,
-                      engine.block_manager.num_blocks, engine.limits, total, active)
+                      engine.block_manager.num_blocks, engine.limits, total, active,
+                      engine.runner.local.model.weight_bytes(),
+                      "none" if quant is None else quant.describe())
 
 
 @dataclass(frozen=True, slots=True)

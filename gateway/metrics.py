@@ -103,6 +103,11 @@ class _LiveCollector(Collector):
             params.add_metric(["total"], m.info.total_parameters)
             params.add_metric(["active"], m.info.active_parameters)
             yield params
+            weights = GaugeMetricFamily("loragw_model_weight_bytes", "Bytes of the base's weights "
+                                        "one rank holds, as stored (quantized: packed, with "
+                                        "scales)", labels=["quantization"])
+            weights.add_metric([m.info.quantization], m.info.weight_bytes)
+            yield weights
         if snap is not None:
             yield _gauge("loragw_num_requests_waiting", "Sequences queued in the engine",
                          snap.num_waiting)

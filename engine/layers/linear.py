@@ -10,6 +10,13 @@ names where each of its slices starts in the checkpoint's full tensor, along the
 outputs are all-reduced; its LoRA delta is added before that, with A split by input columns
 like the weight and B whole: the sum over ranks of (x_r A_r^T) B^T is x A^T B^T, so the delta
 needs no collective of its own. The bias is added once, after the reduction.
+
+A quantized base's projection (`quantize(scheme)`, before loading) holds its weight in
+kernels/quant.py's layout instead: `qweight` filled slice by slice like a weight, the scales,
+zero points and act-order map gathered per slice and joined once loaded (`finish_quant`); the
+GEMM is the one the model runner chose at start (Backends.quant_linear). The LoRA delta is
+computed from the same unquantized x and added to the output, as PEFT does on a dequantized
+base.
 """
 
 from __future__ import annotations
@@ -24,7 +31,10 @@ from torch import nn
 from engine.distributed import group
 from engine.forward_context import get_forward_context
 from engine.layers.parts import Loadable
+from engine.quant import shard as quant_shard
+from engine.quant.scheme import WeightScheme
 from kernels import LoRAKernels
+from kernels.quant import QuantWeight
 
 
 @dataclass(slots=True)
@@ -71,6 +81,9 @@ class Linear(nn.Module, Loadable):
         self.bias = (nn.Parameter(torch.empty(self.out_features), requires_grad=False)
                      if bias else None)
         self.lora: LoRABuffers | None = None
+        self.scheme: WeightScheme | None = None  # quantized: what `quantize` was given
+        self.quant: QuantWeight | None = None  # quantized, once loaded
+        self._quant_parts: dict[str, QuantWeight] = {}  # slice -> its loaded part
 
     def slice_rows(self, name: str) -> slice:
         i = self.slice_names.index(name)
@@ -98,10 +111,68 @@ class Linear(nn.Module, Loadable):
         only one)."""
         return self.local(slice_name or self.slice_names[0], full, 1 if self.row_parallel else 0)
 
+    # ---- a quantized base ----------------------------------------------------------------
+    def quantize(self, scheme: WeightScheme) -> None:
+        """Hold this projection's weight quantized; on the meta device, before loading."""
+        packed = -(-self.in_features // 2) if scheme.kind == "int4" else self.in_features
+        dtype = torch.int8 if scheme.kind == "int8" else torch.uint8
+        del self.weight
+        self.qweight = nn.Parameter(torch.empty(self.out_features, packed, dtype=dtype),
+                                    requires_grad=False)
+        self.scheme = scheme
+
+    def load_quant(self, slice_name: str | None, full: QuantWeight, name: str) -> None:
+        """Fill slice `slice_name` (None: the only one) from checkpoint module `name`'s whole
+        QuantWeight (this rank's part of it)."""
+        slice_name = slice_name or self.slice_names[0]
+        rows = self.slice_rows(slice_name)
+        if self.sources is not None and self.row_parallel:
+            part = quant_shard.columns(full, self.sources["*"], self.in_features, name)
+        elif self.sources is not None:
+            part = quant_shard.rows(full, self.sources[slice_name], rows.stop - rows.start)
+        else:
+            part = full
+        if part.qweight.shape != self.qweight[rows].shape or part.kind != self.scheme.kind:
+            raise ValueError(f"checkpoint module {name!r} holds {part.kind} "
+                             f"{tuple(part.qweight.shape)} packed, the model expects "
+                             f"{self.scheme.kind} {tuple(self.qweight[rows].shape)}")
+        self.qweight[rows].copy_(part.qweight)
+        self._quant_parts[slice_name] = part
+
+    def finish_quant(self) -> None:
+        """Join the slices' scales, zero points and act-order maps into one QuantWeight."""
+        parts = [self._quant_parts[name] for name in self.slice_names]
+        device = self.qweight.device
+        groups = {p.scales.shape[1] for p in parts}
+        if len(groups) > 1 or len({p.group_size for p in parts}) > 1:
+            raise ValueError(f"the slices {', '.join(self.slice_names)} of one merged "
+                             "projection are quantized with different groups")
+        zeros = None
+        if any(p.zeros is not None for p in parts):
+            zeros = torch.cat([p.zeros if p.zeros is not None else
+                               torch.zeros_like(p.scales, dtype=torch.int8) for p in parts])
+        g_idx = row_slice = None
+        if any(p.g_idx is not None for p in parts):
+            plain = (torch.arange(self.in_features) // parts[0].group_size).to(torch.int32)
+            g_idx = torch.cat([p.g_idx if p.g_idx is not None else plain[None] for p in parts])
+            row_slice = torch.cat([torch.full((p.out_features,), i, dtype=torch.int32)
+                                   for i, p in enumerate(parts)])
+        scales = torch.cat([p.scales for p in parts])
+        self.quant = QuantWeight(self.scheme.kind, self.qweight, scales.to(device),
+                                 None if zeros is None else zeros.to(device),
+                                 parts[0].group_size, self.in_features,
+                                 None if g_idx is None else g_idx.to(device),
+                                 None if row_slice is None else row_slice.to(device))
+        self.quant.check()
+        self._quant_parts.clear()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> y: [T, O_total]
         bias = None if self.row_parallel else self.bias
-        y = F.linear(x, self.weight, bias)
+        if self.quant is not None:
+            y = get_forward_context().backends.quant_linear(x, self.quant, bias)
+        else:
+            y = F.linear(x, self.weight, bias)
         if self.lora is not None:
             ctx = get_forward_context()
             if ctx.lora is not None and ctx.lora.tokens.has_lora:

@@ -100,6 +100,17 @@ class CausalLM(nn.Module):
         total = sum(p.numel() for p in self.parameters())
         return total, total
 
+    def weight_bytes(self) -> int:
+        """Bytes this process holds of the base's weights: parameters as they are stored
+        (a quantized projection's packed qweight) and its quantization's scales, zero points
+        and act-order maps."""
+        held = sum(p.numel() * p.element_size() for p in self.parameters())
+        for _, linear in self.lora_linears():
+            if linear.quant is not None:
+                q = linear.quant
+                held += q.num_bytes - q.qweight.numel() * q.qweight.element_size()
+        return held
+
     @classmethod
     def adapter_spec(cls, hf_config: dict, max_lora_rank: int, max_full_module_slots: int = 0,
                      model_path: str | os.PathLike | None = None,

@@ -1,0 +1,236 @@
+"""Which quantization a checkpoint carries, read once from config.json's `quantization_config`
+when the Config is built, so that anything the engine cannot serve fails there, before any
+process starts or any weight is read, naming the method or scheme and what is supported.
+
+    quant = read_quantization(hf_config, "auto")      # QuantConfig | None
+    quant.scheme("model.layers.0.self_attn.q_proj")    # WeightScheme | None (not quantized)
+
+Methods (vLLM's `--quantization` names): `compressed-tensors` (llm-compressor's formats),
+`gptq`, `awq`, and Hugging Face's `fp8`. Every one is converted at load to the same in-memory
+layout (kernels/quant.py) by engine/quant/formats.py; a WeightScheme is what that layout needs
+to know of one projection: kind, group size, zero points, act order.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
+CHOICES = ("auto", *METHODS, "none")
+CT_FORMATS = ("pack-quantized", "float-quantized", "int-quantized", "naive-quantized")
+SUPPORTED = ("compressed-tensors (pack-quantized int4/int8, float-quantized FP8 tensor/channel/"
+             "block, int-quantized W8A8), gptq (4/8-bit, desc_act), awq (4-bit GEMM), "
+             "fp8 (weight_block_size)")
+
+
+class QuantizationError(ValueError):
+    """A quantization the engine does not serve, said when the Config is read."""
+
+    def __init__(self, problem: str):
+        super().__init__(f"{problem}; supported: {SUPPORTED}")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightScheme:
+    """One projection's quantized weight: what kernels/quant.py's layout needs of it."""
+
+    kind: str  # "int4" | "int8" | "fp8"
+    strategy: str  # "tensor" | "channel" | "group" | "block": how the checkpoint holds scales
+    group_size: int | None = None  # input columns per scale (group; block: its width)
+    block_rows: int | None = None  # block: output rows per scale
+    symmetric: bool = True
+    act_order: bool = False  # a g_idx tensor maps each input column to its group
+    activations: str = "none"  # what the checkpoint asks of activations (weight-only here on CPU)
+
+    def columns_per_scale(self, in_features: int) -> int:
+        """Input columns sharing one scale along a row (the layout's group_size)."""
+        return self.group_size if self.strategy in ("group", "block") else in_features
+
+    def describe(self) -> str:
+        group = {"group": f" group {self.group_size}",
+                 "block": f" block [{self.block_rows}, {self.group_size}]"}.get(
+                     self.strategy, f" per {self.strategy}")
+        return (f"{self.kind}{group}{'' if self.symmetric else ' asym'}"
+                f"{' act-order' if self.act_order else ''}"
+                f"{'' if self.activations == 'none' else ', activations ' + self.activations}")
+
+
+@dataclass(frozen=True, slots=True)
+class QuantConfig:
+    method: str
+    format: str  # compressed-tensors' format; the method's name for the others
+    # (targets, scheme) in the checkpoint's order: a module takes the first group it matches
+    groups: tuple[tuple[tuple[str, ...], WeightScheme], ...]
+    ignore: tuple[str, ...] = ()
+    zero_minus_one: bool = False  # GPTQ v1 checkpoints store each zero point minus one
+
+    def scheme(self, module: str) -> WeightScheme | None:
+        """The scheme of checkpoint Linear `module` (`model.layers.0.mlp.down_proj`), None when
+        it is left in floating point (ignored, or matched by no group)."""
+        if any(_matches(pattern, module) for pattern in self.ignore):
+            return None
+        for targets, scheme in self.groups:
+            if any(_matches(t, module) for t in targets):
+                return scheme
+        return None
+
+    def describe(self) -> str:
+        schemes = sorted({s.describe() for _, s in self.groups})
+        return f"{self.method} ({self.format}: {'; '.join(schemes)})"
+
+    def check_shapes(self, shapes: dict[str, tuple[int, int]]) -> None:
+        """Every projection's input splits into whole groups (shapes: projection -> (out, in),
+        the base's, by checkpoint module suffix)."""
+        for name, (_, columns) in shapes.items():
+            for _, scheme in self.groups:
+                size = scheme.group_size
+                if scheme.strategy == "group" and size < columns and columns % size:
+                    raise QuantizationError(
+                        f"{self.method} group_size {size} does not divide {name}'s {columns} "
+                        "input features")
+
+
+def _matches(pattern: str, module: str) -> bool:
+    """compressed-tensors' target rules: "Linear" (every projection here), "re:REGEX", or a
+    module name (or its last part)."""
+    if pattern == "Linear":
+        return True
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], module) is not None
+    return module == pattern or module.endswith("." + pattern)
+
+
+def read_quantization(hf_config: dict, requested: str) -> QuantConfig | None:
+    """The checkpoint's quantization (None: a floating-point checkpoint), checked against
+    `--quantization` (auto takes what the checkpoint says)."""
+    if requested not in CHOICES:
+        raise QuantizationError(f"--quantization {requested!r} is not one of {', '.join(CHOICES)}")
+    raw = hf_config.get("quantization_config") or hf_config.get("compression_config")
+    method = None if raw is None else str(raw.get("quant_method", "")).lower().replace("_", "-")
+    if method is None:
+        if requested not in ("auto", "none"):
+            raise ValueError(f"--quantization {requested} needs a quantized checkpoint, and this "
+                             "one's config.json has no quantization_config")
+        return None
+    if method not in METHODS:
+        raise QuantizationError(f"quantization_config.quant_method {raw.get('quant_method')!r} "
+                                "is not served")
+    if requested == "none":
+        raise ValueError(f"the checkpoint is quantized ({method}) and its weights exist only "
+                         f"quantized; serve it with --quantization auto or {method}")
+    if requested not in ("auto", method):
+        raise ValueError(f"--quantization {requested} does not match the checkpoint, which is "
+                         f"quantized with {method}")
+    return READERS[method](raw)
+
+
+def _compressed_tensors(raw: dict) -> QuantConfig:
+    fmt = raw.get("format")
+    if raw.get("sparsity_config"):
+        kind = raw["sparsity_config"].get("format", "sparse")
+        if kind != "dense":
+            raise QuantizationError(f"compressed-tensors sparsity ({kind}, e.g. 2:4) is not served")
+    if fmt not in CT_FORMATS:
+        raise QuantizationError(f"compressed-tensors format {fmt!r} is not served")
+    groups = []
+    for name, group in (raw.get("config_groups") or {}).items():
+        groups.append((tuple(group.get("targets") or ("Linear",)), _ct_scheme(name, group, fmt)))
+    if not groups:
+        raise QuantizationError("compressed-tensors quantization_config has no config_groups")
+    return QuantConfig("compressed-tensors", fmt, tuple(groups), tuple(raw.get("ignore") or ()))
+
+
+def _ct_scheme(name: str, group: dict, fmt: str) -> WeightScheme:
+    w: dict[str, Any] = group.get("weights") or {}
+    where = f"compressed-tensors config_groups.{name}"
+    if not w:
+        raise QuantizationError(f"{where} quantizes no weights (activation-only schemes)")
+    kind_type, bits = w.get("type", "int"), w.get("num_bits")
+    if kind_type == "float" and bits == 8:
+        kind = "fp8"
+    elif kind_type == "int" and bits in (4, 8):
+        kind = f"int{bits}"
+    else:
+        raise QuantizationError(f"{where}: {bits}-bit {kind_type} weights (e.g. NVFP4/MXFP4) "
+                                "are not served")
+    strategy = w.get("strategy") or "tensor"
+    if strategy not in ("tensor", "channel", "group", "block"):
+        raise QuantizationError(f"{where}: weight strategy {strategy!r} is not served")
+    if fmt == "pack-quantized" and kind == "fp8" or fmt == "float-quantized" and kind != "fp8":
+        raise QuantizationError(f"{where}: {kind} weights in format {fmt} are not served")
+    group_size = block_rows = None
+    if strategy == "group":
+        group_size = w.get("group_size")
+        if not isinstance(group_size, int) or group_size < 1:
+            raise QuantizationError(f"{where}: group strategy needs a positive group_size, got "
+                                    f"{group_size!r}")
+    if strategy == "block":
+        block = w.get("block_structure")
+        if not (isinstance(block, list) and len(block) == 2 and all(
+                isinstance(b, int) and b > 0 for b in block)):
+            raise QuantizationError(f"{where}: block strategy needs block_structure [rows, "
+                                    f"columns], got {block!r}")
+        block_rows, group_size = block
+    act_order = w.get("actorder") == "group"
+    a = group.get("input_activations")
+    activations = "none" if not a else (
+        f"{a.get('type', 'int')}{a.get('num_bits', '')} "
+        f"{'dynamic' if a.get('dynamic') else 'static'} per {a.get('strategy', 'tensor')}")
+    return WeightScheme(kind, strategy, group_size, block_rows, bool(w.get("symmetric", True)),
+                        act_order, activations)
+
+
+def _gptq(raw: dict) -> QuantConfig:
+    bits, group = raw.get("bits"), raw.get("group_size", -1)
+    if bits not in (4, 8):
+        raise QuantizationError(f"gptq bits {bits!r} is not served (4 or 8)")
+    fmt = raw.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise QuantizationError(f"gptq checkpoint_format {fmt!r} is not served (gptq, gptq_v2)")
+    if not isinstance(group, int) or group == 0 or group < -1:
+        raise QuantizationError(f"gptq group_size {group!r} is not served (-1 or positive)")
+    scheme = WeightScheme(f"int{bits}", "channel" if group == -1 else "group",
+                          None if group == -1 else group, None, bool(raw.get("sym", True)),
+                          bool(raw.get("desc_act", False)))
+    return QuantConfig("gptq", fmt, ((("Linear",), scheme),), _modules(raw),
+                       zero_minus_one=fmt == "gptq")
+
+
+def _awq(raw: dict) -> QuantConfig:
+    bits, group = raw.get("bits", raw.get("w_bit")), raw.get("group_size", raw.get("q_group_size"))
+    version = str(raw.get("version", "gemm")).lower()
+    if bits != 4:
+        raise QuantizationError(f"awq bits {bits!r} is not served (4)")
+    if version != "gemm":
+        raise QuantizationError(f"awq version {version!r} is not served (gemm)")
+    if not isinstance(group, int) or group == 0 or group < -1:
+        raise QuantizationError(f"awq group_size {group!r} is not served")
+    scheme = WeightScheme("int4", "channel" if group == -1 else "group",
+                          None if group == -1 else group, None, not raw.get("zero_point", True))
+    return QuantConfig("awq", "gemm", ((("Linear",), scheme),), _modules(raw))
+
+
+def _fp8(raw: dict) -> QuantConfig:
+    block = raw.get("weight_block_size")
+    if block is None:
+        scheme = WeightScheme("fp8", "tensor")
+    elif isinstance(block, list) and len(block) == 2 and all(
+            isinstance(b, int) and b > 0 for b in block):
+        scheme = WeightScheme("fp8", "block", block[1], block[0])
+    else:
+        raise QuantizationError(f"fp8 weight_block_size {block!r} is not served ([rows, cols])")
+    activations = f"fp8 {raw.get('activation_scheme', 'dynamic')}"
+    scheme = WeightScheme(scheme.kind, scheme.strategy, scheme.group_size, scheme.block_rows,
+                          activations=activations)
+    return QuantConfig("fp8", "fp8", ((("Linear",), scheme),), _modules(raw))
+
+
+def _modules(raw: dict) -> tuple[str, ...]:
+    """Modules a gptq / awq / fp8 checkpoint leaves unquantized (besides lm_head, never
+    quantized by these tools)."""
+    return ("lm_head", *(raw.get("modules_to_not_convert") or ()))
+
+
+READERS = {"compressed-tensors": _compressed_tensors, "gptq": _gptq, "awq": _awq, "fp8": _fp8}

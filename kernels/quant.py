@@ -1,0 +1,140 @@
+"""Quantized projection weights: the one layout every checkpoint format is converted to at load
+(engine/quant/), its meaning, and the GEMMs that read it.
+
+    W[o, k] = (q[o, k] - z[o, g(k)]) * s[o, g(k)]            (z = 0 when symmetric)
+
+    kind   qweight                                     q[o, k]
+    int4   uint8 [O, ceil(I/2)], two columns a byte:   (byte >> 4 * (k % 2) & 0xF) - 8  (-8..7)
+           column 2j in the low nibble
+    int8   int8 [O, I]                                 qweight[o, k]                 (-128..127)
+    fp8    uint8 [O, I], the bits of float8_e4m3fn     qweight[o, k] viewed as e4m3, as float
+
+    scales  float32 [O, G]      one per output row and group (channel: G = 1; FP8 per-tensor:
+                                the one scale on every row; FP8 block [bo, bi]: each row gets its
+                                block's scale, groups of bi columns)
+    zeros   int8 [O, G] | None  in q's own range (int4: -8..7); None: symmetric
+    group_size                  columns per group: g(k) = k // group_size, G = ceil(I / group_size)
+    g_idx   int32 [n, I] | None act order (GPTQ desc_act, compressed-tensors actorder=group):
+                                g(k) = g_idx[row_slice[o], k], one row per output slice of a
+                                merged projection (q, k and v each keep their own order)
+    row_slice int32 [O] | None  with g_idx: which g_idx row output row o uses
+
+Math (the dequantized weight, then the GEMM) runs in float32 whatever the activation dtype; in
+float32 `dequantize` is bit-for-bit the weight compressed-tensors decompresses to
+((q - z) * s, one rounding), so a dequantize-then-GEMM projection is the decompressed model's.
+
+    y = quant_linear(x, w, bias)        # x: [T, I] -> y: [T, O], x.dtype
+
+The CPU paths and their rule live in kernels/quant_cpu.py; the Triton GEMM in
+kernels/quant_triton.py (imported on first use, like the LoRA kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+KINDS = ("int4", "int8", "fp8")
+BITS = {"int4": 4, "int8": 8, "fp8": 8}
+# The Triton GEMM widens e4m3 with the conversion sm_89+ has (Ada, Hopper); older GPUs run fp8
+# weights through dequant_linear (kernels/quant_triton.py `triton_supports`).
+FP8_MIN_CAPABILITY = 89
+
+
+@dataclass(slots=True)
+class QuantWeight:
+    """One projection's weight as it stays in memory (see the module docstring)."""
+
+    kind: str
+    qweight: Tensor
+    scales: Tensor
+    zeros: Tensor | None
+    group_size: int
+    in_features: int
+    g_idx: Tensor | None = None
+    row_slice: Tensor | None = None
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in
+                   (self.qweight, self.scales, self.zeros, self.g_idx, self.row_slice)
+                   if t is not None)
+
+    def check(self) -> None:
+        """Shapes and dtypes as the layout says (a converter's output, before it serves)."""
+        rows, columns = self.out_features, self.in_features
+        packed = -(-columns // 2) if self.kind == "int4" else columns
+        dtype = torch.int8 if self.kind == "int8" else torch.uint8
+        assert self.kind in KINDS, self.kind
+        assert self.qweight.shape == (rows, packed) and self.qweight.dtype == dtype, (
+            f"{self.kind} qweight must be {dtype} [{rows}, {packed}], got "
+            f"{self.qweight.dtype} {tuple(self.qweight.shape)}")
+        groups = self.scales.shape[1]
+        assert self.scales.dtype == torch.float32 and self.scales.shape[0] == rows
+        if self.g_idx is None:
+            assert groups == -(-columns // self.group_size), (groups, columns, self.group_size)
+        else:
+            assert self.g_idx.dtype == torch.int32 and self.g_idx.shape[1] == columns
+            assert self.row_slice is not None and self.row_slice.shape == (rows,)
+        if self.zeros is not None:
+            assert self.zeros.shape == (rows, groups) and self.zeros.dtype == torch.int8
+
+
+def unpack_int4(packed: Tensor, columns: int) -> Tensor:
+    """uint8 [O, ceil(I/2)] -> int8 [O, I] in -8..7 (column 2j: the low nibble of byte j)."""
+    low = (packed & 0xF).to(torch.int8) - 8
+    high = (packed >> 4).to(torch.int8) - 8
+    return torch.stack((low, high), dim=-1).flatten(-2)[..., :columns]
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    """int [O, I] in -8..7 -> uint8 [O, ceil(I/2)] (the inverse of unpack_int4)."""
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    if u.shape[-1] % 2:
+        u = F.pad(u, (0, 1), value=8)
+    return u[..., 0::2] | (u[..., 1::2] << 4)
+
+
+def int_values(w: QuantWeight) -> Tensor:
+    """q of the layout as a float32 [O, I] (exact: small integers, or e4m3 values)."""
+    if w.kind == "int4":
+        return unpack_int4(w.qweight, w.in_features).float()
+    if w.kind == "fp8":
+        return w.qweight.view(torch.float8_e4m3fn).float()
+    return w.qweight.float()
+
+
+def group_index(w: QuantWeight) -> Tensor:
+    """g(o, k) as an int64 [O, I] (act order), or [1, I] shared by every row."""
+    if w.g_idx is not None:
+        return w.g_idx.long()[w.row_slice.long()]
+    k = torch.arange(w.in_features, device=w.scales.device)
+    return (k // w.group_size).unsqueeze(0)
+
+
+def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> Tensor:
+    """W: [O, I] in `dtype`, computed in float32 (float64 when asked: the tests' oracle)."""
+    math = torch.float64 if dtype == torch.float64 else torch.float32
+    q = int_values(w).to(math)
+    groups = group_index(w).expand(w.out_features, -1)
+    if w.zeros is not None:
+        q = q - torch.gather(w.zeros.to(math), 1, groups)
+    return (q * torch.gather(w.scales.to(math), 1, groups)).to(dtype)
+
+
+def dequant_linear(x: Tensor, w: QuantWeight, bias: Tensor | None = None) -> Tensor:
+    """y = x @ W.T (+ bias): the dequantize-then-GEMM path (any device, any dtype)."""
+    return F.linear(x, dequantize(w, x.dtype), bias)
+
+
+def oracle_linear(x: Tensor, w: QuantWeight, bias: Tensor | None = None) -> Tensor:
+    """The float64 meaning the kernels are tested against."""
+    y = x.double() @ dequantize(w, torch.float64).T
+    return y if bias is None else y + bias.double()
