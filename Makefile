@@ -26,7 +26,7 @@ quant-tools: $(QVENV)/.installed
 $(QVENV)/.installed:
 	test -x $(QVENV)/bin/python || $(PYTHON) -m venv $(QVENV)
 	$(QVENV)/bin/pip install --quiet "$(TORCH_SPEC)"
-	$(QVENV)/bin/pip install --quiet "llmcompressor==0.14.0.1" peft
+	$(QVENV)/bin/pip install --quiet "llmcompressor==0.14.0.1" "auto-round==0.15.1" peft
 	touch $@
 
 # Builds into ~/.cache/lora-gateway/demo (demo.DEMO_DIR), where `serve --demo` looks.

@@ -122,11 +122,17 @@ def group_index(w: QuantWeight) -> Tensor:
 def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> Tensor:
     """W: [O, I] in `dtype`, computed in float32 (float64 when asked: the tests' oracle)."""
     math = torch.float64 if dtype == torch.float64 else torch.float32
-    q = int_values(w).to(math)
-    groups = group_index(w).expand(w.out_features, -1)
+    q = int_values(w).to(math)  # [O, I], a fresh tensor: the math below runs in place
+    rows, columns, size = w.out_features, w.in_features, w.group_size
+    if w.g_idx is None and columns % size == 0:  # whole groups: broadcast, no gather
+        q = q.view(rows, columns // size, size)
+        if w.zeros is not None:
+            q.sub_(w.zeros.to(math).unsqueeze(-1))
+        return q.mul_(w.scales.to(math).unsqueeze(-1)).view(rows, columns).to(dtype)
+    groups = group_index(w).expand(rows, -1)
     if w.zeros is not None:
-        q = q - torch.gather(w.zeros.to(math), 1, groups)
-    return (q * torch.gather(w.scales.to(math), 1, groups)).to(dtype)
+        q.sub_(torch.gather(w.zeros.to(math), 1, groups))
+    return q.mul_(torch.gather(w.scales.to(math), 1, groups)).to(dtype)
 
 
 def dequant_linear(x: Tensor, w: QuantWeight, bias: Tensor | None = None) -> Tensor:

@@ -256,7 +256,7 @@ ENGINE_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("nouns", ("sampling_params", "structured", "sequence", "tokenizer", "detokenizer",
                "stopping", "backends", "lora_step", "forward_context")),
     ("distributed", ("distributed",)),  # shard and group primitives, below the layers
-    ("layers", ("layers",)),
+    ("layers", ("layers", "quant")),  # quant: the quantized layout the layers hold
     ("models", ("models", "loader")),
     ("config", ("config",)),  # reads config.json into the models' description
     ("kv", ("kv", "request_checks", "scheduler", "step_plan")),

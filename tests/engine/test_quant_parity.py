@@ -1,0 +1,121 @@
+"""Quantized bases, served quantized, give exactly the greedy tokens of transformers' decompressed
+model with the same PEFT adapters (float32, CPU), in mixed-adapter batches: every scheme the
+real tools write (llm-compressor's compressed-tensors, AutoRound's GPTQ / AWQ, GPTQ desc_act,
+Hugging Face fp8), Llama and Qwen2 (biases), under chunked prefill and preemption and tensor
+parallelism; weights stay quantized; a checkpoint that cannot be served is refused, named.
+
+The checkpoints and their oracle come from tests/quant_checkpoints.py (llm-compressor's own venv,
+`make quant-tools`). Activations are never quantized here, so W8A8 and FP8 schemes are compared
+with the decompressed model's weight-only forward (`expected_weight_only`).
+"""
+
+from __future__ import annotations
+
+import pytest
+from quant_checkpoints import (
+    ALL_SCHEMES,
+    QuantWorld,
+    build_world,
+    corrupt,
+    with_group_size,
+    with_unknown_method,
+)
+
+from engine import LLM, SamplingParams
+from engine.quant.scheme import SUPPORTED
+from engine.snapshot import engine_info
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+QWEN2_SCHEMES = ("w4a16-asym-g32", "w8a16-channel", "fp8-block", "gptq-desc-act", "awq-g32")
+STRESS = dict(max_loras=2, max_num_batched_tokens=8, num_kv_blocks=16, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> QuantWorld:
+    return build_world(str(tmp_path_factory.mktemp("quant-llama")), "llama")
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory) -> QuantWorld:
+    return build_world(str(tmp_path_factory.mktemp("quant-qwen2")), "qwen2", QWEN2_SCHEMES)
+
+
+def serve(world: QuantWorld, scheme: str, **options) -> LLM:
+    llm = LLM(world.checkpoints[scheme].dir, **(dict(
+        device="cpu", dtype="float32", max_loras=len(world.adapters), max_lora_rank=16) | options))
+    for name, path in world.adapters.items():
+        llm.add_adapter(name, path)
+    return llm
+
+
+def generate(llm: LLM, world: QuantWorld):
+    return llm.generate(world.prompts, GREEDY, adapters=world.request_adapters)
+
+
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+def test_llama_mixed_adapters_match_the_decompressed_model(llama, scheme):
+    with serve(llama, scheme) as llm:
+        llama.check(generate(llm, llama), scheme, weight_only=True)
+        assert llm.config.quant is not None
+
+
+@pytest.mark.parametrize("scheme", QWEN2_SCHEMES)
+def test_qwen2_with_biases_matches_under_chunked_prefill_and_preemption(qwen2, scheme):
+    with serve(qwen2, scheme, **STRESS) as llm:
+        qwen2.check(generate(llm, qwen2), scheme, weight_only=True)
+        assert llm.engine.scheduler.num_preemptions > 0, "the schedule did not preempt"
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-asym-g32", "gptq-desc-act", "fp8-block", "awq-g32"])
+def test_tensor_parallel_quantized_weights_split_along_the_shard(llama, scheme):
+    """Column-parallel rows and row-parallel columns of packed int4 with zero points, act
+    order (every rank keeps every group's scales), FP8 blocks; chunked and preempted."""
+    with serve(llama, scheme, tensor_parallel_size=2, **STRESS) as llm:
+        llama.check(generate(llm, llama), scheme, weight_only=True)
+
+
+def test_weights_stay_quantized_and_are_reported(llama):
+    sizes = {}
+    for scheme in ("w4a16-g128", "w8a16-channel", "fp8-dynamic"):
+        with serve(llama, scheme, num_kv_blocks=8) as llm:
+            info = engine_info(llm.engine)
+            sizes[scheme] = info.weight_bytes
+            assert info.quantization.startswith("compressed-tensors ("), info.quantization
+            kinds = {linear.qweight.dtype for _, linear in llm.engine.runner.model.lora_linears()}
+            assert len(kinds) == 1 and not kinds.pop().is_floating_point
+    with LLM(llama.base, device="cpu", num_kv_blocks=8) as llm:
+        full = engine_info(llm.engine).weight_bytes
+        assert engine_info(llm.engine).quantization == "none"
+    # the tiny base: 295k projection parameters, 98k in embed_tokens + lm_head (float32)
+    float_rest = full - 295_000 * 4
+    for scheme, bits in (("w4a16-g128", 4), ("w8a16-channel", 8), ("fp8-dynamic", 8)):
+        projections = sizes[scheme] - float_rest
+        assert projections < 295_000 * bits / 8 * 1.1, (scheme, sizes[scheme], full)
+
+
+def test_a_corrupt_scale_is_refused_at_start_naming_the_tensor(llama, tmp_path):
+    src = llama.checkpoints["w4a16-asym-g32"].dir
+    scale = "model.layers.1.mlp.down_proj.weight_scale"
+    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj's scale holds NaN"):
+        LLM(corrupt(src, str(tmp_path / "nan"), scale, "nan"), device="cpu")
+    with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj.weight_scale has shape"):
+        LLM(corrupt(src, str(tmp_path / "shape"), scale, "shape"), device="cpu")
+    gptq = llama.checkpoints["gptq-g32"].dir
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.k_proj"):
+        LLM(corrupt(gptq, str(tmp_path / "gptq"), "model.layers.0.self_attn.k_proj.scales",
+                    "shape"), device="cpu")
+
+
+def test_an_unknown_method_and_a_group_that_does_not_divide_are_refused_by_the_config(
+        llama, tmp_path):
+    from engine.config import Config
+
+    src = llama.checkpoints["w4a16-g32"].dir
+    with pytest.raises(ValueError) as refused:
+        Config(with_unknown_method(src, str(tmp_path / "unknown")), device="cpu")
+    assert "'mystery-int3' is not served" in str(refused.value)
+    assert SUPPORTED in str(refused.value)
+    for scheme in ("w4a16-g32", "gptq-g32"):
+        with pytest.raises(ValueError, match="group_size 48 does not divide"):
+            Config(with_group_size(llama.checkpoints[scheme].dir, str(tmp_path / scheme), 48),
+                   device="cpu")
