@@ -20,7 +20,14 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from kernels.aot_compile import TARGETS, Resources, compile_all, default_cache_dir, problems
+from kernels.aot_compile import (
+    TARGETS,
+    Resources,
+    compile_all,
+    default_cache_dir,
+    problems,
+    targets_for,
+)
 from kernels.compile_targets import Variant, all_variants
 
 logger = logging.getLogger("compile_table")
@@ -42,7 +49,7 @@ def summary(variants: list[Variant], results: Results) -> list[str]:
     limits = {t.name: t.max_shared for t in TARGETS}
     groups: dict[tuple[str, str], list[tuple[Variant, Resources]]] = defaultdict(list)
     for v in variants:
-        for t in TARGETS:
+        for t in targets_for(v):
             groups[v.family, t.name].append((v, results[v, t.name]))
     lines = ["| kernel family | target | variants | registers | spills (max stack+local / thread)"
              " | max shared bytes (% of limit) | warps | stages |",
@@ -65,6 +72,9 @@ def full_table(variants: list[Variant], results: Results) -> list[str]:
     for v in variants:
         cells, res = [], None
         for t in TARGETS:
+            if t not in targets_for(v):  # below the variant's min_capability: not compiled
+                cells += [f"needs sm_{v.min_capability}", "-", "-"]
+                continue
             res = results[v, t.name]
             cells += (["error", "-", "-"] if res.error
                       else [str(res.registers), _spills(res), str(res.shared)])
@@ -91,7 +101,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="loragw-aot-cold-") as cold:
         cache = Path(cold) if args.cold else default_cache_dir()
         start = time.perf_counter()
-        with tqdm(total=len(variants) * len(TARGETS), desc="compile (variant, target)") as bar:
+        total = sum(len(targets_for(v)) for v in variants)
+        with tqdm(total=total, desc="compile (variant, target)") as bar:
             results = compile_all(variants, TARGETS, cache, args.workers, progress=bar.update)
         seconds = time.perf_counter() - start
     found = problems(results)
@@ -99,7 +110,7 @@ def main() -> None:
     lines = [f"machine: {os.cpu_count()}-core CPU, no GPU; Triton {triton.__version__} "
              f"(ptxas and cuobjdump from its wheel)",
              "command: python benchmarks/compile_table.py " + " ".join(sys.argv[1:]),
-             f"{len(variants)} variants x {len(TARGETS)} targets = {len(results)} compiles, "
+             f"{len(variants)} variants x up to {len(TARGETS)} targets = {len(results)} compiles, "
              f"{binaries} distinct cubins, in {seconds:.0f} s "
              f"({'cold: empty cache' if args.cold else 'from the cache where present'}, "
              f"{args.workers or os.cpu_count()} workers); problems: {len(found) or 'none'}",

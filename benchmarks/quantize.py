@@ -5,7 +5,8 @@ transformers), not the project's:
     .venv-quant/bin/python benchmarks/quantize.py SRC OUT SCHEME [--group-size N]
 
 SCHEME: an llm-compressor preset (W4A16, W4A16_ASYM, W8A16, W8A8, FP8_DYNAMIC, FP8_BLOCK); with
---group-size, W4A16 / W4A16_ASYM at that group size instead of the preset's 128.
+--group-size N, W4A16 / W4A16_ASYM / W8A16 with groups of N columns instead of the preset's 128
+(0: one scale per output channel).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from transformers import AutoModelForCausalLM
 def recipe(scheme: str, group_size: int | None) -> QuantizationModifier:
     if group_size is None:
         return QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
-    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": group_size,
-               "symmetric": scheme != "W4A16_ASYM"}
+    weights = {"num_bits": 8 if scheme.startswith("W8") else 4, "type": "int",
+               "strategy": "group" if group_size else "channel",
+               "group_size": group_size or None, "symmetric": not scheme.endswith("_ASYM")}
     return QuantizationModifier(targets="Linear", ignore=["lm_head"], config_groups={
         "group_0": {"targets": ["Linear"], "weights": weights}})
 

@@ -36,7 +36,8 @@ from kernels.compile_targets import Variant
 
 KERNEL_MODULES = {"_shrink_kernel": "kernels.lora_triton", "_expand_kernel": "kernels.lora_triton",
                   "_decode_kernel": "kernels.paged_attention",
-                  "_reduce_kernel": "kernels.paged_attention"}
+                  "_reduce_kernel": "kernels.paged_attention",
+                  "_quant_matmul_kernel": "kernels.quant_triton"}
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,11 @@ class Target:
 
 TARGETS = (Target("sm_80", 80, 166912), Target("sm_90", 90, 232448))   # A100, H100/H200
 CACHE_FORMAT = 3   # bump when Resources changes: old cache files are then never read
+
+
+def targets_for(variant: Variant, targets: tuple[Target, ...] = TARGETS) -> tuple[Target, ...]:
+    """The targets `variant` is compiled for: those at or above its min_capability."""
+    return tuple(t for t in targets if t.capability >= variant.min_capability)
 
 
 def default_cache_dir() -> Path:
@@ -170,15 +176,15 @@ def _environ(**values: str | None):
 def compile_all(variants: list[Variant], targets: tuple[Target, ...] = TARGETS,
                 cache_dir: Path | None = None, workers: int | None = None,
                 progress=None) -> dict[tuple[Variant, str], Resources]:
-    """Resources of every (variant, target), from `cache_dir` (default_cache_dir()) where
-    cached, else compiled by `workers` (default: one per core) spawned processes. progress(n)
-    is called as results arrive (a tqdm's update)."""
+    """Resources of every (variant, target) for target in targets_for(variant, targets), from
+    `cache_dir` (default_cache_dir()) where cached, else compiled by `workers` (default: one
+    per core) spawned processes. progress(n) is called as results arrive (a tqdm's update)."""
     cache_dir = default_cache_dir() if cache_dir is None else cache_dir
     cache_dir.mkdir(parents=True, exist_ok=True)
     results: dict[tuple[Variant, str], Resources] = {}
     todo: list[tuple[Variant, Target, Path]] = []
     for variant in variants:
-        for target in targets:
+        for target in targets_for(variant, targets):
             path = cache_dir / f"{cache_key(variant, target)}.json"
             if path.exists():
                 results[variant, target.name] = Resources(**json.loads(path.read_text()))

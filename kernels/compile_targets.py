@@ -3,10 +3,10 @@
 A variant is what Triton compiles one binary for: the kernel, each argument's type (pointers
 and scalars; an int equal to 1 becomes a constexpr), which arguments Triton marks 16-divisible
 (tt.divisibility), the constexprs, num_warps and num_stages. The builders mirror the launch
-sites in kernels/lora_triton.py and kernels/paged_attention.py argument for argument, with the
-block configs from their own shrink_config / expand_config / decode_config (interpret=False:
-the GPU configs). kernels/aot_compile.py compiles each for sm_80 / sm_90 without a GPU;
-tests/kernels/test_compile_targets.py intercepts the real launches and checks them against
+sites in kernels/lora_triton.py, kernels/paged_attention.py and kernels/quant_triton.py argument
+for argument, with the block configs from their own shrink_config / expand_config /
+decode_config / quant_config (interpret=False: the GPU configs). kernels/aot_compile.py
+compiles each for sm_80 / sm_90 without a GPU; tests/kernels/test_compile_targets.py intercepts the real launches and checks them against
 these builders, so the list cannot drift from the code.
 
     variants = all_variants()        # every distinct binary (x 2 targets; cached after one run)
@@ -16,7 +16,8 @@ or neither, so the model widths collapse onto a few variants. The arguments whos
 change from step to step (tokens T, slots S, the LoRAMeta fields and block tables, which are
 views at offsets into one packed int32 buffer, the table width W, the split counts) are
 `do_not_specialize` in the kernels themselves (runtime_args): one binary serves every step,
-and the list needs no "== 1" or aligned copies of them.
+and the list needs no "== 1" or aligned copies of them. A variant is compiled for the targets
+at or above its min_capability (fp8 weights: sm_89+, so sm_90 only).
 Importing this module does not import Triton (compile workers must import it themselves).
 """
 
@@ -24,16 +25,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# the enumerations below range over them (the tests read them from here too)
+from kernels.model_shapes import ATTENTION_GRID, SHIPPED_MODELS
+from kernels.quant import FP8_MIN_CAPABILITY
+
 DTYPES = ("fp16", "bf16")
 RANKS = (8, 16, 32, 64, 128, 256)    # --max-lora-rank: the pool's R
 KV_BLOCK_SIZE = 16                   # --block-size (default): a constexpr of the decode kernel
 MAX_BATCH = 1024                     # decode batches enumerated for decode_config's split count
+MAX_STEP_TOKENS = 16384              # steps enumerated for quant_config: --max-num-batched-tokens
+# The quantized projections' schemes (kind, zero points, act order) the checkpoint formats give:
+# GPTQ / compressed-tensors int4 and int8 (symmetric, either order), AWQ and asymmetric
+# compressed-tensors int4 (either order), FP8 weights (symmetric, in order). lm_head stays
+# unquantized (every format leaves it out by default).
+QUANT_SCHEMES = (("int4", False, False), ("int4", True, False), ("int4", False, True),
+                 ("int4", True, True), ("int8", False, False), ("int8", False, True),
+                 ("fp8", False, False))
+QUANT_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 ArgValue = str | int | float | None  # "*bf16" pointer | int (None: neither 1 nor aligned) | float
 # The kernel modules own which arguments are never specialized (their do_not_specialize).
 _RUNTIME_LISTS = {"_shrink_kernel": ("kernels.lora_triton", "SHRINK_RUNTIME_ARGS"),
                   "_expand_kernel": ("kernels.lora_triton", "EXPAND_RUNTIME_ARGS"),
                   "_decode_kernel": ("kernels.paged_attention", "DECODE_RUNTIME_ARGS"),
-                  "_reduce_kernel": ("kernels.paged_attention", "REDUCE_RUNTIME_ARGS")}
+                  "_reduce_kernel": ("kernels.paged_attention", "REDUCE_RUNTIME_ARGS"),
+                  "_quant_matmul_kernel": ("kernels.quant_triton", "QUANT_RUNTIME_ARGS")}
 
 
 def runtime_args(kernel: str) -> frozenset[str]:
@@ -44,49 +59,13 @@ def runtime_args(kernel: str) -> frozenset[str]:
     return frozenset(getattr(importlib.import_module(module), name))
 
 
-_LABEL_SKIP = {"CAST_FP32", "PRECISION", "USE_DOT", "BLOCK_SIZE", "stride_xh", "stride_oo"}
-
-
-@dataclass(frozen=True)
-class Projection:
-    name: str
-    hidden: int                # input features H
-    widths: tuple[int, ...]    # output slices (n_slices = len)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    name: str
-    projections: tuple[Projection, ...]
-    attention: tuple[int, int, int]   # (n_heads, n_kv_heads, head_dim) as one GPU sees them
-
-
-def _llama_like(name: str, hidden: int, q: int, kv: int, inter: int, row_in: int, vocab: int,
-                heads: tuple[int, int, int]) -> ModelShape:
-    """embed_tokens' LoRA is an expand of width `hidden` over one slice: o_proj's variant."""
-    return ModelShape(name, (
-        Projection("qkv_proj", hidden, (q, kv, kv)),
-        Projection("o_proj", row_in, (hidden,)),
-        Projection("gate_up_proj", hidden, (inter, inter)),
-        Projection("down_proj", inter, (hidden,)),
-        Projection("lm_head", hidden, (vocab,)),
-    ), heads)
-
-
-SHIPPED_MODELS = (
-    _llama_like("Llama-3-8B", 4096, 4096, 1024, 14336, 4096, 128256, (32, 8, 128)),
-    _llama_like("Qwen2.5-7B", 3584, 3584, 512, 18944, 3584, 152064, (28, 4, 128)),
-    # tp=8 shard: column-parallel outputs and row-parallel inputs divided by 8.
-    _llama_like("Llama-3-70B tp8", 8192, 1024, 128, 3584, 1024, 16032, (8, 1, 128)),
-    _llama_like("Qwen2.5-1.5B (helm default)", 1536, 1536, 256, 8960, 1536, 151936, (12, 2, 128)),
-)
-# Decode attention beyond the shipped models: (n_heads, n_kv_heads, head_dim), GQA 1..8.
-ATTENTION_GRID = tuple((8 * g, 8, d) for d in (64, 128) for g in range(1, 9))
+_LABEL_SKIP = {"CAST_FP32", "PRECISION", "USE_DOT", "BLOCK_SIZE", "stride_xh", "stride_oo",
+               "stride_xi", "GROUP_M"}
 
 
 @dataclass(frozen=True)
 class Variant:
-    kernel: str                                 # function name in kernels.lora_triton / paged_attention
+    kernel: str                                 # a kernel function (aot_compile.KERNEL_MODULES)
     signature: tuple[tuple[str, str], ...]      # (arg, "*bf16" | "i32" | "fp32" | "constexpr")
     constexprs: tuple[tuple[str, object], ...]  # (arg, value), ints specialized to 1 included
     aligned: tuple[str, ...]                    # args Triton marks tt.divisibility=16
@@ -102,6 +81,11 @@ class Variant:
         parts += [f"{name}%16!=0" for name, ty in self.signature if ty == "i32"
                   and name not in self.aligned and name not in runtime]
         return " ".join(parts)
+
+    @property
+    def min_capability(self) -> int:
+        """The oldest GPU (10 * major + minor) the binary is for: fp8 weights need e4m3."""
+        return FP8_MIN_CAPABILITY if dict(self.constexprs).get("KIND") == "fp8" else 0
 
     @property
     def family(self) -> str:
@@ -205,6 +189,43 @@ def decode_variants(dtype: str, n_heads: int, n_kv: int, head_dim: int, block_si
     return out
 
 
+def quant_variant(dtype: str, scheme: tuple[str, bool, bool], in_features: int,
+                  out_features: int, cfg) -> Variant:
+    """quant_triton.quant_matmul's launch. x: [T, I] contiguous   qweight: [O, packed]; an
+    absent zeros / g_idx / row_slice is passed the fp32 scales, an absent bias y (x.dtype)."""
+    from kernels.quant_triton import GROUP_M
+
+    (kind, asym, act_order), p, absent = scheme, f"*{dtype}", "*fp32"
+    row_bytes = -(-in_features // 2) if kind == "int4" else in_features
+    args = dict(x_ptr=p, qweight_ptr="*i8" if kind == "int8" else "*u8", scales_ptr="*fp32",
+                zeros_ptr="*i8" if asym else absent, g_idx_ptr="*i32" if act_order else absent,
+                row_slice_ptr="*i32" if act_order else absent, bias_ptr=p, y_ptr=p, T=None,
+                out_features=out_features, in_features=in_features, G=None, group_size=None,
+                stride_xt=in_features, stride_xi=1, stride_qo=row_bytes, has_bias=None)
+    consts = dict(KIND=kind, HAS_ZEROS=asym, ACT_ORDER=act_order,
+                  BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=GROUP_M,
+                  CAST_FP32=False, PRECISION="tf32")
+    return specialize("_quant_matmul_kernel", args, consts, cfg.num_warps)
+
+
+def quant_variants(models=SHIPPED_MODELS, schemes=QUANT_SCHEMES, dtypes=DTYPES) -> list[Variant]:
+    """The quantized GEMM for every quantized projection x scheme x dtype, for every block
+    config quant_config picks over the step sizes 1..MAX_STEP_TOKENS."""
+    from kernels.quant_triton import quant_config
+
+    found: dict[Variant, None] = {}
+    for model in models:
+        for proj in (p for p in model.projections if p.name in QUANT_PROJECTIONS):
+            rows, columns = sum(proj.widths), proj.hidden
+            configs = dict.fromkeys(quant_config(T, rows, columns, interpret=False)
+                                    for T in range(1, MAX_STEP_TOKENS + 1))
+            for scheme in schemes:
+                for dtype in dtypes:
+                    for cfg in configs:
+                        found[quant_variant(dtype, scheme, columns, rows, cfg)] = None
+    return list(found)
+
+
 def tile_counts(block_m: int) -> range:
     """Tile counts NT a step with this tile size can have (meta.num_tiles_bound): decode-sized
     steps (<= DECODE_MAX_TOKENS tokens) use DECODE_BLOCK_M; past SHRINK_TARGET_PROGRAMS tiles
@@ -258,4 +279,4 @@ def attention_variants(models=SHIPPED_MODELS, grid=ATTENTION_GRID, dtypes=DTYPES
 
 
 def all_variants() -> list[Variant]:
-    return lora_variants() + attention_variants()
+    return lora_variants() + attention_variants() + quant_variants()

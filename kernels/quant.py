@@ -23,10 +23,12 @@ Math (the dequantized weight, then the GEMM) runs in float32 whatever the activa
 float32 `dequantize` is bit-for-bit the weight compressed-tensors decompresses to
 ((q - z) * s, one rounding), so a dequantize-then-GEMM projection is the decompressed model's.
 
-    y = quant_linear(x, w, bias)        # x: [T, I] -> y: [T, O], x.dtype
+    y = dequant_linear(x, w, bias)      # x: [T, I] -> y: [T, O], x.dtype: the CPU path
+    y = quant_matmul(x, w, bias)        # kernels/quant_triton.py: CUDA (imported on first use)
 
-The CPU paths and their rule live in kernels/quant_cpu.py; the Triton GEMM in
-kernels/quant_triton.py (imported on first use, like the LoRA kernels).
+On the CPU, dequantize-then-GEMM is also the fastest path measured: torch's own weight-only
+kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) were slower at every batch
+(benchmarks/RESULTS.md, "Quantized bases"), so the engine's Backends.quant is "torch" there.
 """
 
 from __future__ import annotations
@@ -68,23 +70,44 @@ class QuantWeight:
                    if t is not None)
 
     def check(self) -> None:
-        """Shapes and dtypes as the layout says (a converter's output, before it serves)."""
+        """Raise ValueError unless shapes, dtypes and index ranges are as the layout says (a
+        converter's output, before it serves: the GPU kernel reads through g_idx and row_slice
+        without bounds checks, so a checkpoint's out-of-range map must never reach it)."""
+        if self.kind not in KINDS:
+            raise ValueError(f"quantized weight kind {self.kind!r} is not one of {KINDS}")
         rows, columns = self.out_features, self.in_features
         packed = -(-columns // 2) if self.kind == "int4" else columns
         dtype = torch.int8 if self.kind == "int8" else torch.uint8
-        assert self.kind in KINDS, self.kind
-        assert self.qweight.shape == (rows, packed) and self.qweight.dtype == dtype, (
-            f"{self.kind} qweight must be {dtype} [{rows}, {packed}], got "
-            f"{self.qweight.dtype} {tuple(self.qweight.shape)}")
-        groups = self.scales.shape[1]
-        assert self.scales.dtype == torch.float32 and self.scales.shape[0] == rows
-        if self.g_idx is None:
-            assert groups == -(-columns // self.group_size), (groups, columns, self.group_size)
-        else:
-            assert self.g_idx.dtype == torch.int32 and self.g_idx.shape[1] == columns
-            assert self.row_slice is not None and self.row_slice.shape == (rows,)
+        groups = self.scales.shape[1] if self.scales.dim() == 2 else -1
+        problems = []
+        if self.qweight.shape != (rows, packed) or self.qweight.dtype != dtype:
+            problems.append(f"qweight is {self.qweight.dtype} {tuple(self.qweight.shape)}, not "
+                            f"{dtype} [{rows}, {packed}]")
+        if self.scales.dtype != torch.float32 or self.scales.dim() != 2 or (
+                self.scales.shape[0] != rows):
+            problems.append(f"scales are {self.scales.dtype} {tuple(self.scales.shape)}, not "
+                            f"float32 [{rows}, G]")
+        if self.g_idx is None and groups != -(-columns // self.group_size):
+            problems.append(f"{groups} scale groups for {columns} columns in groups of "
+                            f"{self.group_size}")
+        if self.g_idx is not None:
+            slices = self.g_idx.shape[0]
+            if (self.g_idx.dtype != torch.int32 or self.g_idx.dim() != 2
+                    or self.g_idx.shape[1] != columns or self.row_slice is None
+                    or self.row_slice.dtype != torch.int32 or self.row_slice.shape != (rows,)):
+                problems.append("g_idx must be int32 [n, I] with row_slice int32 [O]")
+            elif not (bool(((self.g_idx >= 0) & (self.g_idx < groups)).all())
+                      and bool(((self.row_slice >= 0) & (self.row_slice < slices)).all())):
+                problems.append(f"g_idx names groups outside 0..{groups - 1}")
         if self.zeros is not None:
-            assert self.zeros.shape == (rows, groups) and self.zeros.dtype == torch.int8
+            low, high = (-8, 7) if self.kind == "int4" else (-128, 127)
+            if self.zeros.shape != (rows, groups) or self.zeros.dtype != torch.int8:
+                problems.append(f"zero points are {self.zeros.dtype} "
+                                f"{tuple(self.zeros.shape)}, not int8 [{rows}, {groups}]")
+            elif not bool(((self.zeros >= low) & (self.zeros <= high)).all()):
+                problems.append(f"zero points outside {low}..{high}")
+        if problems:
+            raise ValueError(f"{self.kind} weight: {'; '.join(problems)}")
 
 
 def unpack_int4(packed: Tensor, columns: int) -> Tensor:

@@ -63,9 +63,10 @@ def convert(config: QuantConfig, scheme: WeightScheme, module: str,
                    "fp8": _fp8}[method]
     try:
         w = convert_one(config, scheme, module, parts)
-    except (RuntimeError, IndexError) as exc:  # a tensor whose shape contradicts the others
-        raise ValueError(f"checkpoint module {module!r} ({method}, {scheme.describe()}): its "
-                         f"tensors do not fit together ({exc})") from exc
+        w.check()
+    except (RuntimeError, IndexError, ValueError) as exc:  # tensors that contradict each other
+        raise ValueError(f"checkpoint module {module!r} ({method}, {scheme.describe()}): "
+                         f"{exc}") from exc
     if not bool(torch.isfinite(w.scales).all()):
         raise ValueError(f"checkpoint tensor {module}'s scale holds NaN or infinite values: "
                          "the checkpoint is corrupt; download or export it again")
@@ -106,7 +107,6 @@ def _layout(scheme: WeightScheme, kind_values: Tensor, scales: Tensor, zeros: Te
         row_slice = torch.zeros(rows, dtype=torch.int32)
     w = QuantWeight(scheme.kind, qweight.contiguous(), scales, zeros,
                     scheme.columns_per_scale(in_features), in_features, g_idx, row_slice)
-    w.check()
     return w
 
 

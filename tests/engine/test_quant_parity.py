@@ -106,6 +106,23 @@ def test_a_corrupt_scale_is_refused_at_start_naming_the_tensor(llama, tmp_path):
                     "shape"), device="cpu")
 
 
+def test_an_act_order_map_past_its_groups_is_refused_before_any_kernel_reads_it(llama, tmp_path):
+    """A g_idx naming a group that has no scale would read out of bounds in the GPU kernel."""
+    import os
+    import shutil
+
+    import safetensors.torch
+
+    src = llama.checkpoints["gptq-desc-act"].dir
+    dst = shutil.copytree(src, tmp_path / "gidx")
+    path = os.path.join(dst, "model.safetensors")
+    tensors = safetensors.torch.load_file(path)
+    tensors["model.layers.1.self_attn.o_proj.g_idx"][5] = 1000
+    safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="model.layers.1.self_attn.o_proj.*g_idx names groups"):
+        LLM(str(dst), device="cpu")
+
+
 def test_an_unknown_method_and_a_group_that_does_not_divide_are_refused_by_the_config(
         llama, tmp_path):
     from engine.config import Config

@@ -7,8 +7,9 @@ per-user temporary directory (never the repository): a cold run compiles everyth
 on 2 cores), a warm one only what a kernel or Triton change touched.
 
 The list is checked against the launch sites: each test below runs the real entry points
-(kernels.ops, paged_attention_decode) on the shipped shapes with the kernel launch intercepted,
-asks Triton's own specializer what binary that launch would get, and looks it up in the list.
+(kernels.ops, paged_attention_decode, quant_matmul) on the shipped shapes with the kernel launch
+intercepted, asks Triton's own specializer what binary that launch would get, and looks it up in
+the list.
 """
 
 import importlib
@@ -20,10 +21,19 @@ import torch
 
 from kernels import apply_lora, embedding_lora, make_lora_meta
 from kernels import compile_targets as ct
-from kernels.aot_compile import TARGETS, Resources, compile_all, default_cache_dir, problems
+from kernels.aot_compile import (
+    TARGETS,
+    Resources,
+    compile_all,
+    default_cache_dir,
+    problems,
+    targets_for,
+)
+from kernels.quant import FP8_MIN_CAPABILITY, QuantWeight
 
 lt = importlib.import_module("kernels.lora_triton")
 pa = importlib.import_module("kernels.paged_attention")
+qt = importlib.import_module("kernels.quant_triton")
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -50,6 +60,13 @@ def test_every_variant_compiles_without_spills_within_shared_memory(variants, co
     found = problems({key: res for key, res in compiled.items() if key[0] in set(variants)})
     assert found == [], (f"{len(found)} problems in {len(variants)} variants x {len(TARGETS)} "
                          "targets (fix the kernel's *_config, then rerun):\n" + "\n".join(found))
+
+
+def test_fp8_variants_are_compiled_for_sm90_only(variants, compiled):
+    fp8 = [v for v in variants if dict(v.constexprs).get("KIND") == "fp8"]
+    assert fp8 and all(v.min_capability == FP8_MIN_CAPABILITY for v in fp8)
+    assert {target for (v, target) in compiled if v in set(fp8)} == {"sm_90"}
+    assert all(targets_for(v) == TARGETS for v in variants if v not in set(fp8))
 
 
 def test_the_check_rejects_broken_variants(compiled):
@@ -105,7 +122,8 @@ def launches(monkeypatch):
     seen: list[ct.Variant] = []
     for module, kernels, configs in ((lt, ("_shrink_kernel", "_expand_kernel"),
                                       ("shrink_config", "expand_config")),
-                                     (pa, ("_decode_kernel", "_reduce_kernel"), ("decode_config",))):
+                                     (pa, ("_decode_kernel", "_reduce_kernel"), ("decode_config",)),
+                                     (qt, ("_quant_matmul_kernel",), ("quant_config",))):
         for name in kernels:
             kernel = getattr(module, name)
             monkeypatch.setattr(kernel, "run", lambda *a, grid, warmup, _k=kernel, **kw:
@@ -177,6 +195,39 @@ def test_lora_launches_are_listed(model, variants, launches):
     assert problems_found == [], "\n".join(problems_found)
 
 
+def _quant_weight(scheme: tuple[str, bool, bool], rows: int, columns: int,
+                  n_slices: int) -> QuantWeight:
+    """An engine-made QuantWeight's tensors (empty: nothing runs), groups of 128."""
+    kind, asym, act_order = scheme
+    packed, groups = -(-columns // 2) if kind == "int4" else columns, -(-columns // 128)
+    codes = torch.int8 if kind == "int8" else torch.uint8
+    return QuantWeight(kind, torch.empty(rows, packed, dtype=codes), torch.empty(rows, groups),
+                       torch.empty(rows, groups, dtype=torch.int8) if asym else None, 128, columns,
+                       torch.empty(n_slices, columns, dtype=torch.int32) if act_order else None,
+                       torch.empty(rows, dtype=torch.int32) if act_order else None)
+
+
+@pytest.mark.parametrize("model", ct.SHIPPED_MODELS, ids=lambda m: m.name)
+def test_quant_launches_are_listed(model, variants, launches):
+    """Every scheme on every quantized projection, decode and prefill steps, with and without
+    a bias (Qwen2's qkv_proj has one), fp16 and bf16."""
+    listed, problems_found = set(variants), []
+    for proj in (p for p in model.projections if p.name in ct.QUANT_PROJECTIONS):
+        rows, columns = sum(proj.widths), proj.hidden
+        for scheme in ct.QUANT_SCHEMES:
+            w = _quant_weight(scheme, rows, columns, len(proj.widths))
+            for T, dtype, bias in ((1, "fp16", False), (37, "bf16", True), (300, "bf16", False),
+                                   (2048, "fp16", True)):
+                td = TORCH_DTYPES[dtype]
+                launches.clear()
+                qt.quant_matmul(torch.empty(T, columns, dtype=td), w,
+                                torch.empty(rows, dtype=td) if bias else None)
+                cfg = qt.quant_config(T, rows, columns, interpret=False)
+                expected = ct.quant_variant(dtype, scheme, columns, rows, cfg)
+                problems_found += _missing(list(launches), [expected], listed)
+    assert problems_found == [], "\n".join(problems_found)
+
+
 HEAD_SHAPES = sorted({*ct.ATTENTION_GRID, *(m.attention for m in ct.SHIPPED_MODELS)})
 
 
@@ -209,3 +260,4 @@ def test_bounds_cover_the_engine_defaults():
     assert defaults["block_size"] == ct.KV_BLOCK_SIZE
     assert defaults["max_lora_rank"] in ct.RANKS
     assert defaults["max_num_seqs"] <= ct.MAX_BATCH
+    assert defaults["max_num_batched_tokens"] <= ct.MAX_STEP_TOKENS
