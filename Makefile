@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install quant-tools demo test lint bench clean
+.PHONY: install quant-tools quant-world demo test lint bench clean
 
 install: $(VENV)/.installed
 
@@ -28,6 +28,11 @@ $(QVENV)/.installed:
 	$(QVENV)/bin/pip install --quiet "$(TORCH_SPEC)"
 	$(QVENV)/bin/pip install --quiet "llmcompressor==0.14.0.1" "auto-round==0.15.1" peft
 	touch $@
+
+# The quantized checkpoints and their oracle, for a GPU machine that cannot install
+# llm-compressor (benchmarks/gpu_session.sh reads .quant-world/llama).
+quant-world: install quant-tools
+	$(PY) -c "import sys; sys.path.insert(0, 'tests'); from quant_checkpoints import build_world; build_world('.quant-world/llama', 'llama')"
 
 # Builds into ~/.cache/lora-gateway/demo (demo.DEMO_DIR), where `serve --demo` looks.
 demo: install
