@@ -74,6 +74,41 @@ def test_tensor_parallel_quantized_weights_split_along_the_shard(llama, scheme):
         llama.check(generate(llm, llama), scheme, weight_only=True)
 
 
+def vocabulary_adapter(base: str, out: str) -> str:
+    """A PEFT LoRA on embed_tokens, lm_head and q_proj of `base`, saved by PEFT."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=[
+        "embed_tokens", "lm_head", "q_proj"], init_lora_weights=False))
+    peft.save_pretrained(out)
+    return out
+
+
+def test_vocabulary_loras_and_logprobs_equal_the_decompressed_twin(llama, tmp_path):
+    """Everything beside the projections works on a quantized base as on its float32 twin
+    (the same weights, dequantized once): embed_tokens / lm_head LoRA, logprobs with
+    alternatives, bit for bit."""
+    scheme = "w4a16-asym-g32"
+    twin = llama.checkpoints[scheme].dequantized
+    vocab = vocabulary_adapter(twin, str(tmp_path / "vocab"))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+    adapters = ["vocab", None, "all-r16", "vocab"]
+    runs = []
+    for path in (llama.checkpoints[scheme].dir, twin):
+        with LLM(path, device="cpu", max_loras=4, max_lora_rank=16) as llm:
+            llm.add_adapter("vocab", vocab)
+            llm.add_adapter("all-r16", llama.adapters["all-r16"])
+            runs.append(llm.generate(llama.prompts[:4], params, adapters=adapters))
+    for quantized, dense in zip(*runs, strict=True):
+        assert quantized.token_ids == dense.token_ids
+        assert [(lp.token_id, lp.logprob, lp.top) for lp in quantized.logprobs] == [
+            (lp.token_id, lp.logprob, lp.top) for lp in dense.logprobs]
+
+
 def test_weights_stay_quantized_and_are_reported(llama):
     sizes = {}
     for scheme in ("w4a16-g128", "w8a16-channel", "fp8-dynamic"):
