@@ -91,6 +91,15 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def quant_llama(tmp_path_factory):
+    """tests/quant_checkpoints.py's Llama world (every scheme the tools write, its adapters and
+    oracle), built once per session in llm-compressor's venv."""
+    from quant_checkpoints import build_world
+
+    return build_world(str(tmp_path_factory.mktemp("quant-llama")), "llama")
+
+
+@pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory) -> Path:
     """A directory laid out as `loragw demo --out` lays it out, holding only the demo base model
     (demo_dir / "model", from demo/model.py), built once per session. No adapters: use

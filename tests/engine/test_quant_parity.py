@@ -31,8 +31,8 @@ STRESS = dict(max_loras=2, max_num_batched_tokens=8, num_kv_blocks=16, block_siz
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> QuantWorld:
-    return build_world(str(tmp_path_factory.mktemp("quant-llama")), "llama")
+def llama(quant_llama) -> QuantWorld:
+    return quant_llama
 
 
 @pytest.fixture(scope="module")
