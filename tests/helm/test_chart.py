@@ -307,6 +307,13 @@ def test_tensor_parallel_size_sets_the_flag_and_the_gpu_count_unless_given():
     assert flag(gateway(render(load_set("multi-gpu"))), "--tensor-parallel-size") == ["2"]
 
 
+def test_quantization_passes_the_checkpoint_method_and_refuses_others():
+    assert flag(gateway(render()), "--quantization") == ["auto"]
+    assert flag(gateway(render({"engine": {"quantization": "fp8"}})), "--quantization") == ["fp8"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft7Validator(SCHEMA).validate({"engine": {"quantization": "bitsandbytes"}})
+
+
 def test_gpu_count_zero_requests_no_gpu_and_serves_on_cpu():
     rendered = render(load_set("cpu"))
     container = gateway(rendered)
