@@ -5,7 +5,9 @@ only here), each checkpoint written by llm-compressor; decode tok/s at batch 1, 
 no adapter and with distinct rank-16 all-linear adapters (min(batch, 32) of 32 registered),
 side by side in one run; batch 1 as a fraction of the bandwidth bound (resident weight bytes
 read once per step at the measured copy bandwidth); vLLM's CPU build on the same checkpoints
-where it serves them (its failure named where it does not).
+where it serves them (its failure named where it does not). Last, the rule kernels/quant.py
+states, measured: one projection (the model's gate_up, 2752 x 512) as dequantize-then-GEMM vs
+torch's own weight-only CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`).
 
     python benchmarks/bench_quant.py [--quick] [--vllm-python V/bin/python]
         [--quant-python .venv-quant/bin/python] [--root DIR]
@@ -120,6 +122,49 @@ def measure_vllm(row: Row, python: str, path: str, dtype: str, adapters: dict[st
         row.vllm[int(batch), with_adapters == "1"] = value
 
 
+def best_us(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    best = float("inf")
+    for _ in range(5):
+        with Timer() as t:
+            for _ in range(repeats):
+                fn()
+        best = min(best, t.seconds / repeats * 1e6)
+    return best
+
+
+def kernel_table(rows: int = 2752, columns: int = 512, group: int = 32) -> str:
+    """Microseconds of one projection per way of multiplying by a quantized weight."""
+    import torch.nn.functional as F
+
+    from kernels.quant import QuantWeight, dequant_linear, pack_int4
+
+    g = torch.Generator().manual_seed(0)
+    q4 = torch.randint(-8, 8, (rows, columns), generator=g, dtype=torch.int8)
+    scales = torch.rand(rows, columns // group, generator=g) * 0.01
+    zeros = torch.randint(-8, 8, (rows, columns // group), generator=g, dtype=torch.int8)
+    w4 = QuantWeight("int4", pack_int4(q4), scales, zeros, group, columns)
+    packed4 = torch._convert_weight_to_int4pack_for_cpu(q4.int() + 8, 1)
+    scales_zeros = torch.stack([scales.T, (-zeros.float() * scales).T], -1).contiguous()
+    q8 = torch.randint(-127, 128, (rows, columns), generator=g, dtype=torch.int8)
+    w8 = QuantWeight("int8", q8, torch.rand(rows, 1, generator=g) * 0.01, None, columns, columns)
+    dense = torch.randn(rows, columns, generator=g)
+    lines = [f"One projection, {rows} x {columns}, microseconds (best of 5):", "",
+             "| tokens | fp32 GEMM | int4 g32: dequantize + GEMM | int4: `_weight_int4pack_mm_for_cpu` "
+             "| int8: dequantize + GEMM | int8: `_weight_int8pack_mm` |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for tokens in (1, 8, 32, 256):
+        x = torch.randn(tokens, columns, generator=g)
+        cells = [best_us(lambda x=x: F.linear(x, dense)), best_us(lambda x=x: dequant_linear(x, w4)),
+                 best_us(lambda x=x: torch._weight_int4pack_mm_for_cpu(x, packed4, group,
+                                                                       scales_zeros)),
+                 best_us(lambda x=x: dequant_linear(x, w8)),
+                 best_us(lambda x=x: torch._weight_int8pack_mm(x, q8, w8.scales[:, 0]))]
+        lines.append(f"| {tokens} | " + " | ".join(f"{c:.0f}" for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def table(rows: list[Row], bandwidth: float, tokens: int) -> str:
     fp32 = rows[0]
     head = " | ".join(f"b{b}{' +LoRA' if a else ''}" for b in BATCHES for a in (False, True))
@@ -180,6 +225,8 @@ def main() -> None:
     print(f"\nmachine: {machine()}; copy bandwidth {bandwidth / 1e9:.1f} GB/s; {tokens} decode "
           f"tokens per request after a {PROMPT_LEN}-token prompt; tok/s\n")
     print(table(rows, bandwidth, tokens))
+    print()
+    print(kernel_table())
 
 
 if __name__ == "__main__":
