@@ -221,7 +221,7 @@ def main() -> None:
             measure_vllm(row, args.vllm_python, path, dtype, adapters, tokens,
                          hf_config.vocab_size)
         rows.append(row)
-        logging.warning("%s done: %s", variant, row.tok_s)
+        logging.warning("%s: ours %s; vLLM %s", variant, row.tok_s, row.vllm_error or row.vllm)
     print(f"\nmachine: {machine()}; copy bandwidth {bandwidth / 1e9:.1f} GB/s; {tokens} decode "
           f"tokens per request after a {PROMPT_LEN}-token prompt; tok/s\n")
     print(table(rows, bandwidth, tokens))
