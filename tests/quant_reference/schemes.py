@@ -145,6 +145,8 @@ SCHEMES: dict[str, Scheme] = {
     "w8a16-channel": Scheme("compressed-tensors", partial(
         write_llmcompressor, preset="W8A16", weights={"strategy": "channel",
                                                       "group_size": None})),
+    "w8a16-asym-g32": Scheme("compressed-tensors", partial(
+        write_llmcompressor, preset="W8A16", weights={"symmetric": False, "group_size": 32})),
     "w8a8": Scheme("compressed-tensors", partial(write_llmcompressor, preset="W8A8")),
     "fp8-dynamic": Scheme("compressed-tensors",
                           partial(write_llmcompressor, preset="FP8_DYNAMIC")),
