@@ -79,15 +79,11 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype, device: torc
                 else:
                     filled.update(_assign(model, params, name, f.get_tensor(name)))
     for module, parts in pending.items():
-        linear, slice_name, scheme = quantized[module]
+        linear, slice_name, scheme, keys = quantized[module]
         full = convert(quant, scheme, module, parts)
         for name, part in _quant_slices(model, linear, slice_name, full, module):
             linear.load_quant(name, part, module)
-            filled.add(f"{_name_of(model, linear)}.qweight" +
-                       ("" if len(linear.slice_names) == 1 else f":{name}"))
-    for linear, _, _ in quantized.values():
-        if linear.quant is None and set(linear._quant_parts) == set(linear.slice_names):
-            linear.finish_quant()
+            filled.add(keys[name])
     # a fused tensor (`...experts.gate_up_proj`) fills every per-expert key of its name
     missing = sorted(k for k in required - filled if k.split(":")[0] not in filled)
     if missing:
@@ -98,10 +94,12 @@ def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype, device: torc
 
 def _quantize(model: CausalLM, quant: QuantConfig) -> dict[str, tuple]:
     """Make every projection the scheme quantizes hold its weight quantized; returns checkpoint
-    module -> (our Linear, its slice there or None for all of it, the scheme)."""
+    module -> (our Linear, its slice there or None for all of it, the scheme, slice -> the
+    `qweight` key it fills). (Config refused quantized MoE bases: their experts stay as built.)"""
+    names = {module: name for name, module in model.named_modules()}
     out: dict[str, tuple] = {}
     for _, linear in model.lora_linears():
-        name = _name_of(model, linear)
+        name = names[linear]
         modules = _checkpoint_modules(model, name, linear.slice_names)
         schemes = {quant.scheme(module) for module, _ in modules}
         if len(schemes) > 1:
@@ -112,10 +110,9 @@ def _quantize(model: CausalLM, quant: QuantConfig) -> dict[str, tuple]:
         if scheme is None:
             continue
         linear.quantize(scheme)
-        out |= {module: (linear, slice_name, scheme) for module, slice_name in modules}
-    if next(model.expert_modules(), None) is not None:
-        raise ValueError("quantized Mixture-of-Experts bases are not served yet: their experts "
-                         "would load in full precision; serve the unquantized checkpoint")
+        keys = dict(zip(linear.slice_names, linear.checkpoint_keys(f"{name}.qweight"),
+                        strict=True))
+        out |= {module: (linear, slice_name, scheme, keys) for module, slice_name in modules}
     return out
 
 
@@ -142,10 +139,6 @@ def _checkpoint_modules(model: CausalLM, name: str,
     if own in model.fused_projections or len(slices) == 1:
         return [(name if own in model.fused_projections else f"{parent}.{slices[0]}", None)]
     return [(f"{parent}.{s}", s) for s in slices]
-
-
-def _name_of(model: CausalLM, module: torch.nn.Module) -> str:
-    return next(name for name, m in model.named_modules() if m is module)
 
 
 def _required_keys(model: CausalLM):

@@ -13,7 +13,7 @@ needs no collective of its own. The bias is added once, after the reduction.
 
 A quantized base's projection (`quantize(scheme)`, before loading) holds its weight in
 kernels/quant.py's layout instead: `qweight` filled slice by slice like a weight, the scales,
-zero points and act-order map gathered per slice and joined once loaded (`finish_quant`); the
+zero points and act-order map gathered per slice and joined once every slice is in; the
 GEMM is the one the model runner chose at start (Backends.quant_linear). The LoRA delta is
 computed from the same unquantized x and added to the output, as PEFT does on a dequantized
 base.
@@ -138,9 +138,12 @@ class Linear(nn.Module, Loadable):
                              f"{self.scheme.kind} {tuple(self.qweight[rows].shape)}")
         self.qweight[rows].copy_(part.qweight)
         self._quant_parts[slice_name] = part
+        if len(self._quant_parts) == len(self.slice_names):
+            self._finish_quant()
 
-    def finish_quant(self) -> None:
-        """Join the slices' scales, zero points and act-order maps into one QuantWeight."""
+    def _finish_quant(self) -> None:
+        """Join the slices' scales, zero points and act-order maps into one QuantWeight, once
+        every slice is in."""
         parts = [self._quant_parts[name] for name in self.slice_names]
         device = self.qweight.device
         groups = {p.scales.shape[1] for p in parts}
