@@ -17,6 +17,14 @@ _COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 _ALLOWED = "letters, digits, '.', '_', '-' and at most one '/' (like ORG/NAME)"
 
 
+def valid_adapter_id(adapter_id: str) -> bool:
+    try:
+        validate_adapter_id(adapter_id)
+    except InvalidAdapterId:
+        return False
+    return True
+
+
 def validate_adapter_id(adapter_id: str) -> str:
     """Return ``adapter_id`` unchanged if it is safe; raise InvalidAdapterId naming the problem."""
     if not isinstance(adapter_id, str):

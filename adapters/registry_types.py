@@ -45,6 +45,7 @@ class CatalogEntry:
     object_key: str = ""  # the pair's key in the shared object store; "" when not there
     holder: str = ""  # the replica that registered it, when no other may be able to fetch it
     created_at: float = 0.0  # unix time of this version's registration
+    owner: str = ""  # the tenant it belongs to; "": shared with every key (DESIGN.md, Tenants)
 
     def same_weights(self, other: CatalogEntry) -> bool:
         return (self.sha256, self.config_sha256, self.version) == (

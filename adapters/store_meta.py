@@ -29,6 +29,7 @@ class StoredMeta:
     version: int | None = None  # None: the store's next; set: the fleet catalog's version
     object_key: str = ""  # where the shared object store holds the same bytes, if it does
     warnings: tuple[str, ...] = ()  # LoraAdapter.warnings (accepted, but worth a look)
+    owner: str = ""  # the tenant it belongs to ("": shared)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class StoredAdapter:
     config_sha256: str = ""  # hex digest of adapter_config.json
     object_key: str = ""
     warnings: tuple[str, ...] = ()
+    owner: str = ""
 
 
 def encode_meta(stored: StoredAdapter) -> bytes:

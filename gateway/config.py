@@ -51,6 +51,9 @@ class ServerConfig(EngineOptions):
     api_key: str | None = option(None, "Bearer key required on /v1/*")
     admin_key: str | None = option(None, "Bearer key required on /admin/* and adapter "
                                    "load/unload")
+    tenant_key_cache_s: float = option(
+        3600.0, "while Redis is unreachable, keep honouring the tenant keys this replica knows "
+        "for this many seconds after its last read of them (unknown keys are always refused)")
     max_upload_mb: int = option(512, "largest adapter upload (POST /admin/adapters), in MB")
     max_request_mb: int = option(16, "largest JSON request body on every other route, in MB "
                                  "(413 past it)")
@@ -85,7 +88,7 @@ class ServerConfig(EngineOptions):
             if getattr(self, name) < 1:
                 raise ValueError(f"{self.option_name(name)} must be at least 1, got "
                                  f"{getattr(self, name)}")
-        for name in ("upload_timeout_s", "health_timeout_s"):
+        for name in ("upload_timeout_s", "health_timeout_s", "tenant_key_cache_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{self.option_name(name)} must be positive, got "
                                  f"{getattr(self, name)}")
@@ -145,6 +148,11 @@ class ServerConfig(EngineOptions):
             return "demo"
         assert self.model is not None
         return os.path.basename(os.path.normpath(self.model)) or self.model
+
+    @property
+    def adapter_path(self) -> str:
+        """--adapter-dir, ~ expanded (the adapter store; tenant keys without Redis beside it)."""
+        return os.path.expanduser(self.adapter_dir or DEFAULT_ADAPTER_DIR)
 
     @property
     def replica(self) -> str:

@@ -6,6 +6,8 @@ gateway/http/error_handlers.py turns each into OpenAI's error shape.
 
 from __future__ import annotations
 
+import math
+
 from adapters.errors import AdapterError, short_name
 
 RETRY_AFTER_S = 1  # what a 429 or 503 asks the client to wait
@@ -15,10 +17,12 @@ class APIError(Exception):
     """An error to answer with; the message says what was wrong and what to do."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None,
+                 kind: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
+        self.kind = kind  # OpenAI's error `type`; None: the one its status has
 
     @classmethod
     def bad_request(cls, message: str, param: str | None = None,
@@ -51,6 +55,13 @@ class APIError(Exception):
         return cls(429, f"the server is at capacity ({capacity} sequences running or queued); "
                         f"retry after {RETRY_AFTER_S} s", code="rate_limit_exceeded",
                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @classmethod
+    def rate_limited(cls, message: str, retry_after_s: float,
+                     headers: dict[str, str]) -> APIError:
+        """Over one of a key's limits (DESIGN.md, Tenants): OpenAI's body and headers."""
+        return cls(429, message, code="rate_limit_exceeded", kind="rate_limit_exceeded",
+                   headers={"Retry-After": str(max(1, math.ceil(retry_after_s))), **headers})
 
     @classmethod
     def from_engine(cls, exc: ValueError) -> APIError | ValueError:

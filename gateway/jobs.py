@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from engine.core.client import EngineClient
 from engine.sequence import RequestOutput
 from gateway.metrics import BASE_LABEL, Metrics
+from gateway.tenants.limits import Reservation
 
 logger = logging.getLogger(__name__)
 _background: set[asyncio.Task] = set()
@@ -81,6 +82,8 @@ class GenerationJob:
     metrics: Metrics
     arrival: float  # time.monotonic() when the HTTP request arrived
     on_close: Callable[[GenerationJob], None] = lambda job: None
+    tenant: str = "operator"  # the caller's tenant, the label of its tenant metrics
+    reservation: Reservation | None = None  # of the caller's key limits, finished on close
     _sink: Sink | None = None
     _early: list[tuple[Choice, RequestOutput]] = field(default_factory=list)  # before start()
     _pumps: list[asyncio.Task] = field(default_factory=list)

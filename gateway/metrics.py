@@ -63,6 +63,15 @@ class Metrics:
         self.adapter_load_seconds = Histogram("loragw_adapter_load_seconds",
                                               "Time to load an adapter into a tier", ["tier"],
                                               buckets=LATENCY_BUCKETS, registry=r)
+        # by tenant ("operator": the static keys), never by key: the label set stays bounded
+        self.tenant_requests = Counter("loragw_tenant_requests", "Requests answered here, by "
+                                       "the caller's tenant and status", ["tenant", "status"],
+                                       registry=r)
+        self.tenant_tokens = Counter("loragw_tenant_tokens", "Prompt and generated tokens by "
+                                     "tenant", ["tenant", "kind"], registry=r)
+        self.tenant_rate_limited = Counter("loragw_tenant_rate_limited", "Requests refused "
+                                           "with 429 by a key's limit, by tenant and limit",
+                                           ["tenant", "limit"], registry=r)
         self.tiers = TierStats()
         self.snapshot: EngineSnapshot | None = None  # set by the /metrics handler per scrape
         self.info: EngineInfo | None = None  # set by the runtime once the engine is up

@@ -32,6 +32,7 @@ from gateway.health import EngineWatchdog
 from gateway.jobs import GenerationJob
 from gateway.metrics import Metrics
 from gateway.residency.manager import AdapterManager
+from gateway.tenants.service import Tenants
 
 logger = logging.getLogger(__name__)
 ENGINE_PROBE_TIMEOUT_S = 10.0
@@ -47,6 +48,7 @@ class Runtime:
         self.info: EngineInfo | None = None  # the engine's vocabulary size, context window, ...
         self.tokenizer = None  # the model's (None: prompts must be token ids)
         self.adapters: AdapterManager | None = None
+        self.tenants: Tenants | None = None  # keys, limits, audit: started first
         self.router: Router | None = None
         self.token_text: TokenText | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -78,6 +80,8 @@ class Runtime:
                 self.status = f"loading model {config.model}"
                 bar.set_postfix_str(os.path.basename(str(config.model)))
                 self.loop = asyncio.get_running_loop()
+                self.tenants = Tenants(config, self.metrics)
+                await self.tenants.start()
                 self.engine = await self._start_engine()
                 self.watchdog = EngineWatchdog(self.engine, config.health_timeout_s)
                 self.watchdog.start()
@@ -138,6 +142,8 @@ class Runtime:
             await self.watchdog.stop()
         if self.adapters is not None:
             await self.adapters.close()
+        if self.tenants is not None:
+            await self.tenants.close()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
 
@@ -186,6 +192,8 @@ class Runtime:
         self.jobs.add(job)
 
     def release(self, job: GenerationJob) -> None:
+        if self.tenants is not None:
+            self.tenants.finish(job)
         self.inflight -= len(job.choices)
         self.metrics.gateway_inflight = self.inflight
         self.jobs.discard(job)

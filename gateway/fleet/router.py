@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 
 import httpx
@@ -28,6 +28,7 @@ from litestar.response import Stream
 
 from adapters.registry import Registry, ReplicaState
 from gateway.errors import APIError
+from gateway.tenants.forwarding import IDENTITY_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +53,9 @@ READ_TIMEOUT_S = 600.0  # between two upstream bytes (a long non-streamed genera
 # Not copied onto a forwarded request or back from its response: hop-by-hop, or recomputed.
 _HOP_HEADERS = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "te",
                           "content-length", "upgrade", "proxy-connection", "date", "server"})
-# plus every 5xx: the target is full or failing, or (404) does not know the adapter yet
-_FALLBACK_STATUSES = frozenset({404, 429})
+# plus every 5xx: the target is full or failing, (404) does not know the adapter yet, or (401)
+# does not know the caller's key yet (this replica checked it)
+_FALLBACK_STATUSES = frozenset({401, 404, 429})
 
 
 def score(state: ReplicaState, adapter: str | None) -> float:
@@ -103,12 +105,15 @@ class Router:
             self.client = None
 
     async def route(self, request: Request, adapter: str | None, here: bool = True,
-                    holders: tuple[str, ...] = ()) -> Response | None:
+                    holders: tuple[str, ...] = (),
+                    identity: Callable[[bytes], str] | None = None) -> Response | None:
         """The forwarded response for this completion request (for `adapter`, None: the base
         model), or None to serve it here. `here`: this replica can serve it; if not, only the
         replicas in `holders` can, and a 503 says so when none of them answers. `here` with
-        `holders`: they are tried first (best first, not by affinity), then this replica."""
-        headers = dict(request.headers)
+        `holders`: they are tried first (best first, not by affinity), then this replica.
+        `identity(body)`: the caller's signed identity, sent in place of its Authorization
+        (gateway/tenants/forwarding.py); a client's own identity header never travels on."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() != IDENTITY_HEADER}
         rid = request.scope.get("state", {}).get("request_id")
         if rid and "x-request-id" not in headers:
             headers["x-request-id"] = rid  # the target logs the same id
@@ -123,6 +128,9 @@ class Router:
                                      and s.replica_id != self.replica_id),
                                     key=lambda s: -score(s, adapter))
         body = await request.body() if candidates else b""
+        if candidates and identity is not None:
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            headers[IDENTITY_HEADER] = identity(body)
         for target in candidates:
             forwarded = await self._forward(target, body, headers, request.scope["path"])
             if forwarded is not None:

@@ -2,7 +2,9 @@
 unpin, delete. Thin handlers over `runtime.adapters` (gateway/residency/manager.py).
 
 Adapter ids may hold one '/' (ORG/REPO), so the per-adapter routes take the rest of the path
-and split a trailing action off it: `POST /admin/adapters/org/repo/load`.
+and split a trailing action off it: `POST /admin/adapters/org/repo/load`. Each handler asks
+gateway/tenants/access.py whether its caller may see or change the id (404 / 403), and
+appends what it changed to the audit log.
 """
 
 from __future__ import annotations
@@ -13,18 +15,23 @@ import msgspec
 from litestar import Controller, Request, delete, get, post
 from litestar.datastructures import UploadFile
 
-from adapters.ids import validate_adapter_id
+from adapters.ids import valid_adapter_id
 from gateway.errors import APIError
 from gateway.flags import parse_bool
-from gateway.http.auth import require_admin_key
+from gateway.http.auth import principal, require_admin_key
 from gateway.http.error_handlers import error_responses
 from gateway.http.openapi_docs import MultipartUpload
 from gateway.http.upload_body import UploadBody
 from gateway.residency.info import AdapterInfo
 from gateway.residency.manager import AdapterManager
+from gateway.residency.tiers import not_registered
 from gateway.runtime import Runtime
+from gateway.tenants.access import check_change, check_visible, owner_for_write
+from gateway.tenants.audit import now_entry
+from gateway.tenants.keys import Principal
 
-ACTIONS = ("load", "evict", "pin", "unpin")
+DONE = {"load": "loaded", "evict": "evicted", "pin": "pinned", "unpin": "unpinned"}
+ACTIONS = tuple(DONE)
 
 
 class AdapterList(msgspec.Struct):
@@ -36,6 +43,7 @@ class RegisterRequest(msgspec.Struct, forbid_unknown_fields=True):
     adapter_id: str
     source: str
     replace: bool = False
+    owner: str | None = None  # the operator's: a tenant it belongs to ("": shared)
 
 
 class Deleted(msgspec.Struct):
@@ -48,8 +56,22 @@ def _manager(runtime: Runtime) -> AdapterManager:
     return runtime.adapters
 
 
-def _id(raw: str) -> str:
-    return validate_adapter_id(raw.strip("/"))
+async def audit(runtime: Runtime, caller: Principal, action: str, info: AdapterInfo) -> None:
+    await runtime.tenants.audit.append(now_entry(
+        caller, action, adapter_id=info.id, version=info.version, sha256=info.sha256,
+        owner=info.owner))
+
+
+async def write(runtime: Runtime, request: Request, adapter_id: str, owner: str | None,
+                action: str, add) -> AdapterInfo:
+    """An upload or registration of `adapter_id` (`add(owner)` does it), if the caller may,
+    audited as what it was: an add or a replace."""
+    manager, caller = _manager(runtime), principal(request)
+    owner = await owner_for_write(manager, caller, adapter_id, owner)
+    existed = await manager.catalog.owner(adapter_id) is not None
+    info = await add(owner)
+    await audit(runtime, caller, "adapter.replaced" if existed else action, info)
+    return info
 
 
 class AdminController(Controller):
@@ -57,24 +79,29 @@ class AdminController(Controller):
     guards = [require_admin_key]
     tags = ["Admin"]
 
-    @get("/", responses=error_responses(401, 503))
-    async def list_adapters(self, runtime: Runtime) -> AdapterList:
-        return AdapterList(await _manager(runtime).list())
+    @get("/", responses=error_responses(401, 403, 503))
+    async def list_adapters(self, request: Request, runtime: Runtime) -> AdapterList:
+        caller = principal(request)
+        return AdapterList([a for a in await _manager(runtime).list()
+                            if caller.may_use(a.id, a.owner)])
 
     @get("/{adapter_id:path}", responses=error_responses(
-        400, 401, 404, 503, e400="the adapter id is not valid"))
-    async def get_adapter(self, adapter_id: str, runtime: Runtime) -> AdapterInfo:
-        return await _manager(runtime).get(_id(adapter_id))
+        400, 401, 403, 404, 503, e400="the adapter id is not valid"))
+    async def get_adapter(self, request: Request, adapter_id: str,
+                          runtime: Runtime) -> AdapterInfo:
+        manager = _manager(runtime)
+        return await manager.get(await check_visible(manager, principal(request),
+                                                     adapter_id.strip("/")))
 
     # The body's own size cap and read timeout (--max-upload-mb, --upload-timeout-s), in
     # place of the app's --max-request-mb: gateway/http/upload_body.py.
     @post("/", status_code=201, operation_class=MultipartUpload, request_max_body_size=None,
           middleware=[UploadBody()],
-          responses=error_responses(400, 401, 408, 409, 413, 422, 503, e409="the id exists "
-                                    "(send replace=true to replace it)"))
+          responses=error_responses(400, 401, 403, 408, 409, 413, 422, 503, e409="the id "
+                                    "exists (send replace=true to replace it)"))
     async def upload(self, request: Request[Any, Any, Any], runtime: Runtime) -> AdapterInfo:
         """multipart: `adapter_id`, `adapter_config` (file), `adapter_model` (file),
-        optional `replace`=true."""
+        optional `replace`=true, optional `owner` (the operator's: a tenant; empty: shared)."""
         manager = _manager(runtime)
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise APIError.bad_request("upload as multipart/form-data with fields adapter_id, "
@@ -84,37 +111,65 @@ class AdminController(Controller):
         replace = _flag(_text(form, "replace", required=False) or "")
         config_raw = await _file(form, "adapter_config")
         weights_raw = await _file(form, "adapter_model")
-        return await manager.upload(adapter_id, config_raw, weights_raw, replace)
+
+        async def add(owner: str | None) -> AdapterInfo:
+            return await manager.upload(adapter_id, config_raw, weights_raw, replace, owner)
+
+        return await write(runtime, request, adapter_id, _text(form, "owner", required=False),
+                           "adapter.uploaded", add)
 
     @post("/register", status_code=201, responses=error_responses(
-        400, 401, 404, 409, 413, 422, 502, 503, e404="the source does not exist",
+        400, 401, 403, 404, 409, 413, 422, 502, 503, e404="the source does not exist",
         e409="the id exists (send replace=true to replace it)"))
-    async def register(self, data: RegisterRequest, runtime: Runtime) -> AdapterInfo:
-        return await _manager(runtime).register(data.adapter_id, data.source, data.replace)
+    async def register(self, request: Request, data: RegisterRequest,
+                       runtime: Runtime) -> AdapterInfo:
+        async def add(owner: str | None) -> AdapterInfo:
+            return await _manager(runtime).register(data.adapter_id, data.source,
+                                                    data.replace, owner)
+
+        return await write(runtime, request, data.adapter_id, data.owner,
+                           "adapter.registered", add)
 
     @post("/{target:path}", status_code=200, responses=error_responses(
-        400, 401, 404, 409, 422, 502, 503, e404="no such adapter, or no such action",
+        400, 401, 403, 404, 409, 422, 502, 503, e404="no such adapter, or no such action",
         e409="evict: the adapter is in use by running requests, or pinned"))
-    async def action(self, target: str, runtime: Runtime) -> AdapterInfo:
+    async def action(self, request: Request, target: str, runtime: Runtime) -> AdapterInfo:
         """`{adapter_id}/load|evict|pin|unpin`."""
         adapter_id, _, verb = target.strip("/").rpartition("/")
         if verb not in ACTIONS or not adapter_id:
             raise APIError(404, f"no admin route POST /admin/adapters/{target.strip('/')}; "
                                 f"use /admin/adapters/ID/{{{'|'.join(ACTIONS)}}}",
                            code="not_found")
-        manager, adapter_id = _manager(runtime), _id(adapter_id)
+        manager, caller = _manager(runtime), principal(request)
+        adapter_id = await check_change(manager, caller, adapter_id)
         if verb == "load":
-            return await manager.load(adapter_id)
-        if verb == "evict":
-            return await manager.evict(adapter_id)
-        return await manager.pin(adapter_id, verb == "pin")
+            info = await manager.load(adapter_id)
+        elif verb == "evict":
+            info = await manager.evict(adapter_id)
+        else:
+            info = await manager.pin(adapter_id, verb == "pin")
+        await audit(runtime, caller, f"adapter.{DONE[verb]}", info)
+        return info
 
     @delete("/{adapter_id:path}", status_code=200,
-            responses=error_responses(400, 401, 404, 503))
-    async def delete_adapter(self, adapter_id: str, runtime: Runtime) -> Deleted:
-        adapter_id = _id(adapter_id)
-        await runtime.unload_adapter(adapter_id)  # ends its in-flight requests, then deletes
+            responses=error_responses(400, 401, 403, 404, 503))
+    async def delete_adapter(self, request: Request, adapter_id: str,
+                             runtime: Runtime) -> Deleted:
+        adapter_id = await remove(runtime, principal(request), adapter_id.strip("/"))
         return Deleted(adapter_id)
+
+
+async def remove(runtime: Runtime, caller: Principal, raw: str, lenient: bool = False) -> str:
+    """Delete an adapter the caller may change; audited. `lenient` (vLLM's unload): an
+    invalid name is just one that is not loaded (404), as vLLM answers."""
+    manager = _manager(runtime)
+    if lenient and not valid_adapter_id(raw):
+        raise not_registered(raw)
+    adapter_id = await check_change(manager, caller, raw)
+    info = await manager.get(adapter_id)
+    await runtime.unload_adapter(adapter_id)  # ends its in-flight requests, then deletes
+    await audit(runtime, caller, "adapter.deleted", info)
+    return adapter_id
 
 
 def _text(form, name: str, required: bool = True) -> str | None:

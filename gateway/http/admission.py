@@ -1,11 +1,13 @@
 """The one way a generation request gets in: every decision made once, in this order.
 
+    0. who?                        the route's guard (gateway/http/auth.py) 401 / 403
     1. ready?                      Runtime.check_ready                      503
-    2. which adapter, where?       AdapterManager.locate(model): the       404
-                                   catalog's entry, read now; here or only
-                                   on other replicas
+    2. which adapter, where?       AdapterManager.locate(model, caller):   404 (also for one
+                                   the catalog's entry, read now; here or   the caller's key
+                                   only on other replicas                   may not use)
     3. another replica?            Router.route: by affinity, or to a       503 if no holder
-                                   holder when it cannot be fetched here    answers
+                                   holder when it cannot be fetched here;   answers
+                                   the caller's identity signed for it
     4. the adapter, here           AdapterManager.ensure_ready              store / Hub / disk
                                                                             -> host
     5. the request's own options   request_params: tools, logprobs, the guided constraint,
@@ -17,6 +19,8 @@
                                    before anything crosses to the engine;
                                    off the loop when the prompts are long
     8. capacity                    Runtime.admit(job)                       400 / 429
+       the key's limits            Tenants.admit: rpm, tpm (prompt +        429 with
+                                   max_tokens), concurrency, fleet-wide     x-ratelimit-*
     9. queued                      engine.submit_many: the engine runs the same rules again
                                    (it trusts no caller) and queues every choice or none
 
@@ -39,6 +43,7 @@ from engine.llm_engine import EngineRequest
 from engine.request_checks import check_request
 from engine.sampling_params import InvalidParam, SamplingParams
 from gateway.errors import APIError
+from gateway.http.auth import RATE_LIMIT_HEADERS, principal
 from gateway.http.format_chat import ChatFormat
 from gateway.http.format_completions import CompletionFormat
 from gateway.http.formats import Format
@@ -57,6 +62,8 @@ from gateway.http.request_params import (
 from gateway.http.streaming import collect, stream_sse
 from gateway.jobs import Choice, GenerationJob
 from gateway.runtime import Runtime
+from gateway.tenants.forwarding import sign
+from gateway.tenants.keys import Principal
 
 CHECK_INLINE_MAX_TOKENS = 16_384  # longer prompts are checked on a worker thread
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -100,12 +107,13 @@ async def serve_chat(request: Request, data: ChatCompletionRequest, runtime: Run
 async def serve(request: Request, data: SamplingRequest, runtime: Runtime, kind: str,
                 prepare: Prepare) -> Response:
     runtime.check_ready()
-    state = request.scope["state"]
+    state, caller = request.scope["state"], principal(request)
     state["model"] = data.model
-    location = await runtime.adapters.locate(data.model)
+    location = await runtime.adapters.locate(data.model, caller)
     forwarded = await runtime.router.route(request, location.adapter_id, location.here,
-                                           location.holders)
+                                           location.holders, identity(runtime, caller, request))
     if forwarded is not None:
+        state["forwarded"] = True  # answered (and counted) by the replica that served it
         return forwarded
     adapter = location.adapter_id
     if adapter is not None:
@@ -131,10 +139,14 @@ async def start(request: Request, runtime: Runtime, prompts: list[list[int]],
     job_id = f"{kind}-{uuid.uuid4().hex}"
     choices = [Choice(i, f"{job_id}-{i}", p, len(prompts[p])) for i, p in enumerate(prompt_of)]
     arrival = request.scope["state"].get("arrival", time.monotonic())
+    caller = principal(request)
     job = GenerationJob(job_id, runtime.engine, choices, adapter, runtime.metrics, arrival,
-                        runtime.release)
+                        runtime.release, tenant=caller.metrics_label)
     runtime.admit(job)
     try:
+        tokens = reserved_tokens(prompts, params, prompt_of, runtime.info.max_model_len)
+        job.reservation, headers = await runtime.tenants.admit(caller, job_id, tokens)
+        request.scope["state"][RATE_LIMIT_HEADERS] = headers
         streams = await runtime.engine.submit_many([
             EngineRequest(prompts[c.prompt_index], p, adapter, c.request_id)
             for c, p in zip(choices, params, strict=True)])
@@ -147,6 +159,25 @@ async def start(request: Request, runtime: Runtime, prompts: list[list[int]],
         choice.stream = stream
     runtime.metrics.prompt_tokens.labels(adapter or "base").inc(sum(len(p) for p in prompts))
     return job
+
+
+def reserved_tokens(prompts: list[list[int]], params: list[SamplingParams],
+                    prompt_of: list[int], max_model_len: int) -> int:
+    """What a request takes from its key's tokens per minute at admission: each prompt once
+    (as usage counts it) and every choice's max_tokens (or the rest of the context window)."""
+    generated = sum(p.max_tokens if p.max_tokens is not None else max_model_len - len(prompts[i])
+                    for p, i in zip(params, prompt_of, strict=True))
+    return sum(map(len, prompts)) + generated
+
+
+def identity(runtime: Runtime, caller: Principal, request: Request):
+    """The signer of the caller's identity for a forward of this request (None: the fleet's
+    secret is not known yet; the target then checks the caller's own key)."""
+    secret = runtime.tenants.forward_secret
+    if secret is None:
+        return None
+    return lambda body: sign(secret, caller.key_id, request.scope["method"],
+                             request.scope["path"], body)
 
 
 async def check_prompts(runtime: Runtime, prompts: list[list[int]],

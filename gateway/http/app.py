@@ -25,11 +25,13 @@ from adapters.errors import short_name
 from gateway.config import MB, ServerConfig
 from gateway.fleet.router import served_by_hook
 from gateway.http.admin import AdminController
+from gateway.http.auth import PRINCIPAL, RATE_LIMIT_HEADERS
 from gateway.http.error_handlers import EXCEPTION_HANDLERS
 from gateway.http.openai import AdapterLoadController, OpenAIController
 from gateway.http.ops import OpsController
 from gateway.http.outcome import Outcome, tracking
 from gateway.http.responses import ResponsesController
+from gateway.http.tenants import AuditController, TenantKeyController
 from gateway.http.utility import UtilityController
 from gateway.metrics import CLIENT_CLOSED_REQUEST, STREAM_FAILED, Metrics
 from gateway.runtime import Runtime
@@ -113,7 +115,11 @@ class RequestContextMiddleware(ASGIMiddleware):
         self.metrics.http_requests.labels(route, str(status)).inc()
         if "adapter" in state:
             self.metrics.requests.labels(state["adapter"], str(status)).inc()
+        caller = state.get(PRINCIPAL)
+        if caller is not None and not state.get("forwarded"):
+            self.metrics.tenant_requests.labels(caller.metrics_label, str(status)).inc()
         fields = {"request_id": rid, "method": scope["method"], "route": route,
+                  "key_id": caller.key_id if caller is not None else None,
                   "model": _shown(state.get("model")), "adapter": state.get("adapter"),
                   "status": status, "latency_ms": round((time.monotonic() - started) * 1e3, 2)}
         access_log.info(json.dumps(fields), extra=fields)
@@ -134,6 +140,26 @@ async def _unrouted_request_id(message: Message, scope: Scope) -> None:
                                     "path": scope.get("path"), "status": message["status"]}))
 
 
+def rate_limit_hook(runtime: Runtime):
+    """A before_send hook: OpenAI's x-ratelimit-* headers on every response of a key with
+    limits (admission's own for a generation, else as the key's last admission left them),
+    unless the response has them already (a 429, a forwarded response)."""
+    async def add_rate_limit_headers(message: Message, scope: Scope) -> None:
+        if message["type"] != "http.response.start":
+            return
+        state = scope.get("state", {})
+        caller = state.get(PRINCIPAL)
+        if caller is None or not caller.limits.active or runtime.tenants is None:
+            return
+        headers = list(message.get("headers") or ())
+        if any(k.lower().startswith(b"x-ratelimit-") for k, _ in headers):
+            return
+        ours = state.get(RATE_LIMIT_HEADERS) or runtime.tenants.headers(caller)
+        message["headers"] = headers + [(k.encode(), v.encode()) for k, v in ours.items()]
+
+    return add_rate_limit_headers
+
+
 def create_app(config: ServerConfig, runtime: Runtime | None = None,
                on_fatal: Callable[[BaseException], None] | None = None) -> Litestar:
     """The app; `on_fatal` is called if start-up fails (the server should then exit)."""
@@ -141,13 +167,15 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     runtime = runtime or Runtime(config, on_fatal=on_fatal)
     return Litestar(
         route_handlers=[OpenAIController, ResponsesController, UtilityController,
-                        AdapterLoadController, OpsController, AdminController],
+                        AdapterLoadController, OpsController, AdminController,
+                        TenantKeyController, AuditController],
         lifespan=[runtime.lifespan] if owned else [],
         state=State({"config": config, "runtime": runtime}),
         dependencies={"runtime": Provide(lambda: runtime, use_cache=True, sync_to_thread=False)},
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=[RequestContextMiddleware(runtime.metrics)],
-        before_send=[_unrouted_request_id, served_by_hook(config.replica)],
+        before_send=[_unrouted_request_id, served_by_hook(config.replica),
+                     rate_limit_hook(runtime)],
         request_max_body_size=config.max_request_mb * MB,  # the upload route has its own
         openapi_config=OpenAPIConfig(title="lora-gateway", version="0.1.0",
                                      description="OpenAI-compatible multi-LoRA serving"),

@@ -1,11 +1,19 @@
-"""Bearer-key guards: `--api-key` on /v1/*, `--admin-key` on /admin/* and adapter load/unload,
-`--metrics-key` on /metrics.
+"""Who a request acts as (a `Principal`, gateway/tenants/keys.py), resolved once per request by
+the route's guard and kept in the request's state:
 
-Keys are compared in constant time; the scheme is case-insensitive (RFC 9110: `bearer KEY`
-is `Bearer KEY`). The admin guard falls back to the API key when no admin key is set (so a
-server with only --api-key never leaves its admin routes open to keyless callers), and is open
-when neither is set. /metrics is open without --metrics-key; /health and /ready carry no guard.
-Guards are coroutines: Litestar runs a sync guard in a worker thread, a round trip per request.
+    --admin-key                 the operator: every adapter, every key, every route
+    --api-key                   the operator's inference rights (and its admin rights when no
+                                --admin-key is set, so admin routes are never left keyless)
+    a tenant key (lgw-...)      its tenant's rights: DESIGN.md "Tenants"
+    none of the above           anonymous with the operator's rights, only on a route no key
+                                guards (no --api-key: /v1 is open; neither key: all is open)
+    X-LoRAGW-Identity           a request another replica forwarded, signed with the fleet's
+                                secret (gateway/tenants/forwarding.py): the key it names
+
+401: no key, or a key nobody issued (or revoked, or rotated past its grace); 403: a valid key
+on a route its role may not use (a member key on /admin/*). Static keys are compared in
+constant time; a tenant key is looked up by its sha256. The scheme is case-insensitive (RFC
+9110). Guards are coroutines: Litestar runs a sync guard in a worker thread.
 """
 
 from __future__ import annotations
@@ -17,6 +25,12 @@ from litestar.handlers import BaseRouteHandler
 
 from gateway.config import ServerConfig
 from gateway.errors import APIError
+from gateway.tenants.access import forbidden
+from gateway.tenants.forwarding import IDENTITY_HEADER, verify
+from gateway.tenants.keys import API_KEY_ID, KEY_PREFIX, OPEN_ID, OPERATOR, OPERATOR_ID, Principal
+
+PRINCIPAL = "principal"  # the request state's key of the caller
+RATE_LIMIT_HEADERS = "rate_limit_headers"  # of the caller's limits, set by admission
 
 
 def bearer_token(connection: ASGIConnection) -> str | None:
@@ -33,33 +47,85 @@ def key_matches(presented: str | None, expected: str) -> bool:
     return hmac.compare_digest(presented.encode("utf-8"), expected.encode("utf-8"))
 
 
-def _require(connection: ASGIConnection, expected: str | None, what: str) -> None:
-    if expected is None:
-        return
-    token = bearer_token(connection)
-    if token is None:
-        raise APIError(401, f"no {what} provided; send it as `Authorization: Bearer KEY`",
-                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-    if not key_matches(token, expected):
-        raise APIError(401, f"incorrect {what} provided", code="invalid_api_key",
-                       headers={"WWW-Authenticate": "Bearer"})
+def principal(connection: ASGIConnection) -> Principal:
+    """The caller a guard resolved (the operator on a route no guard covers)."""
+    return connection.scope.get("state", {}).get(PRINCIPAL, OPERATOR)
 
 
-def _config(connection: ASGIConnection) -> ServerConfig:
-    return connection.app.state.config
+def _unauthorized(what: str, presented: bool) -> APIError:
+    message = (f"incorrect {what} provided" if presented else
+               f"no {what} provided; send it as `Authorization: Bearer KEY`")
+    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _static(config: ServerConfig, key_id: str) -> Principal | None:
+    if key_id == OPERATOR_ID and config.admin_key is not None:
+        return OPERATOR
+    if key_id == API_KEY_ID and config.api_key is not None:
+        return Principal(API_KEY_ID, None, "member" if config.admin_key else "admin")
+    if key_id == OPEN_ID:
+        return Principal(OPEN_ID, None, "member" if config.admin_key or config.api_key
+                         else "admin")
+    return None
+
+
+async def _resolve(connection: ASGIConnection) -> tuple[Principal | None, bool]:
+    """(the caller a presented credential names, whether one was presented)."""
+    config: ServerConfig = connection.app.state.config
+    token, signed = bearer_token(connection), connection.headers.get(IDENTITY_HEADER)
+    if signed is None:
+        if token is None:
+            return None, False
+        for key_id, key in ((OPERATOR_ID, config.admin_key), (API_KEY_ID, config.api_key)):
+            if key is not None and key_matches(token, key):
+                return _static(config, key_id), True
+    tenants = connection.app.state.runtime.tenants
+    if tenants is None or not tenants.started:
+        raise APIError.not_ready("the tenant keys are being read")
+    if signed is None:
+        return await tenants.find(token), True
+    body = await connection.body() if hasattr(connection, "body") else b""
+    key_id = verify(tenants.forward_secret, signed, connection.scope["method"],
+                    connection.scope["path"], body)
+    found = key_id and (_static(config, key_id) or tenants.by_id(key_id))
+    if not found:
+        raise _unauthorized("forwarded identity", True)
+    return found, True
+
+
+async def _guard(connection: ASGIConnection, key: str | None, what: str, admin: bool) -> None:
+    """Resolve the caller; `key`: the static key that guards this route (None: open to
+    anonymous callers, though a presented tenant key still has to be a valid one)."""
+    found, presented = await _resolve(connection)
+    if found is None:
+        token = bearer_token(connection) or ""
+        if key is not None or token.startswith(KEY_PREFIX):
+            raise _unauthorized(what, presented)
+        found = _static(connection.app.state.config, OPEN_ID)
+    elif admin and found.key_id == API_KEY_ID and not found.admin:
+        raise _unauthorized(what, True)  # the user key is not the admin key
+    if admin and not found.admin:
+        raise forbidden("this key serves requests only; admin routes need an admin key")
+    connection.scope.setdefault("state", {})[PRINCIPAL] = found
 
 
 async def require_api_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    _require(connection, _config(connection).api_key, "API key")
+    config = connection.app.state.config
+    await _guard(connection, config.api_key, "API key", admin=False)
 
 
 async def require_admin_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    config = _config(connection)
+    config = connection.app.state.config
     if config.admin_key is not None:
-        _require(connection, config.admin_key, "admin key")
+        await _guard(connection, config.admin_key, "admin key", admin=True)
     else:
-        _require(connection, config.api_key, "API key")
+        await _guard(connection, config.api_key, "API key", admin=True)
 
 
 async def require_metrics_key(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    _require(connection, _config(connection).metrics_key, "metrics key")
+    expected = connection.app.state.config.metrics_key
+    if expected is None:
+        return
+    token = bearer_token(connection)
+    if not key_matches(token, expected):
+        raise _unauthorized("metrics key", token is not None)

@@ -29,12 +29,15 @@ _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "perm
 MEANINGS = {400: "invalid body or parameter (`param` names it), or a request this server "
                  "cannot run (a prompt past the context window, more sequences than it runs)",
             401: "the key (`Authorization: Bearer KEY`) is missing or wrong",
-            404: "no such model or adapter",
+            403: "a valid key doing what its role may not (a member key on /admin/*, a write "
+                 "outside its tenant's namespace, another tenant's keys)",
+            404: "no such model or adapter (or one this key may not use)",
             408: "the upload paused longer than --upload-timeout-s; nothing was stored",
             409: "the adapter is in use, pinned or exists",
             413: "the body is larger than --max-request-mb (an upload: --max-upload-mb)",
             422: "the adapter is not valid for this base model",
-            429: "at capacity; retry after Retry-After seconds",
+            429: "at capacity, or over this key's limits (`rate_limit_exceeded`, with "
+                 "x-ratelimit-* headers); retry after Retry-After seconds",
             502: "the adapter's source (the Hub, S3) failed or sent bytes that do not verify",
             503: "not ready (the model is loading), the adapter store cannot be reached "
                  "(`adapter_store_unavailable`), or no replica holding the adapter answers; "
@@ -51,14 +54,15 @@ def error_responses(*statuses: int, **meanings: str) -> dict[int, ResponseSpec]:
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> Response[ErrorResponse]:
-    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+                   headers: dict[str, str] | None = None,
+                   kind: str | None = None) -> Response[ErrorResponse]:
+    kind = kind or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     body = ErrorResponse(ErrorBody(message=message, type=kind, param=param, code=code))
     return Response(body, status_code=status, headers=headers)
 
 
 def _api_error(_: Request, exc: APIError) -> Response[ErrorResponse]:
-    return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+    return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers, exc.kind)
 
 
 def _adapter_error(_: Request, exc: AdapterError) -> Response[ErrorResponse]:

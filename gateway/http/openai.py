@@ -9,8 +9,9 @@ from litestar import Controller, Request, Response, get, post
 from litestar.openapi import ResponseSpec
 
 from gateway.errors import APIError
+from gateway.http.admin import remove, write
 from gateway.http.admission import serve_chat, serve_completion
-from gateway.http.auth import require_admin_key, require_api_key
+from gateway.http.auth import principal, require_admin_key, require_api_key
 from gateway.http.error_handlers import error_responses
 from gateway.http.openapi_docs import streamed
 from gateway.http.protocol import (
@@ -27,7 +28,9 @@ from gateway.http.response_bodies import (
     ModelCard,
     ModelList,
 )
+from gateway.residency.info import AdapterInfo
 from gateway.runtime import Runtime
+from gateway.tenants.keys import Principal
 
 OWNER = "lora-gateway"
 # a model may name an adapter fetched on first use (the Hub, the fleet's store) or held by
@@ -65,20 +68,21 @@ class OpenAIController(Controller):
         return await serve_chat(request, data, runtime)
 
     @get("/models", responses=error_responses(401, 503))
-    async def models(self, runtime: Runtime) -> ModelList:
-        return ModelList(data=await _model_cards(runtime))
+    async def models(self, request: Request, runtime: Runtime) -> ModelList:
+        """The base model and the adapters this key may use."""
+        return ModelList(data=await _model_cards(runtime, principal(request)))
 
     @get("/models/{model_id:path}", responses=error_responses(400, 401, 404, 503))
-    async def model(self, model_id: str, runtime: Runtime) -> ModelCard:
+    async def model(self, request: Request, model_id: str, runtime: Runtime) -> ModelCard:
         """One entry of /v1/models (the `openai` client's models.retrieve); ids may hold a /."""
         model_id = model_id.lstrip("/")
-        for card in await _model_cards(runtime):
+        for card in await _model_cards(runtime, principal(request)):
             if card.id == model_id:
                 return card
         raise APIError.model_not_found(model_id)
 
 
-async def _model_cards(runtime: Runtime) -> list[ModelCard]:
+async def _model_cards(runtime: Runtime, caller: Principal) -> list[ModelCard]:
     runtime.check_ready()
     snapshot = await runtime.snapshot()
     base, limit = runtime.config.model_name, runtime.info.max_model_len
@@ -87,7 +91,10 @@ async def _model_cards(runtime: Runtime) -> list[ModelCard]:
                        max_model_len=limit)]
     where = await runtime.adapters.resident_on()
     for record in runtime.adapters.list_models():
-        cards.append(ModelCard(id=record.name, created=record.created, owned_by=OWNER,
+        if not caller.may_use(record.name, record.entry.owner):
+            continue
+        cards.append(ModelCard(id=record.name, created=record.created,
+                               owned_by=record.entry.owner or OWNER,
                                root=record.source, parent=base,
                                residency=runtime.adapters.residency(record.name, snapshot),
                                max_model_len=limit, version=record.entry.version,
@@ -105,13 +112,20 @@ class AdapterLoadController(Controller):
 
     @post("/load_lora_adapter", status_code=200, media_type="text/plain",
           responses=_documented(str, ADAPTER_ERRORS))
-    async def load_lora_adapter(self, data: LoadLoRAAdapterRequest, runtime: Runtime) -> str:
+    async def load_lora_adapter(self, request: Request, data: LoadLoRAAdapterRequest,
+                                runtime: Runtime) -> str:
         runtime.check_ready()
-        await runtime.adapters.load(data.lora_name, data.lora_path, replace=data.load_inplace)
+
+        async def add(owner: str | None) -> AdapterInfo:
+            return await runtime.adapters.load(data.lora_name, data.lora_path,
+                                               replace=data.load_inplace, owner=owner)
+
+        await write(runtime, request, data.lora_name, None, "adapter.registered", add)
         return f"Success: LoRA adapter '{data.lora_name}' added successfully."
 
     @post("/unload_lora_adapter", status_code=200, media_type="text/plain",
           responses=_documented(str, error_responses(400, 401, 404, 413, 503)))
-    async def unload_lora_adapter(self, data: UnloadLoRAAdapterRequest, runtime: Runtime) -> str:
-        await runtime.unload_adapter(data.lora_name)
+    async def unload_lora_adapter(self, request: Request, data: UnloadLoRAAdapterRequest,
+                                  runtime: Runtime) -> str:
+        await remove(runtime, principal(request), data.lora_name, lenient=True)
         return f"Success: LoRA adapter '{data.lora_name}' removed successfully."

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 from importlib import metadata
 
-from litestar import Controller, get, post
+from litestar import Controller, Request, get, post
 from msgspec import Struct
 
 from gateway.errors import APIError
-from gateway.http.auth import require_api_key
+from gateway.http.auth import principal, require_api_key
 from gateway.http.error_handlers import error_responses
 from gateway.http.prompts import chat_prompt, off_loop_if_large
 from gateway.http.protocol import ChatCompletionRequest, ChatMessage, TokenId
 from gateway.runtime import Runtime
+from gateway.tenants.keys import Principal
 
 PACKAGE = "lora-gateway"
 UNKNOWN_VERSION = "0.0.0+unknown"  # not installed as a package (a bare checkout)
@@ -71,8 +72,9 @@ class UtilityController(Controller):
     tags = ["Utility (vLLM-compatible)"]
 
     @post("/tokenize", status_code=200, responses=ERRORS)
-    async def tokenize(self, data: TokenizeRequest, runtime: Runtime) -> TokenizeResponse:
-        tokenizer = await _tokenizer(runtime, data.model)
+    async def tokenize(self, request: Request, data: TokenizeRequest,
+                       runtime: Runtime) -> TokenizeResponse:
+        tokenizer = await _tokenizer(runtime, data.model, principal(request))
         if (data.prompt is None) == (data.messages is None):
             raise APIError.bad_request("send either `prompt` (text) or `messages` (chat), "
                                        "not both and not neither", param="prompt")
@@ -93,8 +95,9 @@ class UtilityController(Controller):
                                 tokens=tokens, token_strs=strs)
 
     @post("/detokenize", status_code=200, responses=ERRORS)
-    async def detokenize(self, data: DetokenizeRequest, runtime: Runtime) -> DetokenizeResponse:
-        tokenizer = await _tokenizer(runtime, data.model)
+    async def detokenize(self, request: Request, data: DetokenizeRequest,
+                         runtime: Runtime) -> DetokenizeResponse:
+        tokenizer = await _tokenizer(runtime, data.model, principal(request))
         vocab = runtime.info.vocab_size
         bad = next((t for t in data.tokens if t >= vocab), None)
         if bad is not None:
@@ -111,10 +114,11 @@ class UtilityController(Controller):
         return VersionResponse(version=package_version())
 
 
-async def _tokenizer(runtime: Runtime, model: str):
-    """The tokenizer `model` uses (the base model's, adapters included); 404 if no such model."""
+async def _tokenizer(runtime: Runtime, model: str, caller: Principal):
+    """The tokenizer `model` uses (the base model's, adapters included); 404 if no such model
+    (or one the caller may not use)."""
     runtime.check_ready()
-    await runtime.adapters.locate(model)
+    await runtime.adapters.locate(model, caller)
     if runtime.tokenizer is None:
         raise APIError.bad_request("this model has no tokenizer; prompts to it are token ids",
                                    param="model")

@@ -59,6 +59,19 @@ class FleetCatalog:
         local = stored.source == UPLOAD_SOURCE or stored.source.startswith("/")
         return catalog_entry(stored, holder="" if anyone or not local else self.replica_id)
 
+    # ---- owners (DESIGN.md, Tenants) ----------------------------------------------------------
+    async def owner(self, adapter_id: str) -> str | None:
+        """The catalog's owner of `adapter_id` now ("": shared), None if there is no such
+        adapter: what the tenant rules read (gateway/tenants/access.py)."""
+        await self.refresh(adapter_id)
+        record = self.records.get(adapter_id)
+        return record.entry.owner if record is not None else None
+
+    def owner_for(self, adapter_id: str, requested: str | None) -> str:
+        """The owner a new version of `adapter_id` gets: `requested`, else the one it has."""
+        record = self.records.get(adapter_id)
+        return requested if requested is not None else (record.entry.owner if record else "")
+
     # ---- start-up --------------------------------------------------------------------------
     async def adopt(self, stored_adapters: list[StoredAdapter]) -> None:
         """This disk's adapters against the catalog. A non-empty catalog is the truth: copies

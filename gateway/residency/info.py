@@ -29,12 +29,14 @@ class AdapterInfo(msgspec.Struct):
     object_key: str = ""  # in the shared object store ("": not there)
     holder: str = ""  # the only replica with its bytes, when it is not in a shared store
     warnings: list[str] = []  # accepted, but worth a look (e.g. trained on another base)
+    owner: str = ""  # the tenant it belongs to ("": shared with every key)
 
 
 def catalog_entry(stored: StoredAdapter, holder: str) -> CatalogEntry:
     return CatalogEntry(stored.adapter_id, stored.source, stored.revision, stored.sha256,
                         stored.rank, tuple(stored.targets), stored.num_bytes, stored.version,
-                        stored.config_sha256, stored.object_key, holder, stored.created_at)
+                        stored.config_sha256, stored.object_key, holder, stored.created_at,
+                        stored.owner)
 
 
 def adapter_info(record: AdapterRecord, residency: str, snapshot: EngineSnapshot,
@@ -44,4 +46,4 @@ def adapter_info(record: AdapterRecord, residency: str, snapshot: EngineSnapshot
     warnings = list(record.stored.warnings) if record.stored is not None else []
     return AdapterInfo(e.adapter_id, e.version, e.sha256, e.rank, list(e.targets), e.num_bytes,
                        e.source, residency, pinned, int(e.created_at), sorted(resident_on),
-                       e.object_key, e.holder, warnings)
+                       e.object_key, e.holder, warnings, e.owner)

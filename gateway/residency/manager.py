@@ -7,8 +7,7 @@ gateway/residency/tiers.py, the fleet's catalog as this replica sees it in catal
 module decides when to move, serializes the moves and announces them. One asyncio lock per
 adapter id serializes that id's changes and its first load, so concurrent requests for a cold
 adapter trigger one load while requests for other adapters keep flowing. Local sources are
-accepted from HTTP callers too (vLLM does the same); the admin key guards those routes.
-"""
+accepted from HTTP callers too (as vLLM does); admin keys guard those routes."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ from adapters.store import AdapterExists
 from adapters.store_meta import StoredAdapter, StoredMeta
 from engine.core.client import EngineClient
 from engine.snapshot import EngineSnapshot
-from gateway.config import DEFAULT_ADAPTER_DIR, ServerConfig
+from gateway.config import ServerConfig
 from gateway.errors import APIError
 from gateway.metrics import Metrics
 from gateway.residency.catalog import FleetCatalog
@@ -34,6 +33,7 @@ from gateway.residency.heartbeat import holders, replica_state, resident_on
 from gateway.residency.info import AdapterInfo, adapter_info
 from gateway.residency.names import Location, on_demand
 from gateway.residency.tiers import AdapterRecord, AdapterTiers
+from gateway.tenants.keys import OPERATOR, Principal
 
 logger = logging.getLogger(__name__)
 PUBLISH_INTERVAL_S = 1.0  # this replica's state, and a read of the whole catalog
@@ -47,7 +47,7 @@ class AdapterManager:
                  metrics: Metrics | None = None,
                  *, hub_endpoint: str | None = None, hub_cache_dir: str | None = None):
         self.base_name, self.engine = config.model_name, engine
-        self.adapter_dir = os.path.expanduser(config.adapter_dir or DEFAULT_ADAPTER_DIR)
+        self.adapter_dir = config.adapter_path
         self.object_store = (ObjectStore(config.adapter_store_url)
                              if config.adapter_store_url else None)
         self.store_health = StoreHealth(config.adapter_store_url)
@@ -95,15 +95,18 @@ class AdapterManager:
         self.tiers.close()
 
     # ---- the request path ----------------------------------------------------------------
-    async def locate(self, model: str) -> Location:
+    async def locate(self, model: str, principal: Principal = OPERATOR) -> Location:
         """Where a request's `model` can be served: the base model, a catalog adapter (this
         replica holds it or can fetch it, or only other replicas hold it), or a Hub / s3://
-        adapter --hub-allow / --s3-allow lets us fetch on first use; else 404."""
+        adapter --hub-allow / --s3-allow lets us fetch on first use; else 404, also for an
+        adapter `principal` may not use (answered exactly as one that does not exist)."""
         if model == self.base_name:
             return Location(None, True)
         adapter_id, source = on_demand(model, self.hub_allow, self.s3_allow)
         await self.catalog.refresh(adapter_id)  # the catalog's word, per request
         record = self.records.get(adapter_id)
+        if record is not None and not principal.may_use(adapter_id, record.entry.owner):
+            raise APIError.model_not_found(model)
         if record is None:
             if source is None:
                 raise APIError.model_not_found(model)
@@ -141,25 +144,27 @@ class AdapterManager:
 
     # ---- registering ---------------------------------------------------------------------
     async def upload(self, adapter_id: str, config_raw: bytes, weights_raw: bytes,
-                     replace: bool = False) -> AdapterInfo:
+                     replace: bool = False, owner: str | None = None) -> AdapterInfo:
         self._check_id(adapter_id)
         await self.catalog.refresh(adapter_id)
         async with self._locks[adapter_id]:
             self._check_free(adapter_id, replace, conflict=409)
-            meta = StoredMeta(UPLOAD_SOURCE, version=self._next_version(adapter_id))
+            meta = StoredMeta(UPLOAD_SOURCE, version=self._next_version(adapter_id),
+                              owner=self.catalog.owner_for(adapter_id, owner))
             await self._announce(await self.tiers.put(adapter_id, config_raw, weights_raw, meta))
         return await self.get(adapter_id)
 
-    async def register(self, adapter_id: str, source: str, replace: bool = False) -> AdapterInfo:
+    async def register(self, adapter_id: str, source: str, replace: bool = False,
+                       owner: str | None = None) -> AdapterInfo:
         """A Hub (hf://ORG/REPO[@REV], ORG/REPO), s3:// or local (a server directory) source."""
         self._check_id(adapter_id)
         await self.catalog.refresh(adapter_id)
         async with self._locks[adapter_id]:
-            await self._add(adapter_id, source, conflict=409, replace=replace)
+            await self._add(adapter_id, source, conflict=409, replace=replace, owner=owner)
         return await self.get(adapter_id)
 
     async def load(self, adapter_id: str, source: str | None = None,
-                   replace: bool = False) -> AdapterInfo:
+                   replace: bool = False, owner: str | None = None) -> AdapterInfo:
         """Bring an adapter into a device slot if one is free (else it waits in host memory).
         With `source` (vLLM's load_lora_adapter), register it first; an existing id then
         needs `replace` (else 400 adapter_exists, as vLLM answers)."""
@@ -167,19 +172,19 @@ class AdapterManager:
             self._check_id(adapter_id)
             await self.catalog.refresh(adapter_id)
             async with self._locks[adapter_id]:
-                await self._add(adapter_id, source, conflict=400, replace=replace)
+                await self._add(adapter_id, source, conflict=400, replace=replace, owner=owner)
         await self._ensure_in_engine(adapter_id)
         await self.tiers.to_device(adapter_id)
         await self.publish()
         return await self.get(adapter_id)
 
     async def _add(self, adapter_id: str, source: str, *, conflict: int | None,
-                   replace: bool) -> None:
+                   replace: bool, owner: str | None = None) -> None:
         """Fetch, validate, store, register and announce; the caller holds the id's lock."""
         if conflict is not None:
             self._check_free(adapter_id, replace, conflict)
-        await self._announce(await self.tiers.fetch(adapter_id, source,
-                                                    self._next_version(adapter_id)))
+        owner, version = self.catalog.owner_for(adapter_id, owner), self._next_version(adapter_id)
+        await self._announce(await self.tiers.fetch(adapter_id, source, version, owner))
 
     def _next_version(self, adapter_id: str) -> int:
         """One past the catalog's version and any this disk ever stored."""

@@ -30,6 +30,12 @@ from gateway.metrics import Metrics
 from gateway.residency.fetch import fetch_bytes
 
 
+def not_registered(adapter_id: str) -> AdapterNotFound:
+    """The 404 for an unknown adapter id (and, to a tenant key, for one it may not use)."""
+    return AdapterNotFound(f"adapter {short_name(adapter_id)} is not registered; GET "
+                           "/admin/adapters lists the registered ones")
+
+
 @dataclass(slots=True)
 class AdapterRecord:
     """A catalog adapter as this replica knows it: the catalog's entry, its copy on this disk
@@ -78,12 +84,12 @@ class AdapterTiers:
     def record(self, adapter_id: str) -> AdapterRecord:
         record = self.records.get(adapter_id)
         if record is None:
-            raise AdapterNotFound(f"adapter {short_name(adapter_id)} is not registered; GET "
-                                  "/admin/adapters lists the registered ones")
+            raise not_registered(adapter_id)
         return record
 
     # ---- onto disk (and into the engine) -----------------------------------------------------
-    async def fetch(self, adapter_id: str, source: str, version: int) -> StoredAdapter:
+    async def fetch(self, adapter_id: str, source: str, version: int,
+                    owner: str = "") -> StoredAdapter:
         """A local, Hub or s3:// source, fetched, validated and stored; see `put`. Only a path's
         bytes are written through to the object store (the others' sources serve any
         replica)."""
@@ -94,7 +100,8 @@ class AdapterTiers:
         if parsed.kind != "local":
             self._observe("disk", started)
         return await self.put(adapter_id, files.config_raw, files.weights_raw,
-                              StoredMeta(files.origin, files.revision, version=version),
+                              StoredMeta(files.origin, files.revision, version=version,
+                                         owner=owner),
                               write_through=parsed.kind == "local")
 
     async def put(self, adapter_id: str, config_raw: bytes, weights_raw: bytes,
@@ -107,7 +114,7 @@ class AdapterTiers:
         if write_through and self.object_store is not None:
             key = await asyncio.to_thread(self.object_store.put, config_raw, weights_raw)
         meta = StoredMeta(meta.source, meta.revision, adapter.max_rank, adapter.targets,
-                          meta.version, key, adapter.warnings)
+                          meta.version, key, adapter.warnings, meta.owner)
         stored = await asyncio.to_thread(self.store.put, adapter_id, config_raw, weights_raw,
                                          meta, True)
         await self.engine.add_adapter(adapter_id, stored.path, adapter)
@@ -122,7 +129,7 @@ class AdapterTiers:
             hub_cache_dir=self.hub_cache_dir)
         self._observe("disk", started)
         meta = StoredMeta(entry.source, entry.revision, version=entry.version,
-                          object_key=entry.object_key)
+                          object_key=entry.object_key, owner=entry.owner)
         return await self.put(entry.adapter_id, config_raw, weights_raw, meta,
                               write_through=False)
 

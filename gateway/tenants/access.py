@@ -1,0 +1,85 @@
+"""The tenant rules on the admin and adapter routes, each answered as DESIGN.md "Tenants" says:
+an adapter a key may not use is a 404 exactly like one that does not exist (an invalid id too,
+to a tenant key: it names nothing the key may use); a write outside the caller's namespace, or
+to an adapter it may use but does not own, is a 403. The request path's own check (a model a
+key may not use) is in AdapterManager.locate.
+
+Every check reads the catalog's owner now (`FleetCatalog.owner` refreshes the entry), so
+an adapter moved to another tenant on any replica is judged by its current owner.
+"""
+
+from __future__ import annotations
+
+from adapters.errors import InvalidAdapterId
+from adapters.ids import validate_adapter_id
+from gateway.errors import APIError
+from gateway.residency.manager import AdapterManager
+from gateway.residency.tiers import not_registered
+from gateway.tenants.keys import Principal, valid_tenant
+
+
+def forbidden(message: str) -> APIError:
+    return APIError(403, message, code="permission_denied")
+
+
+def checked_id(principal: Principal, raw: str) -> str:
+    """A valid adapter id; an invalid one is a 400 to the operator, a 404 to a tenant key."""
+    try:
+        return validate_adapter_id(raw)
+    except InvalidAdapterId:
+        if principal.operator:
+            raise
+        raise not_registered(raw) from None
+
+
+async def check_visible(manager: AdapterManager, principal: Principal, raw: str) -> str:
+    """The id of an existing adapter `principal` may use; else the unknown adapter's 404."""
+    adapter_id = checked_id(principal, raw)
+    owner = await manager.catalog.owner(adapter_id)
+    if owner is not None and not principal.may_use(adapter_id, owner):
+        raise not_registered(adapter_id)
+    return adapter_id
+
+
+async def check_change(manager: AdapterManager, principal: Principal, raw: str) -> str:
+    """The id of an existing adapter `principal` may replace, pin, evict, load or delete."""
+    adapter_id = await check_visible(manager, principal, raw)
+    owner = await manager.catalog.owner(adapter_id)
+    if owner is not None and not principal.may_change(adapter_id, owner):
+        raise forbidden(f"this key may not change adapter {adapter_id!r}: "
+                        + _why(principal, "change"))
+    return adapter_id
+
+
+async def owner_for_write(manager: AdapterManager, principal: Principal, adapter_id: str,
+                          requested: str | None) -> str | None:
+    """The owner an upload or registration of `adapter_id` gets (None: keep the current one);
+    403 if `principal` may not write there. The namespace is judged by the id alone, before
+    anything is read, so a refusal says nothing about what exists."""
+    validate_adapter_id(adapter_id)
+    if requested is not None and requested != "" and not valid_tenant(requested):
+        raise APIError.bad_request(f"owner {requested!r} is not a tenant name "
+                                   "([a-z0-9][a-z0-9-]{0,62}; empty: shared)", param="owner")
+    if principal.operator:
+        if not principal.admin:
+            raise forbidden("this key may not upload or register adapters")
+        return requested
+    if requested not in (None, principal.tenant):
+        raise forbidden(f"a {principal.tenant!r} key may not give adapters another owner")
+    if not principal.may_create(adapter_id):
+        raise forbidden(f"this key may not write adapter {adapter_id!r}: "
+                        + _why(principal, "write"))
+    owner = await manager.catalog.owner(adapter_id)
+    if owner is not None and owner != principal.tenant:
+        if not principal.may_use(adapter_id, owner):
+            raise not_registered(adapter_id)
+        raise forbidden(f"adapter {adapter_id!r} is shared by the operator; a tenant key may "
+                        "not replace it")
+    return principal.tenant
+
+
+def _why(principal: Principal, verb: str) -> str:
+    if not principal.admin:
+        return "a member key serves requests only"
+    globs = f" matching {list(principal.adapters)}" if principal.adapters else ""
+    return f"a {principal.tenant!r} admin key may {verb} only {principal.tenant}/...{globs}"
