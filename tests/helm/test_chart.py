@@ -921,3 +921,11 @@ def validate_service_monitor(obj: dict[str, Any]) -> None:
     jsonschema.Draft7Validator(SERVICE_MONITOR_SCHEMA).validate(obj)
     # the port it scrapes must be one the gateway Service exposes
     assert obj["spec"]["endpoints"][0]["port"] == "http"
+
+
+def test_tenant_key_cache_seconds_pass_to_the_server():
+    assert flag(gateway(render()), "--tenant-key-cache-s") == ["3600"]
+    rendered = render({"auth": {"tenantKeyCacheSeconds": 600}})
+    assert flag(gateway(rendered), "--tenant-key-cache-s") == ["600"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.Draft7Validator(SCHEMA).validate({"auth": {"tenantKeyCacheSeconds": 0}})
