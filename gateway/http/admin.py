@@ -26,7 +26,7 @@ from gateway.residency.info import AdapterInfo
 from gateway.residency.manager import AdapterManager
 from gateway.residency.tiers import not_registered
 from gateway.runtime import Runtime
-from gateway.tenants.access import check_change, check_visible, owner_for_write
+from gateway.tenants.access import check_change, check_source, check_visible, owner_for_write
 from gateway.tenants.audit import now_entry
 from gateway.tenants.keys import Principal
 
@@ -63,11 +63,13 @@ async def audit(runtime: Runtime, caller: Principal, action: str, info: AdapterI
 
 
 async def write(runtime: Runtime, request: Request, adapter_id: str, owner: str | None,
-                action: str, add) -> AdapterInfo:
-    """An upload or registration of `adapter_id` (`add(owner)` does it), if the caller may,
-    audited as what it was: an add or a replace."""
+                action: str, add, source: str | None = None) -> AdapterInfo:
+    """An upload or a registration (from `source`) of `adapter_id` (`add(owner)` does it), if
+    the caller may, audited as what it was: an add or a replace."""
     manager, caller = _manager(runtime), principal(request)
     owner = await owner_for_write(manager, caller, adapter_id, owner)
+    if source is not None:
+        check_source(manager, caller, source)
     existed = await manager.catalog.owner(adapter_id) is not None
     info = await add(owner)
     await audit(runtime, caller, "adapter.replaced" if existed else action, info)
@@ -128,7 +130,7 @@ class AdminController(Controller):
                                                     data.replace, owner)
 
         return await write(runtime, request, data.adapter_id, data.owner,
-                           "adapter.registered", add)
+                           "adapter.registered", add, data.source)
 
     @post("/{target:path}", status_code=200, responses=error_responses(
         400, 401, 403, 404, 409, 422, 502, 503, e404="no such adapter, or no such action",

@@ -29,6 +29,7 @@ from gateway.tenants.access import forbidden
 from gateway.tenants.forwarding import IDENTITY_HEADER, verify
 from gateway.tenants.keys import API_KEY_ID, KEY_PREFIX, OPEN_ID, OPERATOR, OPERATOR_ID, Principal
 
+FORWARDED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 PRINCIPAL = "principal"  # the request state's key of the caller
 RATE_LIMIT_HEADERS = "rate_limit_headers"  # of the caller's limits, set by admission
 
@@ -63,9 +64,11 @@ def _static(config: ServerConfig, key_id: str) -> Principal | None:
         return OPERATOR
     if key_id == API_KEY_ID and config.api_key is not None:
         return Principal(API_KEY_ID, None, "member" if config.admin_key else "admin")
-    if key_id == OPEN_ID:
-        return Principal(OPEN_ID, None, "member" if config.admin_key or config.api_key
-                         else "admin")
+    if key_id == OPEN_ID:  # an open server's caller is the operator; else on an open /v1 it
+        # may use only shared adapters (tenants' own need their keys)
+        if config.admin_key is None and config.api_key is None:
+            return Principal(OPEN_ID, None, "admin")
+        return Principal(OPEN_ID, "", "member")
     return None
 
 
@@ -84,6 +87,8 @@ async def _resolve(connection: ASGIConnection) -> tuple[Principal | None, bool]:
         raise APIError.not_ready("the tenant keys are being read")
     if signed is None:
         return await tenants.find(token), True
+    if connection.scope["path"] not in FORWARDED_PATHS:
+        raise _unauthorized("forwarded identity", True)
     body = await connection.body() if hasattr(connection, "body") else b""
     key_id = verify(tenants.forward_secret, signed, connection.scope["method"],
                     connection.scope["path"], body)

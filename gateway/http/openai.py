@@ -120,7 +120,8 @@ class AdapterLoadController(Controller):
             return await runtime.adapters.load(data.lora_name, data.lora_path,
                                                replace=data.load_inplace, owner=owner)
 
-        await write(runtime, request, data.lora_name, None, "adapter.registered", add)
+        await write(runtime, request, data.lora_name, None, "adapter.registered", add,
+                    data.lora_path)
         return f"Success: LoRA adapter '{data.lora_name}' added successfully."
 
     @post("/unload_lora_adapter", status_code=200, media_type="text/plain",

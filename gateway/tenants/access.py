@@ -10,8 +10,9 @@ an adapter moved to another tenant on any replica is judged by its current owner
 
 from __future__ import annotations
 
-from adapters.errors import InvalidAdapterId
+from adapters.errors import AdapterNotFound, InvalidAdapterId
 from adapters.ids import validate_adapter_id
+from adapters.sources import InvalidSource, hub_allowed, parse_source, s3_allowed
 from gateway.errors import APIError
 from gateway.residency.manager import AdapterManager
 from gateway.residency.tiers import not_registered
@@ -76,6 +77,26 @@ async def owner_for_write(manager: AdapterManager, principal: Principal, adapter
         raise forbidden(f"adapter {adapter_id!r} is shared by the operator; a tenant key may "
                         "not replace it")
     return principal.tenant
+
+
+def check_source(manager: AdapterManager, principal: Principal, source: str) -> None:
+    """A tenant key registers only what the operator already lets any caller fetch: a Hub
+    repo --hub-allow matches or an s3:// folder --s3-allow matches. A server path, or any
+    other repo or bucket, would be read with the server's own files and credentials (another
+    tenant's stored bytes, the operator's private repos): 403."""
+    if principal.operator:
+        return
+    try:
+        parsed = parse_source(source, allow_local=False)
+    except (InvalidSource, AdapterNotFound):
+        parsed = None
+    allowed = parsed is not None and (
+        (parsed.kind == "hub" and hub_allowed(parsed.repo_id, manager.hub_allow))
+        or (parsed.kind == "s3" and s3_allowed(source, manager.s3_allow)))
+    if not allowed:
+        raise forbidden("a tenant key registers only Hub repos --hub-allow matches and s3:// "
+                        "folders --s3-allow matches; upload other adapters "
+                        "(POST /admin/adapters, multipart)")
 
 
 def _why(principal: Principal, verb: str) -> str:

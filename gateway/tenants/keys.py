@@ -77,7 +77,8 @@ class KeyRecord:
 @dataclass(frozen=True, slots=True)
 class Principal:
     """Who a request acts as. `tenant` None: the operator's rights (its static keys, or an open
-    server); `key_id` names the key in audits and limits."""
+    server); "": an anonymous caller on an open /v1 of a keyed server (shared adapters only);
+    `key_id` names the key in audits and limits."""
 
     key_id: str
     tenant: str | None
@@ -96,7 +97,7 @@ class Principal:
     @property
     def metrics_label(self) -> str:
         """The `tenant` label of per-tenant metrics (bounded: tenants, never keys)."""
-        return self.tenant or OPERATOR_ID
+        return self.tenant if self.tenant else OPERATOR_ID if self.tenant is None else OPEN_ID
 
     @classmethod
     def of(cls, record: KeyRecord) -> Principal:

@@ -271,3 +271,29 @@ async def test_an_open_server_mints_no_keys(tserver):
     async with AsyncTestClient(create_app(config, runtime=tserver.runtime)) as c:
         r = await c.post("/admin/tenants/acme/keys", json={"role": "member"})
         assert r.status_code == 403 and "--admin-key" in r.json()["error"]["message"]
+
+
+def test_a_tenant_registers_no_server_path_or_unlisted_source(call, keys, tserver):
+    acme, before = keys["acme"]["key"], call(OP).get("/admin/adapters").json()
+    stored = os.path.join(tserver.config.adapter_path, "acme", "bot")  # its own bytes, even
+    for source in (stored, str(keys["folder"]), "hf://someorg/private", "s3://bucket/a/"):
+        r = call(acme).post("/admin/adapters/register",
+                            json={"adapter_id": "acme/copy", "source": source})
+        assert r.status_code == 403, (source, r.text)
+        r = call(acme).post("/v1/load_lora_adapter",
+                            json={"lora_name": "acme/copy", "lora_path": source})
+        assert r.status_code == 403, (source, r.text)
+    assert call(OP).get("/admin/adapters").json() == before
+
+
+async def test_anonymous_callers_on_an_open_v1_see_only_shared_adapters(keys, tserver):
+    config = replace(tserver.config, api_key=None)  # /v1 open, the admin routes keyed
+    async with AsyncTestClient(create_app(config, runtime=tserver.runtime)) as c:
+        models = {m["id"] for m in (await c.get("/v1/models")).json()["data"]}
+        assert "shared" in models and not any(m.startswith("acme/") for m in models)
+        r = await c.post("/v1/completions", json={**BODY, "model": "acme/bot"})
+        assert r.status_code == 404
+        r = await c.post("/v1/completions", json={**BODY, "model": "acme/bot"},
+                         headers=bearer(keys["acme"]["key"]))
+        assert r.status_code == 200, r.text
+        assert (await c.get("/v1/models", headers=bearer("lgw-revoked"))).status_code == 401
