@@ -37,6 +37,7 @@ class KeyRing:
         self._confirmed = 0.0  # time.monotonic() of the last successful read of the store
         self._used: dict[str, float] = {}  # last uses seen here, not yet flushed
         self._errors = store_errors()
+        self._away = False  # the last sync could not read the store
 
     # ---- the request path ----------------------------------------------------------------
     def find(self, secret: str) -> KeyRecord | None:
@@ -89,10 +90,16 @@ class KeyRing:
             self._confirmed = time.monotonic()
             used, self._used = self._used, {}
             await self.store.touch(used)
+            if self._away:
+                logger.info("tenant keys: the store answers again (%d keys)", len(self.records))
+            self._away = False
         except self._errors as exc:
-            logger.warning("tenant keys: store unreachable (%s); honouring the %d known key(s) "
-                           "for at most %.0f s more", exc, len(self.records),
-                           self.offline_s - (time.monotonic() - self._confirmed))
+            if not self._away:  # once per outage
+                logger.warning("tenant keys: store unreachable (%s); honouring the %d known "
+                               "key(s) for at most %.0f s, refusing every other key", exc,
+                               len(self.records),
+                               self.offline_s - (time.monotonic() - self._confirmed))
+            self._away = True
 
     def _replace(self, records: dict[str, KeyRecord]) -> None:
         self.records = records
