@@ -17,6 +17,7 @@ write (conc: LEASE_S + WINDOW_S), so idle keys vanish:
     rl:{key_id}:req   zset  request id -> admitted at (ms)
     rl:{key_id}:tok   zset  request id -> admitted at (ms)    } the tpm reservations
     rl:{key_id}:tokn  hash  request id -> tokens reserved     }
+    rl:{key_id}:toksum string their sum, kept as they come and go  }
     rl:{key_id}:conc  zset  request id -> lease deadline (ms)
 
 Without Redis, or while it fails, the same windows run in this process (`LocalWindows`,
@@ -58,7 +59,7 @@ TTL_S = 120.0  # a window's keys outlive their newest member
 RETRY_REDIS_S = 1.0  # after a Redis error, decide locally this long before trying it again
 REDIS_ERRORS = (RedisError, OSError)  # OSError: refused or reset sockets, timeouts
 
-# KEYS: req, tok, tokn, conc. ARGV: rpm, tpm, max_concurrency ('' = unlimited), request id,
+# KEYS: req, tok, tokn, conc, toksum. ARGV: rpm, tpm, max_concurrency ('' = unlimited), request id,
 # tokens, window, lease, ttl (ms). Returns {admitted, requests, reset_requests_ms, tokens,
 # reset_tokens_ms, in_flight}: counts after this admission; in_flight is before it.
 _ADMIT = """
@@ -67,16 +68,18 @@ local rid, tokens = ARGV[4], tonumber(ARGV[5])
 local window, lease, ttl = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- the running total of the reservations in the window: each one is added once and taken
+-- off once (as it leaves), so an admission costs what left the window, not the window's size
+local used = tonumber(redis.call('GET', KEYS[5]) or '0')
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - window)) do
+  used = used - (tonumber(redis.call('HGET', KEYS[3], id)) or 0)
   redis.call('HDEL', KEYS[3], id)
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - window)
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
-local nreq, used, nconc = redis.call('ZCARD', KEYS[1]), 0, redis.call('ZCARD', KEYS[4])
-if tpm then  -- summed afresh: a running total could drift from the reservations it sums
-  for _, v in ipairs(redis.call('HVALS', KEYS[3])) do used = used + tonumber(v) end
-end
+if redis.call('HLEN', KEYS[3]) == 0 or used < 0 then used = 0 end  -- nothing left to sum
+local nreq, nconc = redis.call('ZCARD', KEYS[1]), redis.call('ZCARD', KEYS[4])
 local ok = not ((rpm and nreq >= rpm) or (tpm and used + tokens > tpm) or (maxc and nconc >= maxc))
 local function add(key, score, expire_ms)
   redis.call('ZADD', key, score, rid); redis.call('PEXPIRE', key, expire_ms)
@@ -86,6 +89,7 @@ if ok and tpm then
   add(KEYS[2], now, ttl); used = used + tokens
   redis.call('HSET', KEYS[3], rid, tokens); redis.call('PEXPIRE', KEYS[3], ttl)
 end
+if tpm then redis.call('SET', KEYS[5], used, 'PX', ttl) end
 if ok and maxc then add(KEYS[4], now + lease, lease + window) end
 local req_reset, tok_reset = 0, 0
 if rpm and nreq >= rpm then  -- room again when the (nreq - rpm + 1)th oldest leaves
@@ -103,10 +107,15 @@ if tpm and used + need > tpm then  -- a request this size fits when enough old o
 end
 return {ok and 1 or 0, nreq, req_reset, used, tok_reset, nconc}
 """
-# KEYS: tokn, conc. ARGV: request id, tokens used. Corrects only a reservation still in the window.
+# KEYS: tokn, conc, toksum. ARGV: request id, tokens used. Corrects only a reservation still in
+# the window (and the running total with it).
 _FINISH = """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then
+local reserved = redis.call('HGET', KEYS[1], ARGV[1])
+if reserved then
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+  if redis.call('EXISTS', KEYS[3]) == 1 then
+    redis.call('INCRBY', KEYS[3], tonumber(ARGV[2]) - tonumber(reserved))
+  end
 end
 redis.call('ZREM', KEYS[2], ARGV[1])
 """
@@ -166,7 +175,7 @@ class Limiter:
             return UNLIMITED
         answer = None
         if self._use_redis():
-            keys = [self._key(key_id, name) for name in ("req", "tok", "tokn", "conc")]
+            keys = [self._key(key_id, name) for name in ("req", "tok", "tokn", "conc", "toksum")]
             args = ["" if v is None else v for v in (limits.rpm, limits.tpm,
                                                      limits.max_concurrency)]
             args += [request_id, tokens, *(round(s * 1000) for s in (WINDOW_S, LEASE_S, TTL_S))]
@@ -191,7 +200,7 @@ class Limiter:
             return
         self._leases.pop((reservation.key_id, reservation.request_id), None)
         # Tried even while Redis is left alone: a leaked slot would refuse requests for LEASE_S.
-        keys = [self._key(reservation.key_id, "tokn"), self._key(reservation.key_id, "conc")]
+        keys = [self._key(reservation.key_id, name) for name in ("tokn", "conc", "toksum")]
         await self._call(self._finish, keys, [reservation.request_id, tokens_used])
 
     async def renew(self) -> None:
