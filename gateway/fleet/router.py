@@ -8,8 +8,9 @@ shared store) goes to the replicas that hold it instead, best first; when none a
 names the adapter and why. One whose store is down right now goes to its holders first too;
 when none answers, this replica tries the store itself (and answers its 503). One hop at most: a request carrying the marker is always served
 where it lands. Forwarding never turns a servable request into an error: a target that cannot
-be reached, or answers 404, 429 or 5xx before any byte, is forgotten for this request and the
-next candidate, or this replica, serves it. The in-process registry never forwards.
+be reached, or answers 401, 404, 429 (unless the caller's key is over its limits: relayed) or
+5xx before any byte, is forgotten for this request and the next candidate, or this replica,
+serves it. The in-process registry never forwards.
 
 The router reads replica states only; the residency manager (gateway/residency/manager.py)
 publishes this replica's.
@@ -157,7 +158,8 @@ class Router:
             logger.warning("forward of %s to %s (%s) failed: %s", path, target.replica_id,
                            target.url, exc)
             return None
-        if upstream.status_code >= 500 or upstream.status_code in _FALLBACK_STATUSES:
+        if (upstream.status_code >= 500 or upstream.status_code in _FALLBACK_STATUSES) \
+                and not _over_key_limit(upstream):
             await upstream.aclose()
             logger.warning("replica %s answered %d to a forwarded %s", target.replica_id,
                            upstream.status_code, path)
@@ -183,6 +185,13 @@ async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
             yield chunk
     finally:
         await upstream.aclose()
+
+
+def _over_key_limit(upstream: httpx.Response) -> bool:
+    """A 429 for the caller's key (its limits hold fleet-wide: no other replica would admit
+    it either), told from a full replica's 429 by the x-ratelimit-* headers only it carries."""
+    return upstream.status_code == 429 and any(k.lower().startswith("x-ratelimit-")
+                                               for k in upstream.headers)
 
 
 def _has_header(headers: Mapping[str, str], name: str) -> bool:

@@ -154,7 +154,7 @@ def rate_limit_hook(runtime: Runtime):
         headers = list(message.get("headers") or ())
         if any(k.lower().startswith(b"x-ratelimit-") for k, _ in headers):
             return
-        ours = state.get(RATE_LIMIT_HEADERS) or runtime.tenants.headers(caller)
+        ours = state.get(RATE_LIMIT_HEADERS) or await runtime.tenants.headers(caller)
         message["headers"] = headers + [(k.encode(), v.encode()) for k, v in ours.items()]
 
     return add_rate_limit_headers

@@ -92,7 +92,7 @@ async def _resolve(connection: ASGIConnection) -> tuple[Principal | None, bool]:
     body = await connection.body() if hasattr(connection, "body") else b""
     key_id = verify(tenants.forward_secret, signed, connection.scope["method"],
                     connection.scope["path"], body)
-    found = key_id and (_static(config, key_id) or tenants.by_id(key_id))
+    found = key_id and (_static(config, key_id) or await tenants.by_id(key_id))
     if not found:
         raise _unauthorized("forwarded identity", True)
     return found, True

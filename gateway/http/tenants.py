@@ -39,7 +39,9 @@ class Rotate(msgspec.Struct, forbid_unknown_fields=True):
     grace_seconds: int = 0
 
 
-class KeyInfo(msgspec.Struct, omit_defaults=True):
+class KeyInfo(msgspec.Struct):
+    """A key as listed (and as revoked): never its secret."""
+
     id: str
     tenant: str
     role: str
@@ -48,8 +50,21 @@ class KeyInfo(msgspec.Struct, omit_defaults=True):
     tpm: int | None
     max_concurrency: int | None
     created: int
-    key: str | None = None  # only when minted or rotated
-    last_used: int | None = None  # only when listed
+    last_used: int | None = None  # unix time; null: never used
+
+
+class NewKey(msgspec.Struct, omit_defaults=True):
+    """A key as minted or rotated: the secret, shown this once."""
+
+    id: str
+    key: str
+    tenant: str
+    role: str
+    adapters: list[str]
+    rpm: int | None
+    tpm: int | None
+    max_concurrency: int | None
+    created: int
     previous_key_valid_until: int | None = None  # after a rotation with a grace period
 
 
@@ -63,9 +78,16 @@ class AuditList(msgspec.Struct):
     object: str = "list"
 
 
-def _info(record: KeyRecord, **extra) -> KeyInfo:
+def _info(record: KeyRecord, last_used: float | None = None) -> KeyInfo:
     return KeyInfo(record.id, record.tenant, record.role, list(record.adapters), record.rpm,
-                   record.tpm, record.max_concurrency, record.created, **extra)
+                   record.tpm, record.max_concurrency, record.created,
+                   int(last_used) if last_used is not None else None)
+
+
+def _new(record: KeyRecord, secret: str, previous_until: int | None = None) -> NewKey:
+    return NewKey(record.id, secret, record.tenant, record.role, list(record.adapters),
+                  record.rpm, record.tpm, record.max_concurrency, record.created,
+                  previous_until)
 
 
 def _tenant(request: Request, tenant: str) -> Principal:
@@ -126,7 +148,7 @@ class TenantKeyController(Controller):
 
     @post("/", status_code=201, responses=error_responses(400, 401, 403, 503))
     async def create(self, request: Request, tenant: str, data: CreateKey,
-                     runtime: Runtime) -> KeyInfo:
+                     runtime: Runtime) -> NewKey:
         caller = _tenant(request, tenant)
         if data.role not in ROLES:
             raise APIError.bad_request(f"role must be one of {list(ROLES)}, got {data.role!r}",
@@ -135,7 +157,7 @@ class TenantKeyController(Controller):
             tenant, data.role, _globs(caller, data), _limits(caller, data))
         await runtime.tenants.audit.append(now_entry(caller, "key.created", owner=tenant,
                                                      target_key_id=record.id))
-        return _info(record, key=secret)
+        return _new(record, secret)
 
     @get("/", responses=error_responses(400, 401, 403))
     async def list_keys(self, request: Request, tenant: str, runtime: Runtime) -> KeyList:
@@ -144,13 +166,12 @@ class TenantKeyController(Controller):
         used = await runtime.tenants.keys.last_used()
         records = sorted((r for r in runtime.tenants.keys.records.values()
                           if r.tenant == tenant), key=lambda r: (r.created, r.id))
-        return KeyList([_info(r, last_used=int(used[r.id]) if r.id in used else None)
-                        for r in records])
+        return KeyList([_info(r, used.get(r.id)) for r in records])
 
     @post("/{key_id:str}/rotate", status_code=200,
           responses=error_responses(400, 401, 403, 404, 503))
     async def rotate(self, request: Request, tenant: str, key_id: str, runtime: Runtime,
-                     data: Rotate | None = None) -> KeyInfo:
+                     data: Rotate | None = None) -> NewKey:
         caller = _tenant(request, tenant)
         grace = (data or Rotate()).grace_seconds
         if not 0 <= grace <= MAX_GRACE_S:
@@ -161,7 +182,7 @@ class TenantKeyController(Controller):
         await runtime.tenants.audit.append(now_entry(caller, "key.rotated", owner=tenant,
                                                      target_key_id=record.id))
         until = int(record.old_until) if record.old_hash else None
-        return _info(record, key=secret, previous_key_valid_until=until)
+        return _new(record, secret, until)
 
     @delete("/{key_id:str}", status_code=200, responses=error_responses(400, 401, 403, 404, 503))
     async def revoke(self, request: Request, tenant: str, key_id: str,

@@ -43,8 +43,9 @@ def verify(secret: bytes | None, header: str, method: str, path: str,
     return key_id if hmac.compare_digest(mac.encode(), expected.encode()) else None
 
 
-async def fleet_secret(redis, prefix: str) -> bytes:
-    """The fleet's forwarding secret, made by the first replica to look."""
+async def fleet_secret(redis, prefix: str, known: bytes | None = None) -> bytes:
+    """The fleet's forwarding secret: made by the first replica to look, and written back
+    (`known`) by those that hold it when Redis comes back empty."""
     key = f"{prefix}forward-secret"
-    await redis.set(key, secrets.token_hex(32), nx=True)
+    await redis.set(key, known or secrets.token_hex(32), nx=True)
     return await redis.get(key)

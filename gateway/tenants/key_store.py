@@ -78,6 +78,10 @@ class RedisKeyStore:
         raw = await self.redis.hget(self.keys_key, key_id) if key_id is not None else None
         return _decode(raw) if raw is not None else None
 
+    async def get(self, key_id: str) -> KeyRecord | None:
+        raw = await self.redis.hget(self.keys_key, key_id)
+        return _decode(raw) if raw is not None else None
+
     async def restore(self, records: dict[str, KeyRecord]) -> None:
         """Write back what a replica knows after Redis lost its data, unless someone did."""
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -151,6 +155,9 @@ class FileKeyStore:
 
     async def lookup(self, digest: str) -> KeyRecord | None:
         return None  # the keyring already mirrors this file whole
+
+    async def get(self, key_id: str) -> KeyRecord | None:
+        return None
 
     async def restore(self, records: dict[str, KeyRecord]) -> None:
         pass

@@ -67,11 +67,20 @@ class KeyRing:
         self._used[record.id] = time.time()
         return record
 
-    def by_id(self, key_id: str) -> KeyRecord | None:
-        """A key by id (a request another replica forwards names its key by id)."""
+    async def by_id_fresh(self, key_id: str) -> KeyRecord | None:
+        """A key by id (a request another replica forwards names its key by id): the mirror,
+        then the store on a miss."""
         if time.monotonic() - self._confirmed > self.offline_s:
             return None
-        return self.records.get(key_id)
+        record = self.records.get(key_id)
+        if record is None:
+            try:
+                record = await self.store.get(key_id)
+            except self._errors:
+                return None
+            if record is not None:
+                self._remember(record)
+        return record
 
     # ---- keeping current -----------------------------------------------------------------
     async def sync(self) -> None:

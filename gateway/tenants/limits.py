@@ -60,12 +60,13 @@ RETRY_REDIS_S = 1.0  # after a Redis error, decide locally this long before tryi
 REDIS_ERRORS = (RedisError, OSError)  # OSError: refused or reset sockets, timeouts
 
 # KEYS: req, tok, tokn, conc, toksum. ARGV: rpm, tpm, max_concurrency ('' = unlimited), request id,
-# tokens, window, lease, ttl (ms). Returns {admitted, requests, reset_requests_ms, tokens,
+# tokens, window, lease, ttl (ms), '1' to only look (record nothing). Returns {admitted, requests, reset_requests_ms, tokens,
 # reset_tokens_ms, in_flight}: counts after this admission; in_flight is before it.
 _ADMIT = """
 local rpm, tpm, maxc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local rid, tokens = ARGV[4], tonumber(ARGV[5])
 local window, lease, ttl = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local look = ARGV[9] == '1'
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 -- the running total of the reservations in the window: each one is added once and taken
@@ -81,16 +82,17 @@ redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
 if redis.call('HLEN', KEYS[3]) == 0 or used < 0 then used = 0 end  -- nothing left to sum
 local nreq, nconc = redis.call('ZCARD', KEYS[1]), redis.call('ZCARD', KEYS[4])
 local ok = not ((rpm and nreq >= rpm) or (tpm and used + tokens > tpm) or (maxc and nconc >= maxc))
+local record = ok and not look
 local function add(key, score, expire_ms)
   redis.call('ZADD', key, score, rid); redis.call('PEXPIRE', key, expire_ms)
 end
-if ok and rpm then add(KEYS[1], now, ttl); nreq = nreq + 1 end
-if ok and tpm then
+if record and rpm then add(KEYS[1], now, ttl); nreq = nreq + 1 end
+if record and tpm then
   add(KEYS[2], now, ttl); used = used + tokens
   redis.call('HSET', KEYS[3], rid, tokens); redis.call('PEXPIRE', KEYS[3], ttl)
 end
 if tpm then redis.call('SET', KEYS[5], used, 'PX', ttl) end
-if ok and maxc then add(KEYS[4], now + lease, lease + window) end
+if record and maxc then add(KEYS[4], now + lease, lease + window) end
 local req_reset, tok_reset = 0, 0
 if rpm and nreq >= rpm then  -- room again when the (nreq - rpm + 1)th oldest leaves
   local at = redis.call('ZRANGE', KEYS[1], nreq - rpm, nreq - rpm, 'WITHSCORES')[2]
@@ -168,18 +170,32 @@ class Limiter:
             logger.info("limits: Redis answers again; limits hold fleet-wide")
         return answer
 
+    async def _ask(self, key_id: str, limits: Limits, request_id: str, tokens: int,
+                   look: bool) -> list | None:
+        """The admission script's answer (None: Redis absent or failing)."""
+        if not self._use_redis():
+            return None
+        keys = [self._key(key_id, name) for name in ("req", "tok", "tokn", "conc", "toksum")]
+        args = ["" if v is None else v for v in (limits.rpm, limits.tpm, limits.max_concurrency)]
+        args += [request_id, tokens, *(round(s * 1000) for s in (WINDOW_S, LEASE_S, TTL_S))]
+        return await self._call(self._admit, keys, [*args, "1" if look else "0"])
+
+    async def peek(self, key_id: str, limits: Limits) -> Decision | None:
+        """Where `key_id` stands now, fleet-wide, taking nothing (the headers of a response
+        that admitted nothing); without Redis, its last admission here."""
+        answer = await self._ask(key_id, limits, "", 0, look=True) if limits.active else None
+        if answer is None:
+            return self._last.get(key_id)
+        _, requests, req_reset_ms, used, tok_reset_ms, in_flight = answer
+        usage = Usage(True, requests, req_reset_ms / 1000, used, tok_reset_ms / 1000, in_flight)
+        return decide(limits, 0, usage, None)
+
     async def admit(self, key_id: str, limits: Limits, request_id: str, tokens: int) -> Decision:
         assert tokens >= 0, tokens
         if not limits.active:
             self._last[key_id] = UNLIMITED
             return UNLIMITED
-        answer = None
-        if self._use_redis():
-            keys = [self._key(key_id, name) for name in ("req", "tok", "tokn", "conc", "toksum")]
-            args = ["" if v is None else v for v in (limits.rpm, limits.tpm,
-                                                     limits.max_concurrency)]
-            args += [request_id, tokens, *(round(s * 1000) for s in (WINDOW_S, LEASE_S, TTL_S))]
-            answer = await self._call(self._admit, keys, args)
+        answer = await self._ask(key_id, limits, request_id, tokens, look=False)
         if answer is None:
             usage = self._local.admit(key_id, limits, request_id, tokens)
         else:

@@ -93,23 +93,26 @@ class Tenants:
         if job.reservation is not None:
             spawn(self.limiter.finish(job.reservation, counts.prompt + counts.completion))
 
-    def by_id(self, key_id: str) -> Principal | None:
-        record = self.keys.by_id(key_id)
+    async def by_id(self, key_id: str) -> Principal | None:
+        """The key a forwarded request names (the store on a miss: minted a moment ago)."""
+        record = await self.keys.by_id_fresh(key_id)
         return Principal.of(record) if record is not None else None
 
     async def _read_secret(self) -> None:
-        if self.redis is None or self.forward_secret is not None:
+        """Read the fleet's secret, or put it back (every heartbeat) if Redis lost it, so a
+        replica started after that shares it too."""
+        if self.redis is None:
             return
         try:
-            self.forward_secret = await fleet_secret(self.redis, PREFIX)
+            self.forward_secret = await fleet_secret(self.redis, PREFIX, self.forward_secret)
         except Exception as exc:  # noqa: BLE001 (Redis away: no forwarding is possible anyway)
             logger.warning("tenants: cannot read the fleet's forwarding secret yet: %s", exc)
 
-    def headers(self, caller: Principal) -> dict[str, str]:
+    async def headers(self, caller: Principal) -> dict[str, str]:
         """The x-ratelimit-* headers of a limited key's response that took nothing from its
-        limits (a list, an error before admission): as its last admission here left them."""
-        last = self.limiter.last(caller.key_id)
-        return rate_limit_headers(caller.limits, last) if last is not None else {}
+        limits (a list, an error before admission): where the key stands, fleet-wide."""
+        now = await self.limiter.peek(caller.key_id, caller.limits)
+        return rate_limit_headers(caller.limits, now) if now is not None else {}
 
     async def _heartbeat(self) -> None:
         while True:
