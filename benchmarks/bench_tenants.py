@@ -17,8 +17,8 @@ Each round sends one request per key, in a shuffled order, so all three see the 
 load; each key keeps its own keep-alive connection (a blocking raw socket, so the numbers are
 the gateway's and not a Python HTTP client's). Prints a markdown table.
 
-The limited key's admission sums its tpm reservations of the last minute, so its cost grows with
-the requests that key made in the last 60 s (here about warm-up + --completion-requests).
+The limited key's admission keeps a running total of its tpm reservations, so its cost does not
+grow with the requests that key made in the last minute.
 """
 
 from __future__ import annotations
