@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 LEASE_S = 60.0
 TTL_S = 120.0  # a window's keys outlive their newest member
 RETRY_REDIS_S = 1.0  # after a Redis error, decide locally this long before trying it again
+FRESH_S = 1.0  # peek() answers from a decision this recent instead of asking Redis again
 REDIS_ERRORS = (RedisError, OSError)  # OSError: refused or reset sockets, timeouts
 
 # KEYS: req, tok, tokn, conc, toksum. ARGV: rpm, tpm, max_concurrency ('' = unlimited), request id,
@@ -141,6 +142,7 @@ class Limiter:
         self._local = LocalWindows()
         self._leases: dict[tuple[str, str], Reservation] = {}  # admitted via Redis, not finished
         self._last: dict[str, Decision] = {}
+        self._last_at: dict[str, float] = {}  # time.monotonic() of each key's last decision
         self._retry_redis_at = 0.0  # time.monotonic() before which Redis is not asked
         self._down = False  # a warning was logged for the current outage
         if redis is not None:
@@ -181,14 +183,21 @@ class Limiter:
         return await self._call(self._admit, keys, [*args, "1" if look else "0"])
 
     async def peek(self, key_id: str, limits: Limits) -> Decision | None:
-        """Where `key_id` stands now, fleet-wide, taking nothing (the headers of a response
-        that admitted nothing); without Redis, its last admission here."""
-        answer = await self._ask(key_id, limits, "", 0, look=True) if limits.active else None
+        """Where `key_id` stands, fleet-wide, taking nothing (the headers of a response that
+        admitted nothing): as of at most FRESH_S ago; without Redis, its last decision here."""
+        fresh = time.monotonic() - self._last_at.get(key_id, -FRESH_S) < FRESH_S
+        answer = None
+        if limits.active and not fresh:
+            answer = await self._ask(key_id, limits, "", 0, look=True)
         if answer is None:
             return self._last.get(key_id)
         _, requests, req_reset_ms, used, tok_reset_ms, in_flight = answer
         usage = Usage(True, requests, req_reset_ms / 1000, used, tok_reset_ms / 1000, in_flight)
-        return decide(limits, 0, usage, None)
+        return self._remember(key_id, decide(limits, 0, usage, None))
+
+    def _remember(self, key_id: str, decision: Decision) -> Decision:
+        self._last[key_id], self._last_at[key_id] = decision, time.monotonic()
+        return decision
 
     async def admit(self, key_id: str, limits: Limits, request_id: str, tokens: int) -> Decision:
         assert tokens >= 0, tokens
@@ -203,7 +212,7 @@ class Limiter:
             usage = Usage(bool(ok), requests, req_reset_ms / 1000, used, tok_reset_ms / 1000,
                           in_flight)
         reservation = Reservation(key_id, request_id, tokens, local=answer is None)
-        decision = self._last[key_id] = decide(limits, tokens, usage, reservation)
+        decision = self._remember(key_id, decide(limits, tokens, usage, reservation))
         if decision.admitted and answer is not None and limits.max_concurrency is not None:
             self._leases[key_id, request_id] = reservation
         return decision
