@@ -34,7 +34,7 @@ def roofline_tokens_per_s(llm: LLM, batch: int, repeats: int = 20) -> float:
     for layer in model.model.layers:
         for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                        layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            weights.append(linear.weight)
+            weights.append(linear.dense_weight())
     weights.append(model.lm_head.weight)
     xs = [torch.randn(batch, w.shape[1]) for w in weights]
     with torch.inference_mode():

@@ -5,6 +5,9 @@ and read by every layer from the forward context, as the callables themselves.
                production path) or "triton" (kernels/lora_triton.py).
     attention  decode rows of engine/layers/attention.py: "torch" (gather whole blocks, one
                batched SDPA) or "triton" (kernels/paged_attention.py reads K/V in place).
+    linear     dense projections (and lm_head): "torch" (F.linear) or "onednn" (kernels/
+               cpu_linear.py: weights packed once at load; the CPU's auto once it passes its
+               start-up check).
     quant      a quantized base's projections: "torch" (kernels/quant.py, dequantize then GEMM:
                the CPU path, and CUDA's for FP8 before sm_89) or "triton" (kernels/quant_triton.py,
                dequantizing in the GEMM's tiles: CUDA). None: the base is not quantized.
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import LoRAKernels, lora_kernels
+from kernels import LoRAKernels, cpu_linear, lora_kernels
 from kernels.quant import dequant_linear
 
 logger = logging.getLogger(__name__)
@@ -39,6 +42,7 @@ class Backends:
     lora: str = "torch"
     attention: str = "torch"
     quant: str | None = None
+    linear: str = "torch"
     # what the layers call, resolved here once from the names: the LoRA kernels, the decode
     # attention kernel (None: the torch path of engine/layers/attention.py) and a quantized
     # projection's GEMM: quant_linear(x [T, I], QuantWeight, bias) -> [T, O]
@@ -121,10 +125,29 @@ def resolve_quant_backend(kind: str | None, device: torch.device) -> str | None:
     return "triton"
 
 
+def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    if name == "torch":
+        return name
+    if not cpu_linear.supported(device, dtype):
+        if name == "onednn":
+            raise ValueError(f'linear_backend="onednn" needs the CPU, float32 or bfloat16 and '
+                             f"a torch with oneDNN; this is {device.type} {dtype}")
+        return "torch"
+    problem = cpu_linear.self_check(dtype)
+    if problem is None:
+        return "onednn"
+    if name == "onednn":
+        raise ValueError(f"oneDNN's packed GEMM fails its check here: {problem}")
+    logger.warning("oneDNN's packed GEMM is off, F.linear serves: %s", problem)
+    return "torch"
+
+
 def resolve_backends(lora: str, attention: str, device: torch.device, dtype: torch.dtype,
-                     shape: AttentionShape, quant: str | None = None) -> Backends:
-    """The engine's Backends from Config.lora_backend and Config.attention_backend, and the
-    kind of a quantized base's weights."""
+                     shape: AttentionShape, quant: str | None = None,
+                     linear: str = "torch") -> Backends:
+    """The engine's Backends from Config.lora_backend, attention_backend and linear_backend,
+    and the kind of a quantized base's weights."""
     return Backends(resolve_lora_backend(lora, device),
                     resolve_attention_backend(attention, device, dtype, shape),
-                    resolve_quant_backend(quant, device))
+                    resolve_quant_backend(quant, device),
+                    resolve_linear_backend(linear, device, dtype))

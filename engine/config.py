@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "triton")  # LoRA kernels and decode attention (engine/backends.py)
+LINEAR_BACKENDS = ("auto", "torch", "onednn")  # dense projections (engine/backends.py)
 
 
 def option(default: Any, help: str, **meta: Any) -> Any:
@@ -75,6 +76,10 @@ class EngineOptions:
     attention_backend: str = option("auto", "decode attention: auto (the Triton kernel on CUDA "
                                     "once it passes its start-up self-check, torch elsewhere), "
                                     "torch or triton", choices=BACKENDS)
+    linear_backend: str = option("auto", "dense projections: auto (on the CPU oneDNN's GEMM on "
+                                 "weights packed once at load, when torch has oneDNN and it "
+                                 "passes its start-up check; torch's elsewhere), torch or onednn",
+                                 choices=LINEAR_BACKENDS)
     # Counted in steps, not seconds, so it bounds the wait in forward passes whatever the
     # hardware and is deterministic in tests. None turns aging off (0 on the command line).
     lora_starvation_steps: int | None = option(
@@ -105,7 +110,8 @@ class EngineOptions:
 
     def __post_init__(self) -> None:
         n = self.option_name
-        for name in ("device", "dtype", "lora_backend", "attention_backend", "quantization"):
+        for name in ("device", "dtype", "lora_backend", "attention_backend", "linear_backend",
+                     "quantization"):
             choices = ENGINE_FIELDS[name].metadata["choices"]
             if getattr(self, name) not in choices:
                 raise ValueError(f"{n(name)} must be one of {', '.join(choices)}; got "

@@ -60,7 +60,9 @@ class ModelRunner:
         self.kv_window = kv_window(self.model.attention_layers())
         self.backends = resolve_backends(
             config.lora_backend, config.attention_backend, self.device, self.dtype,
-            self.heads, quant_kind(self.model))
+            self.heads, quant_kind(self.model), config.linear_backend)
+        if self.backends.linear == "onednn":
+            self.model.prepack()  # before the log line: weight bytes as they are held
         self.max_blocks = -(-config.max_model_len // self.block_size)  # of one sequence
         self.decode_buffers = DecodeBuffers(config.max_num_seqs, self.max_blocks, self.block_size,
                                             pad_block=self.num_kv_blocks, device=self.device)
@@ -68,12 +70,12 @@ class ModelRunner:
         off = graphs_off_reason(self.device, config.enforce_eager, self.backends)
         self.graphs = DecodeGraphs(graph_buckets(config.max_num_seqs)) if off is None else None
         logger.info("weights: %.1f MiB%s; KV cache: %d blocks of %d tokens (%.1f MiB); LoRA on "
-                    "%s, decode attention on %s; decode %s",
+                    "%s, decode attention on %s, projections on %s; decode %s",
                     self.model.weight_bytes() / 2**20,
                     f" ({config.quant.method}, GEMM on {self.backends.quant})"
                     if config.quant else "", self.num_kv_blocks, self.block_size,
                     self.kv_cache_bytes / 2**20, self.backends.lora, self.backends.attention,
-                    f"eager ({off})" if off else "in CUDA graphs")
+                    self.backends.linear, f"eager ({off})" if off else "in CUDA graphs")
         if self.graphs is not None:
             self.capture_graphs()
 

@@ -34,6 +34,7 @@ from engine.forward_context import get_forward_context
 from engine.layers.linear import LoRABuffers
 from engine.layers.parts import Loadable
 from engine.lora_step import embed_full_rows, head_logits
+from kernels import cpu_linear
 
 
 @dataclass(slots=True)
@@ -111,6 +112,12 @@ class LMHead(nn.Module, VocabShard):
             self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden_size),
                                        requires_grad=False)
         self.lora: LoRABuffers | None = None  # one slice: lora_a [1, S, R, H], lora_b [S, V, R]
+        # oneDNN's layout of the weight (kernels/cpu_linear.py), beside it: a tied weight is
+        # also the embedding's, and saved full-module heads read it whole
+        self.packed: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        self.packed = cpu_linear.pack(self._tied_to[0].weight if self._tied_to else self.weight)
 
     @property
     def tied(self) -> bool:
@@ -123,6 +130,8 @@ class LMHead(nn.Module, VocabShard):
         full = ctx.lora.full if ctx.lora is not None else None
         if full is not None and full.head:
             logits = head_logits(hidden, weight, full)  # some rows on their adapter's own copy
+        elif self.packed is not None:
+            logits = cpu_linear.packed_linear(hidden, self.packed)
         else:
             logits = F.linear(hidden, weight)
         if self.lora is not None and ctx.lora is not None and ctx.lora.sample is not None:

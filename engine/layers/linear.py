@@ -11,6 +11,9 @@ outputs are all-reduced; its LoRA delta is added before that, with A split by in
 like the weight and B whole: the sum over ranks of (x_r A_r^T) B^T is x A^T B^T, so the delta
 needs no collective of its own. The bias is added once, after the reduction.
 
+On the CPU the weight may be packed for oneDNN once it is loaded (`prepack`, when the model
+runner chose Backends.linear "onednn": kernels/cpu_linear.py); the packed copy replaces it.
+
 A quantized base's projection (`quantize(scheme)`, before loading) holds its weight in
 kernels/quant.py's layout instead: `qweight` filled slice by slice like a weight, the scales,
 zero points and act-order map gathered per slice and joined once every slice is in; the
@@ -33,7 +36,7 @@ from engine.forward_context import get_forward_context
 from engine.layers.parts import Loadable
 from engine.quant import shard as quant_shard
 from engine.quant.scheme import WeightScheme
-from kernels import LoRAKernels
+from kernels import LoRAKernels, cpu_linear
 from kernels.quant import QuantWeight
 
 
@@ -83,6 +86,7 @@ class Linear(nn.Module, Loadable):
         self.lora: LoRABuffers | None = None
         self.scheme: WeightScheme | None = None  # quantized: what `quantize` was given
         self.quant: QuantWeight | None = None  # quantized, once loaded
+        self.packed: torch.Tensor | None = None  # oneDNN's layout of the weight (prepack)
         self._quant_parts: dict[str, QuantWeight] = {}  # slice -> its loaded part
 
     def slice_rows(self, name: str) -> slice:
@@ -169,11 +173,23 @@ class Linear(nn.Module, Loadable):
         self.quant.check()
         self._quant_parts.clear()
 
+    def prepack(self) -> None:
+        """Hold the loaded weight in oneDNN's layout instead (kernels/cpu_linear.py)."""
+        if self.quant is None:
+            self.packed = cpu_linear.pack(self.weight)
+            del self.weight
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight [O, I] as a plain tensor, however it is held (not quantized)."""
+        return self.packed.to_dense() if self.packed is not None else self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> y: [T, O_total]
         bias = None if self.row_parallel else self.bias
         if self.quant is not None:
             y = get_forward_context().backends.quant_linear(x, self.quant, bias)
+        elif self.packed is not None:
+            y = cpu_linear.packed_linear(x, self.packed, bias)
         else:
             y = F.linear(x, self.weight, bias)
         if self.lora is not None:

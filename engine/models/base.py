@@ -98,13 +98,23 @@ class CausalLM(nn.Module):
         """(total, active) parameters, active being what one token's forward pass multiplies
         by: all of them in a dense model (MoE: only top_k of each layer's E experts)."""
         total = sum(p.numel() for p in self.parameters())
+        total += sum(m.packed.numel() for m in self.modules()
+                     if isinstance(m, Linear) and m.packed is not None)
         return total, total
+
+    def prepack(self) -> None:
+        """Every dense projection and lm_head in oneDNN's layout (kernels/cpu_linear.py)."""
+        for module in self.modules():
+            if isinstance(module, (Linear, LMHead)):
+                module.prepack()
 
     def weight_bytes(self) -> int:
         """Bytes this process holds of the base's weights: parameters as they are stored
-        (a quantized projection's packed qweight) and its quantization's scales, zero points
-        and act-order maps."""
+        (a quantized projection's packed qweight, a projection's oneDNN layout, lm_head's
+        beside its weight) and its quantization's scales, zero points and act-order maps."""
         held = sum(p.numel() * p.element_size() for p in self.parameters())
+        held += sum(m.packed.numel() * m.packed.element_size() for m in self.modules()
+                    if isinstance(m, (Linear, LMHead)) and m.packed is not None)
         for _, linear in self.lora_linears():
             if linear.quant is not None:
                 q = linear.quant

@@ -33,7 +33,7 @@ def test_float16_refuses_a_weight_past_its_range(overflowing):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_wider_dtypes_load_the_same_checkpoint(overflowing, dtype):
     llm = LLM(overflowing, device="cpu", dtype=dtype)
-    weight = llm.engine.runner.model.model.layers[1].mlp.down_proj.weight
+    weight = llm.engine.runner.model.model.layers[1].mlp.down_proj.dense_weight()
     assert math.isclose(weight[3, 7].item(), -1e5, rel_tol=1e-2)  # bf16 keeps 8 bits
     (out,) = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0))
     assert len(out.token_ids) == 2
