@@ -21,6 +21,7 @@ from engine.config import Config
 from engine.cuda_graphs import DecodeGraphs, GraphKey, graph_buckets, graphs_off_reason
 from engine.distributed.shard import ONE, Shard
 from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
+from engine.host_memory import keep_freed_memory
 from engine.loader import load_model
 from engine.lora_step import LoRAStep
 from engine.scheduler import PromptRows
@@ -44,6 +45,8 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
+        if self.device.type == "cpu":
+            keep_freed_memory()  # a step's large transients reuse pages (engine/host_memory.py)
         self.model = load_model(config.model, config.hf_config, self.dtype, self.device, shard,
                                 config.quant)
         self.args = self.model.args

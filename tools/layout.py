@@ -261,7 +261,8 @@ ENGINE_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("config", ("config",)),  # reads config.json into the models' description
     ("kv", ("kv", "request_checks", "scheduler", "step_plan")),
     ("lora", ("lora",)),
-    ("runner", ("model_runner", "cuda_graphs", "step_inputs", "prompt_logprobs", "sampler")),
+    ("runner", ("model_runner", "cuda_graphs", "step_inputs", "prompt_logprobs", "sampler",
+                "host_memory")),
     ("parallel", ("parallel",)),  # the tensor-parallel runner, above the model runner
     ("engine", ("llm_engine", "snapshot")),
     ("fronts", ("llm", "core", "")),  # the offline API, the engine loop and its transports
