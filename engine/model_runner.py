@@ -64,8 +64,8 @@ class ModelRunner:
         self.backends = resolve_backends(
             config.lora_backend, config.attention_backend, self.device, self.dtype,
             self.heads, quant_kind(self.model), config.linear_backend)
-        if self.backends.linear == "onednn":
-            self.model.prepack()  # before the log line: weight bytes as they are held
+        if self.backends.linear == "onednn":  # before the log line: weight bytes as held
+            self.model.prepack(every=config.linear_backend == "onednn")
         self.max_blocks = -(-config.max_model_len // self.block_size)  # of one sequence
         self.decode_buffers = DecodeBuffers(config.max_num_seqs, self.max_blocks, self.block_size,
                                             pad_block=self.num_kv_blocks, device=self.device)

@@ -7,7 +7,8 @@ torch's F.linear hands a decode step's small GEMMs (T = the batch) to MKL's sgem
 repacks W on every call; oneDNN's inner-product primitive reads a W laid out for it once
 (`torch.ops.mkldnn._reorder_linear_weight`, as inductor's CPU freezing does), and at T of 8 to
 128 runs the bench Llama's projections 1.5-3x faster on an AVX-512 CPU
-(benchmarks/bench_roofline.py). The sum runs in another order than MKL's, so results differ in
+(benchmarks/RESULTS.md, "The decode step at the roofline"); on small weights its fixed cost
+per call loses (`worth_packing`). The sum runs in another order than MKL's, so results differ in
 the last bits (float32: ~1e-7 relative); `self_check` compares against float64 at start-up.
 """
 
@@ -16,6 +17,13 @@ from __future__ import annotations
 import torch
 
 PACK_BATCH_HINT = 32  # the batch oneDNN lays W out for; any T is computed correctly
+# oneDNN's call costs ~15 us more than MKL's: below about 512 x 512 weights (2 threads, T = 1
+# to 32) F.linear is as fast or faster, so `auto` packs only projections this large.
+PACK_MIN_ELEMENTS = 512 * 512
+
+
+def worth_packing(out_features: int, in_features: int) -> bool:
+    return out_features * in_features >= PACK_MIN_ELEMENTS
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:

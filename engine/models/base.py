@@ -20,6 +20,7 @@ from engine.layers.linear import Linear
 from engine.layers.moe import Experts
 from engine.layers.parts import Block
 from engine.models.args import ModelArgs, architecture
+from kernels import cpu_linear
 
 Fused = dict[str, tuple[tuple[str, int], ...]]  # module -> (slice, its rows) of each slice
 
@@ -102,10 +103,17 @@ class CausalLM(nn.Module):
                      if isinstance(m, Linear) and m.packed is not None)
         return total, total
 
-    def prepack(self) -> None:
-        """Every dense projection and lm_head in oneDNN's layout (kernels/cpu_linear.py)."""
+    def prepack(self, every: bool = False) -> None:
+        """Dense projections and lm_head in oneDNN's layout (kernels/cpu_linear.py): those
+        large enough for it to pay, or `every` one."""
         for module in self.modules():
-            if isinstance(module, (Linear, LMHead)):
+            if isinstance(module, Linear):
+                shape = (module.out_features, module.in_features)
+            elif isinstance(module, LMHead):
+                shape = (module.local_vocab, module.hidden_size)
+            else:
+                continue
+            if every or cpu_linear.worth_packing(*shape):
                 module.prepack()
 
     def weight_bytes(self) -> int:

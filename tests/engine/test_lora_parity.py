@@ -23,6 +23,8 @@ ENGINES = {
     "torch": dict(lora_backend="torch"),
     "torch-2-slots": dict(lora_backend="torch", max_loras=2),
     "torch-chunked-prefill": dict(lora_backend="torch", max_loras=3, max_num_batched_tokens=8),
+    # every projection through oneDNN's packed GEMM (auto packs only large ones)
+    "torch-onednn": dict(lora_backend="torch", linear_backend="onednn"),
     "triton": dict(lora_backend="triton"),
     "triton-2-slots-chunked": dict(lora_backend="triton", max_loras=2, max_num_batched_tokens=16),
 }

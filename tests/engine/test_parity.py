@@ -27,6 +27,8 @@ SCHEDULES = {
     "chunked-prefill": {"max_num_batched_tokens": 8},
     "queued": {"max_num_seqs": 2},
     "preempted": {"num_kv_blocks": 24, "block_size": 4},
+    # every projection through oneDNN's packed GEMM (auto packs only large ones)
+    "onednn": {"linear_backend": "onednn"},
 }
 
 
