@@ -211,7 +211,8 @@ class Limiter:
             ok, requests, req_reset_ms, used, tok_reset_ms, in_flight = answer
             usage = Usage(bool(ok), requests, req_reset_ms / 1000, used, tok_reset_ms / 1000,
                           in_flight)
-        reservation = Reservation(key_id, request_id, tokens, local=answer is None)
+        held = limits.tpm is not None or limits.max_concurrency is not None
+        reservation = Reservation(key_id, request_id, tokens, local=answer is None, held=held)
         decision = self._remember(key_id, decide(limits, tokens, usage, reservation))
         if decision.admitted and answer is not None and limits.max_concurrency is not None:
             self._leases[key_id, request_id] = reservation
@@ -223,6 +224,8 @@ class Limiter:
         if reservation.local:
             self._local.finish(reservation, tokens_used)
             return
+        if not reservation.held:
+            return  # rpm only: an admission is final, nothing to release (no round trip)
         self._leases.pop((reservation.key_id, reservation.request_id), None)
         # Tried even while Redis is left alone: a leaked slot would refuse requests for LEASE_S.
         keys = [self._key(reservation.key_id, name) for name in ("tokn", "conc", "toksum")]

@@ -41,6 +41,7 @@ class Reservation:
     request_id: str
     tokens: int
     local: bool  # admitted by the in-process fallback: finish it there
+    held: bool = True  # a tpm reservation or a concurrency slot to settle (rpm alone: nothing)
 
 
 @dataclass(frozen=True, slots=True)
