@@ -21,7 +21,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import httpx
@@ -33,6 +32,9 @@ from engine.core.client import EngineClient
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from gateway.bench.server import free_port, stop_server
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import demo_model  # noqa: E402
 
 PROMPT = "Tell me about the ocean"
 SHORT_TOKENS = 8
@@ -201,11 +203,7 @@ def main() -> None:
     if args.quick:
         args.requests, args.trivial_requests = 50, 100
     logging.basicConfig(level=logging.WARNING)
-    model = args.model
-    if model is None:
-        from demo.model import build_demo_model
-
-        model = build_demo_model(os.path.join(tempfile.gettempdir(), "lora-gateway-bench"))
+    model = demo_model(args.model)
 
     proc, url = start_server(model, args.concurrency)
     llm_engine = LLMEngine(Config(model=model, device="cpu", max_num_seqs=args.concurrency))

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gateway import percentile  # noqa: E402
-from common import machine, write_json  # noqa: E402
+from common import demo_model, machine, write_json  # noqa: E402
 
 from gateway.bench.server import HOST, free_port, stop_server, wait_ready  # noqa: E402
 
@@ -203,11 +203,7 @@ def main() -> None:
     if args.quick:
         args.version_requests, args.completion_requests = 500, 100
     logging.basicConfig(level=logging.WARNING)
-    model = args.model
-    if model is None:
-        from demo.model import build_demo_model
-
-        model = build_demo_model(os.path.join(tempfile.gettempdir(), "lora-gateway-bench"))
+    model = demo_model(args.model)
     workloads = [Workload("GET /version", "GET", "/version", None, args.version_requests),
                  Workload("POST /v1/completions (max_tokens=1)", "POST", "/v1/completions",
                           COMPLETION, args.completion_requests)]

@@ -40,6 +40,15 @@ def save_random(out_dir: str, seed: int, make) -> str:
     return out_dir
 
 
+def demo_model(model: str | None) -> str:
+    """`model`, or the demo model (built once under the temp dir) when it is None."""
+    if model is not None:
+        return model
+    from demo.model import build_demo_model
+
+    return build_demo_model(os.path.join(tempfile.gettempdir(), "lora-gateway-bench"))
+
+
 def build_llama25m_with_tokenizer(root: str | None = None) -> str:
     """The random ~25M Llama with the demo model's tokenizer, vocabulary and chat template:
     text prompts, detokenized outputs, a step closer to a real model's than the demo's."""

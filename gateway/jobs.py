@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from engine.core.client import EngineClient
 from engine.sequence import RequestOutput
 from gateway.metrics import BASE_LABEL, Metrics
-from gateway.tenants.limits import Reservation
+from gateway.tenants.windows import Reservation
 
 logger = logging.getLogger(__name__)
 _background: set[asyncio.Task] = set()

@@ -16,8 +16,10 @@ import queue
 import socket
 import sys
 import threading
+import time
 from dataclasses import replace
 
+import httpx
 import prometheus_client
 import uvicorn
 
@@ -132,6 +134,15 @@ class BackgroundServer:
             if not self.thread.is_alive():
                 raise RuntimeError("the server thread exited during start-up")
             threading.Event().wait(0.01)
+        return self
+
+    def wait_ready(self, timeout_s: float = 120.0) -> BackgroundServer:
+        """Block until /ready answers 200 (the model and start-up adapters are loaded)."""
+        deadline = time.monotonic() + timeout_s
+        while httpx.get(self.url + "/ready").status_code != 200:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the server at {self.url} was not ready in {timeout_s:.0f} s")
+            time.sleep(0.05)
         return self
 
     def __exit__(self, *exc) -> None:

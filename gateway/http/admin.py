@@ -67,10 +67,9 @@ async def write(runtime: Runtime, request: Request, adapter_id: str, owner: str 
     """An upload or a registration (from `source`) of `adapter_id` (`add(owner)` does it), if
     the caller may, audited as what it was: an add or a replace."""
     manager, caller = _manager(runtime), principal(request)
-    owner = await owner_for_write(manager, caller, adapter_id, owner)
+    owner, existed = await owner_for_write(manager, caller, adapter_id, owner)
     if source is not None:
         check_source(manager, caller, source)
-    existed = await manager.catalog.owner(adapter_id) is not None
     info = await add(owner)
     await audit(runtime, caller, "adapter.replaced" if existed else action, info)
     return info

@@ -72,21 +72,21 @@ def _static(config: ServerConfig, key_id: str) -> Principal | None:
     return None
 
 
-async def _resolve(connection: ASGIConnection) -> tuple[Principal | None, bool]:
-    """(the caller a presented credential names, whether one was presented)."""
+async def _resolve(connection: ASGIConnection) -> tuple[Principal | None, str | None]:
+    """(the caller a presented credential names, the bearer token presented)."""
     config: ServerConfig = connection.app.state.config
     token, signed = bearer_token(connection), connection.headers.get(IDENTITY_HEADER)
     if signed is None:
         if token is None:
-            return None, False
+            return None, None
         for key_id, key in ((OPERATOR_ID, config.admin_key), (API_KEY_ID, config.api_key)):
             if key is not None and key_matches(token, key):
-                return _static(config, key_id), True
+                return _static(config, key_id), token
     tenants = connection.app.state.runtime.tenants
     if tenants is None or not tenants.started:
         raise APIError.not_ready("the tenant keys are being read")
     if signed is None:
-        return await tenants.find(token), True
+        return await tenants.find(token), token
     if connection.scope["path"] not in FORWARDED_PATHS:
         raise _unauthorized("forwarded identity", True)
     body = await connection.body() if hasattr(connection, "body") else b""
@@ -95,17 +95,16 @@ async def _resolve(connection: ASGIConnection) -> tuple[Principal | None, bool]:
     found = key_id and (_static(config, key_id) or await tenants.by_id(key_id))
     if not found:
         raise _unauthorized("forwarded identity", True)
-    return found, True
+    return found, token
 
 
 async def _guard(connection: ASGIConnection, key: str | None, what: str, admin: bool) -> None:
     """Resolve the caller; `key`: the static key that guards this route (None: open to
     anonymous callers, though a presented tenant key still has to be a valid one)."""
-    found, presented = await _resolve(connection)
+    found, token = await _resolve(connection)
     if found is None:
-        token = bearer_token(connection) or ""
-        if key is not None or token.startswith(KEY_PREFIX):
-            raise _unauthorized(what, presented)
+        if key is not None or (token or "").startswith(KEY_PREFIX):
+            raise _unauthorized(what, token is not None)
         found = _static(connection.app.state.config, OPEN_ID)
     elif admin and found.key_id == API_KEY_ID and not found.admin:
         raise _unauthorized(what, True)  # the user key is not the admin key

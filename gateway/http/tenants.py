@@ -22,7 +22,7 @@ from gateway.runtime import Runtime
 from gateway.tenants.access import forbidden
 from gateway.tenants.audit import MAX_READ, AuditEntry, now_entry
 from gateway.tenants.keys import ROLES, KeyRecord, Principal, check_globs, valid_tenant
-from gateway.tenants.limits import Limits
+from gateway.tenants.windows import Limits
 
 MAX_GRACE_S = 30 * 24 * 3600
 
@@ -39,8 +39,8 @@ class Rotate(msgspec.Struct, forbid_unknown_fields=True):
     grace_seconds: int = 0
 
 
-class KeyInfo(msgspec.Struct):
-    """A key as listed (and as revoked): never its secret."""
+class KeyFields(msgspec.Struct):
+    """What a key is (never its secret): shared by a listing and a mint."""
 
     id: str
     tenant: str
@@ -50,21 +50,23 @@ class KeyInfo(msgspec.Struct):
     tpm: int | None
     max_concurrency: int | None
     created: int
+
+    @classmethod
+    def of(cls, record: KeyRecord, **extra):
+        return cls(record.id, record.tenant, record.role, list(record.adapters), record.rpm,
+                   record.tpm, record.max_concurrency, record.created, **extra)
+
+
+class KeyInfo(KeyFields):
+    """A key as listed (and as revoked)."""
+
     last_used: int | None = None  # unix time; null: never used
 
 
-class NewKey(msgspec.Struct, omit_defaults=True):
+class NewKey(KeyFields, omit_defaults=True):
     """A key as minted or rotated: the secret, shown this once."""
 
-    id: str
     key: str
-    tenant: str
-    role: str
-    adapters: list[str]
-    rpm: int | None
-    tpm: int | None
-    max_concurrency: int | None
-    created: int
     previous_key_valid_until: int | None = None  # after a rotation with a grace period
 
 
@@ -78,16 +80,8 @@ class AuditList(msgspec.Struct):
     object: str = "list"
 
 
-def _info(record: KeyRecord, last_used: float | None = None) -> KeyInfo:
-    return KeyInfo(record.id, record.tenant, record.role, list(record.adapters), record.rpm,
-                   record.tpm, record.max_concurrency, record.created,
-                   int(last_used) if last_used is not None else None)
-
-
-def _new(record: KeyRecord, secret: str, previous_until: int | None = None) -> NewKey:
-    return NewKey(record.id, secret, record.tenant, record.role, list(record.adapters),
-                  record.rpm, record.tpm, record.max_concurrency, record.created,
-                  previous_until)
+def _second(unix: float | None) -> int | None:
+    return int(unix) if unix is not None else None
 
 
 def _tenant(request: Request, tenant: str) -> Principal:
@@ -157,7 +151,7 @@ class TenantKeyController(Controller):
             tenant, data.role, _globs(caller, data), _limits(caller, data))
         await runtime.tenants.audit.append(now_entry(caller, "key.created", owner=tenant,
                                                      target_key_id=record.id))
-        return _new(record, secret)
+        return NewKey.of(record, key=secret)
 
     @get("/", responses=error_responses(400, 401, 403))
     async def list_keys(self, request: Request, tenant: str, runtime: Runtime) -> KeyList:
@@ -166,7 +160,7 @@ class TenantKeyController(Controller):
         used = await runtime.tenants.keys.last_used()
         records = sorted((r for r in runtime.tenants.keys.records.values()
                           if r.tenant == tenant), key=lambda r: (r.created, r.id))
-        return KeyList([_info(r, used.get(r.id)) for r in records])
+        return KeyList([KeyInfo.of(r, last_used=_second(used.get(r.id))) for r in records])
 
     @post("/{key_id:str}/rotate", status_code=200,
           responses=error_responses(400, 401, 403, 404, 503))
@@ -182,7 +176,7 @@ class TenantKeyController(Controller):
         await runtime.tenants.audit.append(now_entry(caller, "key.rotated", owner=tenant,
                                                      target_key_id=record.id))
         until = int(record.old_until) if record.old_hash else None
-        return _new(record, secret, until)
+        return NewKey.of(record, key=secret, previous_key_valid_until=until)
 
     @delete("/{key_id:str}", status_code=200, responses=error_responses(400, 401, 403, 404, 503))
     async def revoke(self, request: Request, tenant: str, key_id: str,
@@ -192,7 +186,7 @@ class TenantKeyController(Controller):
         await runtime.tenants.keys.revoke(record)
         await runtime.tenants.audit.append(now_entry(caller, "key.revoked", owner=tenant,
                                                      target_key_id=record.id))
-        return _info(record)
+        return KeyInfo.of(record)
 
 
 class AuditController(Controller):

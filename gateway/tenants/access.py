@@ -33,19 +33,25 @@ def checked_id(principal: Principal, raw: str) -> str:
         raise not_registered(raw) from None
 
 
-async def check_visible(manager: AdapterManager, principal: Principal, raw: str) -> str:
-    """The id of an existing adapter `principal` may use; else the unknown adapter's 404."""
+async def _visible(manager: AdapterManager, principal: Principal,
+                   raw: str) -> tuple[str, str | None]:
+    """(the id, its owner: None if no such adapter), if `principal` may use it; else the
+    unknown adapter's 404."""
     adapter_id = checked_id(principal, raw)
     owner = await manager.catalog.owner(adapter_id)
     if owner is not None and not principal.may_use(adapter_id, owner):
         raise not_registered(adapter_id)
-    return adapter_id
+    return adapter_id, owner
+
+
+async def check_visible(manager: AdapterManager, principal: Principal, raw: str) -> str:
+    """The id of an existing adapter `principal` may use; else the unknown adapter's 404."""
+    return (await _visible(manager, principal, raw))[0]
 
 
 async def check_change(manager: AdapterManager, principal: Principal, raw: str) -> str:
     """The id of an existing adapter `principal` may replace, pin, evict, load or delete."""
-    adapter_id = await check_visible(manager, principal, raw)
-    owner = await manager.catalog.owner(adapter_id)
+    adapter_id, owner = await _visible(manager, principal, raw)
     if owner is not None and not principal.may_change(adapter_id, owner):
         raise forbidden(f"this key may not change adapter {adapter_id!r}: "
                         + _why(principal, "change"))
@@ -53,10 +59,11 @@ async def check_change(manager: AdapterManager, principal: Principal, raw: str) 
 
 
 async def owner_for_write(manager: AdapterManager, principal: Principal, adapter_id: str,
-                          requested: str | None) -> str | None:
-    """The owner an upload or registration of `adapter_id` gets (None: keep the current one);
-    403 if `principal` may not write there. The namespace is judged by the id alone, before
-    anything is read, so a refusal says nothing about what exists."""
+                          requested: str | None) -> tuple[str | None, bool]:
+    """(the owner an upload or registration of `adapter_id` gets, None: keep the current
+    one; whether the id exists already); 403 if `principal` may not write there. The
+    namespace is judged by the id alone, before the catalog is read, so a refusal says
+    nothing about what exists."""
     validate_adapter_id(adapter_id)
     if requested is not None and requested != "" and not valid_tenant(requested):
         raise APIError.bad_request(f"owner {requested!r} is not a tenant name "
@@ -64,7 +71,7 @@ async def owner_for_write(manager: AdapterManager, principal: Principal, adapter
     if principal.operator:
         if not principal.admin:
             raise forbidden("this key may not upload or register adapters")
-        return requested
+        return requested, await manager.catalog.owner(adapter_id) is not None
     if requested not in (None, principal.tenant):
         raise forbidden(f"a {principal.tenant!r} key may not give adapters another owner")
     if not principal.may_create(adapter_id):
@@ -76,7 +83,7 @@ async def owner_for_write(manager: AdapterManager, principal: Principal, adapter
             raise not_registered(adapter_id)
         raise forbidden(f"adapter {adapter_id!r} is shared by the operator; a tenant key may "
                         "not replace it")
-    return principal.tenant
+    return principal.tenant, owner is not None
 
 
 def check_source(manager: AdapterManager, principal: Principal, source: str) -> None:

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from gateway.errors import APIError
 from gateway.tenants.keys import KeyRecord, digest, new_key_id, new_secret
-from gateway.tenants.limits import Limits
+from gateway.tenants.windows import Limits
 
 logger = logging.getLogger(__name__)
 STORE_ERRORS = (OSError, ConnectionError, TimeoutError)
@@ -40,28 +40,18 @@ class KeyRing:
         self._away = False  # the last sync could not read the store
 
     # ---- the request path ----------------------------------------------------------------
-    def find(self, secret: str) -> KeyRecord | None:
-        """The key `secret` opens, from the mirror; None if the mirror does not know it, or is
-        too old to trust."""
-        if time.monotonic() - self._confirmed > self.offline_s:
-            return None
+    async def find(self, secret: str) -> KeyRecord | None:
+        """The key `secret` opens: from the mirror while it is trusted, else (a miss: a key
+        minted elsewhere a moment ago) from the store itself."""
         hashed = digest(secret)
-        record = self.records.get(self._by_hash.get(hashed, ""))
-        if record is None or hashed not in record.hashes():
-            return None
-        self._used[record.id] = time.time()
-        return record
-
-    async def find_fresh(self, secret: str) -> KeyRecord | None:
-        """`find`, then the store itself on a miss (a key minted elsewhere a moment ago)."""
-        record = self.find(secret)
+        record = self._opened(self.records.get(self._by_hash.get(hashed, "")), hashed)
         if record is not None:
             return record
         try:
-            record = await self.store.lookup(digest(secret))
+            record = await self.store.lookup(hashed)
         except self._errors:
             return None  # unknown, and nobody to ask: refused
-        if record is None or digest(secret) not in record.hashes():
+        if record is None or hashed not in record.hashes():
             return None
         self._remember(record)
         self._used[record.id] = time.time()
@@ -70,7 +60,7 @@ class KeyRing:
     async def by_id_fresh(self, key_id: str) -> KeyRecord | None:
         """A key by id (a request another replica forwards names its key by id): the mirror,
         then the store on a miss."""
-        if time.monotonic() - self._confirmed > self.offline_s:
+        if not self._trusted():
             return None
         record = self.records.get(key_id)
         if record is None:
@@ -80,6 +70,18 @@ class KeyRing:
                 return None
             if record is not None:
                 self._remember(record)
+        return record
+
+    def _trusted(self) -> bool:
+        """The mirror was read from the store within offline_s."""
+        return time.monotonic() - self._confirmed <= self.offline_s
+
+    def _opened(self, record: KeyRecord | None, hashed: str) -> KeyRecord | None:
+        """`record` if the secret hashed to `hashed` opens it now (its current or in-grace
+        secret) and the mirror is trusted; its use is noted for the next flush."""
+        if record is None or not self._trusted() or hashed not in record.hashes():
+            return None
+        self._used[record.id] = time.time()
         return record
 
     # ---- keeping current -----------------------------------------------------------------

@@ -34,8 +34,7 @@ from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
-from gateway.tenants.windows import (  # noqa: F401 (the limiter's nouns, imported from here)
-    CONCURRENCY_RETRY_S,
+from gateway.tenants.windows import (
     UNLIMITED,
     WINDOW_S,
     Decision,
@@ -44,9 +43,6 @@ from gateway.tenants.windows import (  # noqa: F401 (the limiter's nouns, import
     Reservation,
     Usage,
     decide,
-    format_reset,
-    over,
-    rate_limit_headers,
 )
 
 if TYPE_CHECKING:

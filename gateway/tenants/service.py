@@ -25,7 +25,8 @@ from gateway.tenants.forwarding import fleet_secret
 from gateway.tenants.key_store import FileKeyStore, RedisKeyStore
 from gateway.tenants.keyring import KeyRing
 from gateway.tenants.keys import Principal
-from gateway.tenants.limits import Decision, Limiter, Reservation, rate_limit_headers
+from gateway.tenants.limits import Limiter
+from gateway.tenants.windows import Decision, Reservation, rate_limit_headers
 
 logger = logging.getLogger(__name__)
 PREFIX = "loragw:"  # the registry's prefix (adapters.registry)
@@ -67,7 +68,7 @@ class Tenants:
 
     async def find(self, secret: str) -> Principal | None:
         """The tenant key `secret` opens (the mirror, then the store on a miss)."""
-        record = await self.keys.find_fresh(secret)
+        record = await self.keys.find(secret)
         return Principal.of(record) if record is not None else None
 
     async def admit(self, caller: Principal, request_id: str,

@@ -93,10 +93,7 @@ def server(server_config):
     app = create_app(server_config)
     with BackgroundServer(app) as background:
         background.runtime = app.state.runtime
-        deadline = time.monotonic() + 120
-        while httpx.get(background.url + "/ready").status_code != 200:
-            assert time.monotonic() < deadline, "server never became ready"
-            time.sleep(0.05)
+        background.wait_ready()
         yield background
 
 

@@ -61,10 +61,7 @@ def admin_server(model_dir, hub, tmp_path_factory):
     try:
         with BackgroundServer(app) as background:
             background.runtime, background.adapter_dir = app.state.runtime, adapter_dir
-            deadline = time.monotonic() + 120
-            while httpx.get(background.url + "/ready").status_code != 200:
-                assert time.monotonic() < deadline, "server never became ready"
-                time.sleep(0.05)
+            background.wait_ready()
             yield background
     finally:
         for k, v in saved.items():

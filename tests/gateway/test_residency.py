@@ -37,10 +37,7 @@ def slot_server(model_dir, tmp_path_factory):
     app = create_app(config)
     with BackgroundServer(app) as background:
         background.runtime = app.state.runtime
-        deadline = time.monotonic() + 120
-        while httpx.get(background.url + "/ready").status_code != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        background.wait_ready()
         yield background
 
 

@@ -18,13 +18,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from gateway.tenants import limits as limits_module
-from gateway.tenants.limits import (
-    Decision,
-    Limiter,
-    Limits,
-    format_reset,
-    rate_limit_headers,
-)
+from gateway.tenants.limits import Limiter
+from gateway.tenants.windows import Decision, Limits, format_reset, rate_limit_headers
 
 redis_fixture = load_fixture_module("redis_server")
 redis_server = redis_fixture.redis_server  # the fixture: a running, empty redis-server

@@ -38,10 +38,7 @@ def tserver(model_dir, tmp_path_factory):
     app = create_app(config)
     with BackgroundServer(app) as background:
         background.runtime, background.config = app.state.runtime, config
-        deadline = time.monotonic() + 120
-        while httpx.get(background.url + "/ready").status_code != 200:
-            assert time.monotonic() < deadline, "server never became ready"
-            time.sleep(0.05)
+        background.wait_ready()
         yield background
 
 
