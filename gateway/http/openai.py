@@ -36,7 +36,7 @@ OWNER = "lora-gateway"
 # a model may name an adapter fetched on first use (the Hub, the fleet's store) or held by
 # another replica: every adapter status can answer a generation request
 GENERATION_ERRORS = error_responses(400, 401, 404, 413, 422, 429, 502, 503)
-ADAPTER_ERRORS = error_responses(400, 401, 404, 413, 422, 502, 503,
+ADAPTER_ERRORS = error_responses(400, 401, 403, 404, 413, 422, 502, 503,
                                  e400="invalid body, or the name is taken (`adapter_exists`)",
                                  e404="no such adapter, or no such source path")
 
@@ -125,7 +125,7 @@ class AdapterLoadController(Controller):
         return f"Success: LoRA adapter '{data.lora_name}' added successfully."
 
     @post("/unload_lora_adapter", status_code=200, media_type="text/plain",
-          responses=_documented(str, error_responses(400, 401, 404, 413, 503)))
+          responses=_documented(str, error_responses(400, 401, 403, 404, 413, 503)))
     async def unload_lora_adapter(self, request: Request, data: UnloadLoRAAdapterRequest,
                                   runtime: Runtime) -> str:
         await remove(runtime, principal(request), data.lora_name, lenient=True)

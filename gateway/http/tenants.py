@@ -140,7 +140,7 @@ class TenantKeyController(Controller):
     guards = [require_admin_key]
     tags = ["Tenants"]
 
-    @post("/", status_code=201, responses=error_responses(400, 401, 403, 503))
+    @post("/", status_code=201, responses=error_responses(400, 401, 403, 413, 503))
     async def create(self, request: Request, tenant: str, data: CreateKey,
                      runtime: Runtime) -> NewKey:
         caller = _tenant(request, tenant)
@@ -153,7 +153,7 @@ class TenantKeyController(Controller):
                                                      target_key_id=record.id))
         return NewKey.of(record, key=secret)
 
-    @get("/", responses=error_responses(400, 401, 403))
+    @get("/", responses=error_responses(400, 401, 403, 503))
     async def list_keys(self, request: Request, tenant: str, runtime: Runtime) -> KeyList:
         _tenant(request, tenant)
         await runtime.tenants.keys.sync()
@@ -163,7 +163,7 @@ class TenantKeyController(Controller):
         return KeyList([KeyInfo.of(r, last_used=_second(used.get(r.id))) for r in records])
 
     @post("/{key_id:str}/rotate", status_code=200,
-          responses=error_responses(400, 401, 403, 404, 503))
+          responses=error_responses(400, 401, 403, 404, 413, 503))
     async def rotate(self, request: Request, tenant: str, key_id: str, runtime: Runtime,
                      data: Rotate | None = None) -> NewKey:
         caller = _tenant(request, tenant)
@@ -194,7 +194,7 @@ class AuditController(Controller):
     guards = [require_admin_key]
     tags = ["Tenants"]
 
-    @get("/", responses=error_responses(400, 401, 403))
+    @get("/", responses=error_responses(400, 401, 403, 503))
     async def audit(self, request: Request, runtime: Runtime,
                     limit: int = Parameter(default=100, ge=1, le=MAX_READ)) -> AuditList:
         """Newest first: every entry to the operator, a tenant's own to its admin keys."""

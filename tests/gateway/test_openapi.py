@@ -60,6 +60,15 @@ def test_every_error_is_documented_in_the_openai_shape(spec):
     ("POST /admin/adapters/{target}", {200, 401, 404, 409}),
     ("DELETE /admin/adapters/{adapter_id}", {200, 401, 404}),
     ("POST /admin/adapters", {201, 400, 401, 409, 413, 422}),
+    # tenants: 403 is a valid key outside its role or namespace
+    ("POST /admin/adapters/register", {201, 400, 401, 403, 409}),
+    ("POST /v1/load_lora_adapter", {403}),
+    ("POST /v1/unload_lora_adapter", {403}),
+    ("POST /admin/tenants/{tenant}/keys", {201, 400, 401, 403, 503}),
+    ("GET /admin/tenants/{tenant}/keys", {200, 400, 401, 403}),
+    ("POST /admin/tenants/{tenant}/keys/{key_id}/rotate", {200, 400, 401, 403, 404, 503}),
+    ("DELETE /admin/tenants/{tenant}/keys/{key_id}", {200, 401, 403, 404, 503}),
+    ("GET /admin/audit", {200, 400, 401, 403}),
 ])
 def test_the_statuses_routes_answer_are_documented(spec, label, statuses):
     documented = {int(s) for s in dict(operations(spec))[label]["responses"]}

@@ -294,3 +294,19 @@ async def test_anonymous_callers_on_an_open_v1_see_only_shared_adapters(keys, ts
                          headers=bearer(keys["acme"]["key"]))
         assert r.status_code == 200, r.text
         assert (await c.get("/v1/models", headers=bearer("lgw-revoked"))).status_code == 401
+
+
+def test_malformed_key_requests_change_nothing(call):
+    key = mint(call, "umbrella", "member")
+    before = call(OP).get("/admin/tenants/umbrella/keys").json()
+    base = "/admin/tenants/umbrella/keys"
+    for method, path, content in (
+            ("POST", base, b"{not json"), ("POST", base, b'{"role": 3}'),
+            ("POST", base, b'{"role": "member", "rpm": "many"}'),
+            ("POST", f"{base}/{key['id']}/rotate", b'{"grace_seconds": -1}'),
+            ("POST", f"{base}/{key['id']}/rotate", b"[]")):
+        r = call(OP).request(method, path, content=content,
+                             headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"], (content, r.text)
+    assert call(OP).get("/admin/tenants/umbrella/keys").json() == before
+    assert call(key["key"]).get("/v1/models").status_code == 200  # not rotated
