@@ -57,6 +57,7 @@ class Run:
     tokens: int
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)  # gaps between a stream's text chunks
     server_cpu_s: float | None = None
     step_ms: float | None = None
 
@@ -138,10 +139,11 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-async def one(client: httpx.AsyncClient, model: str, prompt: list[int], run: Run) -> None:
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+async def one(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int,
+              run: Run) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    started, first, tokens = time.perf_counter(), None, 0
+    started, first, last, tokens = time.perf_counter(), None, None, 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200, await response.aread()
         async for line in response.aiter_lines():
@@ -150,37 +152,45 @@ async def one(client: httpx.AsyncClient, model: str, prompt: list[int], run: Run
             event = json.loads(line[6:])
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-            elif first is None and event["choices"] and event["choices"][0]["text"]:
-                first = time.perf_counter()
+            elif event["choices"] and event["choices"][0]["text"]:
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                else:
+                    run.itl.append(now - last)
+                last = now
     end = time.perf_counter()
     run.tokens += tokens
     run.ttft.append(first - started)
     run.tpot.append((end - first) / max(tokens - 1, 1))
 
 
-async def drive(url: str, names: list[str], requests: list[list[int]], concurrency: int,
-                mode: str, pid: int | None) -> Run:
+Body = tuple[str, list[int], int]  # model, prompt token ids, max_tokens
+
+
+async def drive(url: str, bodies: list[Body], warm: list[Body], concurrency: int, mode: str,
+                pid: int | None) -> Run:
+    """`warm` first (all at once, not timed), then `bodies`, `concurrency` at a time."""
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        await asyncio.gather(*(one(client, n, p, Run("warm-up", 1, 0))  # every adapter loaded
-                               for n, p in zip(names[:32], requests[:32])))
+        await asyncio.gather(*(one(client, *body, Run("warm-up", 1, 0)) for body in warm))
         run, gate = Run(mode, 0.0, 0), asyncio.Semaphore(concurrency)
         cpu0 = cpu_seconds(pid) if pid else None
 
-        async def gated(n, p):
+        async def gated(body: Body):
             async with gate:
-                await one(client, n, p, run)
+                await one(client, *body, run)
 
         started = time.perf_counter()
-        await asyncio.gather(*(gated(n, p) for n, p in zip(names, requests)))
+        await asyncio.gather(*(gated(body) for body in bodies))
         run.wall_s = time.perf_counter() - started
         if pid:
             run.server_cpu_s = cpu_seconds(pid) - cpu0
     return run
 
 
-def run_http(command: list[str], ready_path: str, port: int, names, requests, concurrency,
-             mode: str, env: dict | None = None) -> Run:
+def run_http(command: list[str], ready_path: str, port: int, bodies: list[Body],
+             warm: list[Body], concurrency: int, mode: str, env: dict | None = None) -> Run:
     log = tempfile.NamedTemporaryFile(prefix="bench-serving-", suffix=".log", delete=False)
     proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, **(env or {})}, preexec_fn=every_cpu)
@@ -195,7 +205,7 @@ def run_http(command: list[str], ready_path: str, port: int, names, requests, co
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        return asyncio.run(drive(url, names, requests, concurrency, mode, proc.pid))
+        return asyncio.run(drive(url, bodies, warm, concurrency, mode, proc.pid))
     finally:
         stop_server(proc)
 
@@ -256,6 +266,8 @@ def main() -> int:
                               NUM_ADAPTERS, seed=0)
     requests = prompts(args.requests, hf_config.vocab_size)
     names = [f"a{i % NUM_ADAPTERS:02d}" for i in range(args.requests)]
+    bodies = [(n, p, MAX_TOKENS) for n, p in zip(names, requests)]
+    warm = bodies[:NUM_ADAPTERS]  # every adapter in a slot before the timed requests
     cpus: list[int] = []
     if args.engine_cpus:
         from gateway.config import parse_cpu_list
@@ -266,13 +278,13 @@ def main() -> int:
     for round_ in range(args.rounds):
         port = free_port()
         candidates = [run_offline(model, adapters, requests, cpus),
-                      run_http(loragw(model, adapters, port, args.engine_cpus), "/ready", port, names, requests,
-                               args.concurrency, "loragw serve (HTTP)")]
+                      run_http(loragw(model, adapters, port, args.engine_cpus), "/ready", port, bodies,
+                               warm, args.concurrency, "loragw serve (HTTP)")]
         if args.vllm_python:
             port = free_port()
             candidates.append(run_http(
-                vllm(args.vllm_python, model, adapters, port), "/health", port, names,
-                requests, args.concurrency, "vLLM OpenAI server (CPU)",
+                vllm(args.vllm_python, model, adapters, port), "/health", port, bodies,
+                warm, args.concurrency, "vLLM OpenAI server (CPU)",
                 env={"VLLM_CPU_KVCACHE_SPACE": "4", "OMP_NUM_THREADS": "2"}))
         for run in candidates:
             logger.info("round %d %s: %.0f tok/s", round_, run.mode, run.tok_s)

@@ -59,6 +59,12 @@ class EngineOptions:
                         choices=("auto", *DTYPES))
     max_num_seqs: int = option(64, "sequences decoded together per step")
     max_num_batched_tokens: int = option(2048, "tokens per engine step (prefill chunk budget)")
+    # What bounds a running stream's worst step: a step that decodes prefills at most this many
+    # prompt tokens, so a burst of long prompts delays each stream's next token by one chunk.
+    max_prefill_tokens_decoding: int = option(
+        256, "prompt tokens a step prefills while other sequences decode (longer prompts are "
+        "prefilled in chunks across steps); steps with nothing decoding take up to "
+        "--max-num-batched-tokens")
     block_size: int = option(16, "tokens per KV-cache block")
     # vLLM V1's default. Off: every prompt is prefilled in full.
     enable_prefix_caching: bool = option(True, "reuse the KV cache of earlier requests' shared "
@@ -116,7 +122,8 @@ class EngineOptions:
             if getattr(self, name) not in choices:
                 raise ValueError(f"{n(name)} must be one of {', '.join(choices)}; got "
                                  f"{getattr(self, name)!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras",
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_prefill_tokens_decoding",
+                     "block_size", "max_loras",
                      "max_lora_rank", "num_kv_blocks", "max_model_len", "max_cpu_loras",
                      "lora_starvation_steps", "tensor_parallel_size"):
             value = getattr(self, name)

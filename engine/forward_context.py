@@ -35,6 +35,18 @@ class AttentionMetadata:
     prefill_query_lens: list[int]
     prefill_context_lens: list[int]  # tokens in cache after this step (prefix + chunk)
     prefill_block_tables: list[torch.Tensor]  # each [num_blocks] int64
+    # The torch path on the CPU: decode rows by context length in cache-sized chunks
+    # (engine/step_inputs.py decode_chunks); None: one gather of every row at the longest width.
+    decode_chunks: list[DecodeChunk] | None = None
+
+
+@dataclass(slots=True)
+class DecodeChunk:
+    """Decode rows whose K/V are gathered and attended together, at their own longest width."""
+
+    rows: torch.Tensor  # [n] int64: which decode rows
+    block_ids: torch.Tensor  # [n * w] int64: their block tables, w blocks each
+    mask: torch.Tensor  # [n, 1, 1, w * block_size] bool: position < context length
 
 
 @dataclass(slots=True)

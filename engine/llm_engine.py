@@ -71,7 +71,8 @@ class LLMEngine:
                                           config.max_num_batched_tokens)
         self.lora = LoRAManager(config, local.model, local.device, local.dtype, sink)
         self.scheduler = Scheduler(config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.block_manager, slots=self.lora)
+                                   self.block_manager, slots=self.lora,
+                                   max_prefill_decoding=config.max_prefill_tokens_decoding)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         blocks = self.block_manager
         self.limits = RequestLimits(self.vocab_size, config.max_model_len, config.max_logprobs,
@@ -203,6 +204,8 @@ class LLMEngine:
         self._check_open()
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            if self.lora.reads.pending:  # what waits, waits for an adapter read
+                self.lora.reads.wait(timeout=0.01)
             return []
         try:
             lora = self.lora.prepare(batch)  # None when no row has an adapter

@@ -67,6 +67,9 @@ class ModelRunner:
         if self.backends.linear == "onednn":  # before the log line: weight bytes as held
             self.model.prepack(every=config.linear_backend == "onednn")
         self.max_blocks = -(-config.max_model_len // self.block_size)  # of one sequence
+        # the torch decode path's chunks are sized by this on the CPU (step_inputs.decode_chunks)
+        self.kv_token_bytes = (self.bytes_per_block // (self.args.num_layers * self.block_size)
+                               if self.device.type == "cpu" else None)
         self.decode_buffers = DecodeBuffers(config.max_num_seqs, self.max_blocks, self.block_size,
                                             pad_block=self.num_kv_blocks, device=self.device)
         self._metas: dict[tuple[int, int], LoRAMeta] = {}  # (rows, slots) -> decode LoRA meta
@@ -156,9 +159,11 @@ class ModelRunner:
         decode = plan.rows[:plan.num_decode]
         if decode:  # the decode rows' addressing, in the decode buffers
             views = self.decode_buffers.fill(decode, len(decode))
-            meta = decode_metadata(views, self.backends.attention, self.block_size)
+            meta = decode_metadata(views, self.backends.attention, self.block_size,
+                                   self.kv_token_bytes)
             attn.decode_block_tables, attn.decode_context_lens = meta.decode_block_tables, meta.decode_context_lens
             attn.decode_block_ids, attn.decode_mask = meta.decode_block_ids, meta.decode_mask
+            attn.decode_chunks = meta.decode_chunks
         lora = LoRAStep.build(plan.lora, self.device) if plan.lora is not None else None
         return StepInputs(rows[0], rows[1], attn, lora, logits)
 
@@ -172,7 +177,8 @@ class ModelRunner:
         if plan.lora is not None:
             lora = LoRAStep.build(plan.lora, self.device, pad_to=rows,
                                   out=self._decode_meta(rows, plan.lora.num_slots))
-        attn = None if key else decode_metadata(views, self.backends.attention, self.block_size)
+        attn = None if key else decode_metadata(views, self.backends.attention, self.block_size,
+                                                self.kv_token_bytes)
         return StepInputs(views.input_ids, views.positions, attn, lora, plan.logit_rows, views,
                           key)
 

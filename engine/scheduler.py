@@ -5,7 +5,11 @@ their prompt is still being prefilled), then waiting sequences are admitted whil
 budget, `max_num_seqs`, KV blocks and adapter slots allow. An admitted sequence first shares
 the longest run of its full blocks already in the prefix cache (same tokens, same adapter
 version) and computes only the rest. A prompt larger than the budget is prefilled in chunks
-across steps. When KV blocks run out, the most recently admitted running sequence is
+across steps. While any sequence decodes, a step's prompt tokens are capped further, at
+`max_prefill_decoding`: a step's time grows with its prefill tokens, and every decoding stream
+waits for the whole step, so the cap bounds a running stream's worst gap between two tokens
+(a burst of long prompts is spread over several steps instead of stalling every stream for one
+long step). With nothing decoding there is nothing to delay, and the full budget applies. When KV blocks run out, the most recently admitted running sequence is
 preempted: its blocks are freed and it is recomputed later from its tokens (sharing again
 whatever of its blocks is still cached).
 
@@ -129,9 +133,13 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int,
-                 block_manager: BlockManager, slots: SlotPolicy | None = None):
+                 block_manager: BlockManager, slots: SlotPolicy | None = None,
+                 max_prefill_decoding: int | None = None):
+        """max_prefill_decoding: prompt tokens per step while a sequence decodes (None: the
+        whole budget)."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_decoding = max_prefill_decoding or max_num_batched_tokens
         self.block_manager = block_manager
         self.slots = slots
         self.waiting: deque[Sequence] = deque()
@@ -156,10 +164,17 @@ class Scheduler:
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
         running = list(self.running)
+        decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in running)
+        prefill_budget = self.max_prefill_decoding if decoding else budget
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            prefilling = remaining > 1  # a prompt (or a preempted sequence's recompute)
+            num_new = min(remaining, budget, prefill_budget if prefilling else remaining)
+            if num_new == 0:  # no prefill budget left this step: it waits for the next
+                i += 1
+                continue
             while not self.block_manager.grow(seq, seq.num_computed_tokens + num_new):
                 victim = running.pop()
                 self._preempt(victim)
@@ -169,19 +184,20 @@ class Scheduler:
             else:
                 scheduled.append((seq, num_new))
                 budget -= num_new
+                prefill_budget -= num_new if prefilling else 0
                 i += 1
         self.running = deque(running)
 
         # Admit new work only when nothing had to be preempted this step (it would thrash).
         self._age()
         skipped: list[Sequence] = []
-        while (self.waiting and budget > 0 and not preempted
+        while (self.waiting and min(budget, prefill_budget) > 0 and not preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
             seq.set_cache_key(self._cache_key(seq))
             cached = self.block_manager.match(seq)
             num_computed = len(cached) * self.block_manager.block_size
-            num_new = min(seq.num_tokens - num_computed, budget)
+            num_new = min(seq.num_tokens - num_computed, budget, prefill_budget)
             if not self.block_manager.can_allocate(seq, num_computed + num_new, cached):
                 break
             self.waiting.popleft()
@@ -195,6 +211,7 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append((seq, num_new))
             budget -= num_new
+            prefill_budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return self._order(scheduled)
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from engine.cuda_graphs import GraphKey
-from engine.forward_context import AttentionMetadata
+from engine.forward_context import AttentionMetadata, DecodeChunk
 from engine.lora_step import LoRAStep
 from engine.scheduler import LogitRows
 from engine.step_plan import RowPlan
@@ -53,20 +53,55 @@ class StepInputs:
     graph: GraphKey | None = None  # the CUDA graph that runs the step, if one does
 
 
-def decode_metadata(views: DecodeViews, attention_backend: str, block_size: int) -> AttentionMetadata:
+def decode_metadata(views: DecodeViews, attention_backend: str, block_size: int,
+                    kv_token_bytes: int | None = None) -> AttentionMetadata:
     """The attention metadata of a decode-only step, derived on the device from its buffers
-    (no host data: a captured graph recomputes it on replay)."""
+    (no host data: a captured graph recomputes it on replay). kv_token_bytes (K and V of one
+    token in one layer), on the CPU only: also plan the torch path's chunks (decode_chunks)."""
     rows, width = views.block_tables.shape
-    block_ids = mask = None
+    block_ids = mask = chunks = None
     if attention_backend == "torch":  # the batched SDPA path gathers whole blocks under a mask
         block_ids = views.block_tables.reshape(-1).long()  # [rows * width]
         positions = torch.arange(width * block_size, device=block_ids.device)  # [L]
         mask = (positions[None, :] < views.context_lens[:, None])[:, None, None, :]  # [rows, 1, 1, L]
+        if kv_token_bytes is not None:
+            chunks = decode_chunks(views, block_size, kv_token_bytes)
     return AttentionMetadata(
         slot_mapping=views.slot_mapping, num_decode_tokens=rows,
         decode_block_tables=views.block_tables, decode_context_lens=views.context_lens,
         decode_block_ids=block_ids, decode_mask=mask, prefill_query_starts=[],
-        prefill_query_lens=[], prefill_context_lens=[], prefill_block_tables=[])
+        prefill_query_lens=[], prefill_context_lens=[], prefill_block_tables=[],
+        decode_chunks=chunks)
+
+
+# K and V bytes one chunk of decode rows gathers: small enough that SDPA reads them back from
+# the cache the gather just wrote them to, not from DRAM. One gather of every row at the longest
+# width costs 2x at 32 rows of 320 tokens (6.4 vs 3.4 ms a layer on a 2-core AVX-512 EPYC with
+# a 32 MiB L3), and sorting rows by length first also drops most of the padding.
+DECODE_CHUNK_BYTES = 6 * 2**20
+
+
+def decode_chunks(views: DecodeViews, block_size: int, kv_token_bytes: int) -> list[DecodeChunk]:
+    """The decode rows sorted by context length and cut into chunks of at most
+    DECODE_CHUNK_BYTES of gathered K/V (at least one row each), each at its own width."""
+    lens = views.context_lens.tolist()
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    chunks, start = [], 0
+    while start < len(order):
+        end = start + 1
+        while end < len(order):
+            width = -(-lens[order[end]] // block_size)  # the longest row so far: sorted
+            if (end + 1 - start) * width * block_size * kv_token_bytes > DECODE_CHUNK_BYTES:
+                break
+            end += 1
+        rows = torch.tensor(order[start:end], dtype=torch.int64)
+        width = -(-lens[order[end - 1]] // block_size)
+        tables = views.block_tables.index_select(0, rows)[:, :width]  # [n, w]
+        positions = torch.arange(width * block_size)
+        mask = positions[None, :] < views.context_lens.index_select(0, rows)[:, None]
+        chunks.append(DecodeChunk(rows, tables.reshape(-1).long(), mask[:, None, None, :]))
+        start = end
+    return chunks
 
 
 class DecodeBuffers:

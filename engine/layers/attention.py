@@ -10,7 +10,9 @@ kernel the engine chose at start-up (ForwardContext.backends.decode_attention, e
             decode_context_lens). The default on CUDA.
     torch   gather each decode row's whole blocks (decode_block_ids) into a padded
             [B, L, n_kv, D] copy, then one batched SDPA call under decode_mask. The default on
-            CPU (the Triton interpreter is far too slow to serve with).
+            CPU (the Triton interpreter is far too slow to serve with), where the rows go in
+            chunks (decode_chunks: by context length, each gather small enough to be read
+            back from the cache; sliding-window layers keep the one batched call).
 
 Two per-layer options (Mistral / Qwen2 sliding windows, Gemma 2 / 3):
     sliding_window W  the query at position p sees keys k with p - W < k <= p (W keys, itself
@@ -64,6 +66,11 @@ class PagedAttention(nn.Module):
             kernel(q[:decoded], self.k_cache, self.v_cache, meta.decode_block_tables,
                    meta.decode_context_lens, self.scale, out=out[:decoded],
                    sliding_window=self.sliding_window, softcap=self.softcap)
+        elif decoded and meta.decode_chunks is not None and self.sliding_window is None:
+            for chunk in meta.decode_chunks:  # cache-sized gathers, each at its own width
+                rows = self._gather_attend(q.index_select(0, chunk.rows), chunk.block_ids,
+                                           chunk.mask)
+                out.index_copy_(0, chunk.rows, rows)
         elif decoded:
             assert meta.decode_block_ids is not None, "the model runner built no torch decode addressing"
             out[:decoded] = self._decode(q[:decoded], meta.decode_block_ids, meta.decode_mask,
@@ -130,6 +137,11 @@ class PagedAttention(nn.Module):
         # tables: [B, W] int32 (block_ids unflattened)  context_lens: [B] int32
         if self.sliding_window is not None:
             block_ids, mask = self._window_blocks(tables, context_lens, block_ids, mask)
+        return self._gather_attend(q, block_ids, mask)
+
+    def _gather_attend(self, q: torch.Tensor, block_ids: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+        # q: [B, n_heads, D]  block_ids: [B * W]  mask: [B, 1, 1, W * block_size]
         batch, length = q.shape[0], mask.shape[-1]
         # Whole blocks (block_size * n_kv * D contiguous values each): one index per block, not
         # per position, makes the gather ~10% cheaper on CPU.

@@ -5,7 +5,8 @@ slots too: it gets a LoRA slot only while one is free or held by an idle adapter
 
 A slot holds one version of one adapter and is refilled only while no running sequence uses
 it, so a step never sees a slot change under it. An adapter whose host copy was evicted is
-re-read from its directory (the disk tier) when next needed. Pinned adapters are never evicted.
+re-read from its directory (the disk tier) when next needed, off the step loop when a request
+needs it (engine/lora/reads.py). Pinned adapters are never evicted.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from adapters.errors import AdapterError, AdapterNotFound
 from adapters.format import LoraAdapter, read_adapter
 from adapters.saved_modules import FLAG, full_modules_off
 from engine.config import Config
+from engine.lora.aging import slot_to_drain
 from engine.lora.pool import SlotPool, SlotSink
+from engine.lora.reads import HostReads
 from engine.lora.state import LoRAStats, RegisteredAdapter, Slot, host_copy
 from engine.lora_step import LoRARows
 from engine.models.llama import LlamaForCausalLM
@@ -44,6 +47,7 @@ class LoRAManager:
         self.pool = SlotPool(model, self.num_slots, self.max_rank, device, dtype,
                              config.max_full_module_slots, replicas)
         self.stats = LoRAStats()
+        self.reads = HostReads(self.spec)
         self._versions = 0
 
     # ---- registry and host tier -----------------------------------------------------------
@@ -165,15 +169,18 @@ class LoRAManager:
             self.stats.host_evictions += 1
             excess -= 1
 
-    def _ensure_host(self, name: str, entry: RegisteredAdapter) -> LoraAdapter:
-        if entry.host is None:  # the disk tier: re-read and re-validate
-            entry.host = host_copy(read_adapter(entry.path, self.spec), self.device)
+    def _ensure_host(self, name: str, entry: RegisteredAdapter,
+                     adapter: LoraAdapter | None = None) -> LoraAdapter:
+        """The host copy, re-read and re-validated from disk if evicted (or `adapter`, read)."""
+        if entry.host is None:
+            entry.host = host_copy(adapter or read_adapter(entry.path, self.spec), self.device)
             self.stats.host_loads += 1
             self._trim_host(keep={name})
         entry.last_used = time.monotonic()
         return entry.host
 
     def _retire(self, name: str) -> None:
+        self.reads.forget(name)
         for index, slot in enumerate(self.slots):
             if slot.adapter == name:
                 slot.stale = True
@@ -189,9 +196,17 @@ class LoRAManager:
             return False
         index = self._find(seq.adapter, entry.version)
         if index is None:
-            index = self._victim(bool(entry.saved_modules))
-            if index is None:
+            victims = self._victims(bool(entry.saved_modules))
+            if not victims:
                 return False
+            if entry.host is None:  # the disk tier: the sequence waits for the read, which
+                # starts only while a slot could take it, and no more at once than such slots
+                read = (self.reads.take(seq.adapter, entry.version, entry.path)
+                        if self.reads.may_start(seq.adapter, len(victims)) else None)
+                if read is None:
+                    return False
+                self._ensure_host(seq.adapter, entry, read)
+            index = victims[0]
             self._fill(index, seq.adapter, entry)
         else:
             self.stats.device_hits += 1
@@ -219,26 +234,9 @@ class LoRAManager:
         seq.lora_slot = -1
 
     def drain_for(self, waited: int, adapter: str) -> str | None:
-        """Aging: once a request for `adapter` has waited `lora_starvation_steps` steps for a
-        slot, the adapter whose slot should take no new sequences until it goes idle and
-        changes hands: the unpinned slot with the fewest running sequences (the soonest idle),
-        least recently used on ties; one that holds a full-module slot when `adapter` waits
-        for one. None before then, when disabled, or while a replaced or removed adapter's
-        slot is draining already. Never evicts: the slot's running sequences finish first."""
-        if self.starvation_steps is None or waited < self.starvation_steps:
-            return None
-        if any(slot.stale for slot in self.slots):
-            return None
-        entry = self.adapters.get(adapter)
-        needs_full = entry is not None and bool(entry.saved_modules) and not self.pool.full.has_free
-        if not needs_full and any(slot.adapter is None for slot in self.slots):
-            return None
-        candidates = [s for i, s in enumerate(self.slots) if s.adapter is not None
-                      and not self.adapters[s.adapter].pinned
-                      and (not needs_full or self.pool.full.holds(i))]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda s: (s.ref_count, s.last_used)).adapter
+        """Aging (engine/lora/aging.py): the adapter whose slot should drain for `adapter`."""
+        return slot_to_drain(self.slots, self.adapters, self.pool.full, self.starvation_steps,
+                             waited, adapter)
 
     def _find(self, name: str, version: int) -> int | None:
         for index, slot in enumerate(self.slots):
@@ -247,19 +245,18 @@ class LoRAManager:
         return None
 
     def _victim(self, needs_full: bool = False) -> int | None:
-        """A free slot, else the least recently used idle slot of an unpinned adapter. With
-        `needs_full` and no full-module slot free, only an idle slot that holds one will do
-        (clearing it frees both)."""
+        victims = self._victims(needs_full)
+        return victims[0] if victims else None
+
+    def _victims(self, needs_full: bool = False) -> list[int]:
+        """The slots an adapter may take, best first: free slots, then idle slots of unpinned
+        adapters, least recently used first. With `needs_full` and no full-module slot free,
+        only idle slots that hold one will do (clearing one frees both)."""
         full_free = not needs_full or self.pool.full.has_free
-        for index, slot in enumerate(self.slots):
-            if slot.adapter is None and full_free:
-                return index
+        free = [i for i, s in enumerate(self.slots) if s.adapter is None and full_free]
         idle = [i for i, s in enumerate(self.slots) if s.adapter is not None and s.ref_count == 0
                 and not self.adapters[s.adapter].pinned and (full_free or self.pool.full.holds(i))]
-        if not idle:
-            return None
-        self.stats.device_evictions += 1
-        return min(idle, key=lambda i: self.slots[i].last_used)
+        return free + sorted(idle, key=lambda i: self.slots[i].last_used)
 
     # ---- device buffers (engine/lora/pool.py) ---------------------------------------------
     @property
@@ -270,6 +267,8 @@ class LoRAManager:
 
     def _fill(self, index: int, name: str, entry: RegisteredAdapter) -> None:
         adapter = self._ensure_host(name, entry)
+        if self.slots[index].adapter is not None:
+            self.stats.device_evictions += 1
         self._clear(index)
         self.pool.fill(index, adapter)
         self.slots[index] = Slot(adapter=name, version=entry.version, last_used=time.monotonic())
@@ -288,6 +287,7 @@ class LoRAManager:
 
     def close(self) -> None:
         """Drop every host copy and device slot (the engine is closing)."""
+        self.reads.close()
         self.adapters.clear()
         self.slots = [Slot() for _ in range(self.num_slots)]
         self.pool.close()

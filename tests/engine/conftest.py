@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 from peft_reference import ALL_SEVEN, Retrained, World
+from small_world import checkpoint  # noqa: F401  (the scheduling tests' world)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
