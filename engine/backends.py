@@ -3,8 +3,9 @@ and read by every layer from the forward context, as the callables themselves.
 
     lora       kernels.LoRAKernels (apply, embedding): "torch" (kernels/reference.py, the CPU
                production path) or "triton" (kernels/lora_triton.py).
-    attention  decode rows of engine/layers/attention.py: "torch" (gather whole blocks, one
-               batched SDPA) or "triton" (kernels/paged_attention.py reads K/V in place).
+    attention  decode rows of engine/layers/attention.py: "torch" (gather whole blocks, then
+               SDPA), "triton" (kernels/paged_attention.py reads K/V in place) or "cpu"
+               (kernels/cpu_attention.py, a C kernel that reads K/V in place, float32).
     linear     dense projections (and lm_head): "torch" (F.linear) or "onednn" (kernels/
                cpu_linear.py: weights packed once at load; the CPU's auto once it passes its
                start-up check).
@@ -12,10 +13,11 @@ and read by every layer from the forward context, as the callables themselves.
                the CPU path, and CUDA's for FP8 before sm_89) or "triton" (kernels/quant_triton.py,
                dequantizing in the GEMM's tiles: CUDA). None: the base is not quantized.
 
-`auto` is triton on CUDA and torch elsewhere, except that auto decode attention on CUDA takes
-the Triton kernel only after it matched the float64 reference on a small random cache of the
-model's shapes (kernels.paged_attention.self_check); otherwise it warns and keeps torch, so a
-kernel that fails to compile or is wrong on some GPU never serves. A forced backend is used as
+`auto` is triton on CUDA and torch elsewhere, except that auto decode attention takes the
+Triton kernel on CUDA, and the C kernel on a float32 CPU engine, only after it matched the
+float64 reference on a small random cache of the model's shapes (each module's self_check);
+otherwise it warns and keeps torch, so a kernel that fails to compile or is wrong on some
+machine never serves. A forced backend is used as
 it is. A model with sliding-window or soft-capped layers (Mistral, Gemma) has the self-check
 run with its window and cap too (AttentionShape). Triton on CPU runs under its interpreter
 only: TRITON_INTERPRET=1 must be set before the kernels are first imported (tests do this).
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import LoRAKernels, cpu_linear, lora_kernels
+from kernels import LoRAKernels, cpu_attention, cpu_linear, lora_kernels
 from kernels.quant import dequant_linear
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,8 @@ class Backends:
         decode = None
         if self.attention == "triton":  # triton imported only when it serves
             decode = importlib.import_module("kernels.paged_attention").paged_attention_decode
+        elif self.attention == "cpu":
+            decode = cpu_attention.paged_attention_decode
         object.__setattr__(self, "decode_attention", decode)
 
 
@@ -91,6 +95,10 @@ def resolve_lora_backend(name: str, device: torch.device) -> str:
 
 def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
                               shape: AttentionShape) -> str:
+    if device.type == "cpu" and name in ("auto", "cpu"):
+        return resolve_cpu_attention(name, dtype, shape)
+    if name == "cpu":
+        raise ValueError(f'attention_backend="cpu" serves a CPU engine; this one is on {device.type}')
     if name != "auto":
         return name
     if device.type != "cuda":
@@ -103,6 +111,19 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
                        "it with attention_backend=triton)", problem)
         return "torch"
     return "triton"
+
+
+def resolve_cpu_attention(name: str, dtype: torch.dtype, shape: AttentionShape) -> str:
+    if dtype != torch.float32 and name == "auto":
+        return "torch"  # the C kernel is float32 only
+    problem = cpu_attention.self_check(dtype, shape.num_heads, shape.num_kv_heads,
+                                       shape.head_dim, shape.sliding_window, shape.softcap)
+    if problem is None:
+        return "cpu"
+    if name == "cpu":
+        raise ValueError(f"the CPU attention kernel cannot serve here: {problem}")
+    logger.warning("the CPU decode attention kernel is off, torch serves decode: %s", problem)
+    return "torch"
 
 
 def quant_kind(model) -> str | None:

@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
-BACKENDS = ("auto", "torch", "triton")  # LoRA kernels and decode attention (engine/backends.py)
+BACKENDS = ("auto", "torch", "triton")  # LoRA kernels (engine/backends.py)
+ATTENTION_BACKENDS = (*BACKENDS, "cpu")  # decode attention (engine/backends.py)
 LINEAR_BACKENDS = ("auto", "torch", "onednn")  # dense projections (engine/backends.py)
 
 
@@ -79,9 +80,10 @@ class EngineOptions:
                                        "max(--max-loras, 16))")
     lora_backend: str = option("auto", "LoRA kernels: auto (triton on CUDA, torch elsewhere), "
                                "torch or triton", choices=BACKENDS)
-    attention_backend: str = option("auto", "decode attention: auto (the Triton kernel on CUDA "
-                                    "once it passes its start-up self-check, torch elsewhere), "
-                                    "torch or triton", choices=BACKENDS)
+    attention_backend: str = option("auto", "decode attention: auto (on CUDA the Triton kernel, "
+                                    "on the CPU the C kernel, each once it passes its start-up "
+                                    "self-check; torch otherwise), torch, triton or cpu",
+                                    choices=ATTENTION_BACKENDS)
     linear_backend: str = option("auto", "dense projections: auto (on the CPU oneDNN's GEMM on "
                                  "weights packed once at load, when torch has oneDNN and it "
                                  "passes its start-up check; torch's elsewhere), torch or onednn",

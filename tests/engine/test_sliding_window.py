@@ -144,6 +144,22 @@ def test_triton_decode_matches_torch(tiny_checkpoint, arch, overrides):
     assert outputs["triton"] == outputs["torch"]
 
 
+@pytest.mark.parametrize("arch,overrides", [("mistral", {"sliding_window": WINDOW}),
+                                            ("gemma2", {})], ids=["mistral-window", "gemma2"])
+def test_cpu_decode_kernel_matches_torch(tiny_checkpoint, arch, overrides):
+    """The C decode kernel (kernels/cpu_attention.py) takes the window and the cap: the same
+    greedy tokens as the torch path, and auto picks it on a float32 CPU engine."""
+    path = tiny_checkpoint(arch, **overrides)
+    prompts = make_prompts(500, (3, 21, 12))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for backend in ("torch", "auto"):
+        llm = LLM(path, device="cpu", dtype="float32", block_size=4, attention_backend=backend)
+        assert llm.engine.runner.backends.attention == {"auto": "cpu"}.get(backend, backend)
+        outputs[backend] = [out.token_ids for out in llm.generate(prompts, params)]
+    assert outputs["auto"] == outputs["torch"]
+
+
 def test_attention_shape_names_window_and_cap():
     """What the Triton self-check must also verify: the narrowest window, the cap."""
     layers = [PagedAttention(4, 2, 16, 0.25, sliding_window=8, softcap=50.0),

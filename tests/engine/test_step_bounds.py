@@ -120,7 +120,7 @@ def test_chunked_decode_attention_gives_the_batched_tokens(checkpoint, monkeypat
 
     base, _ = checkpoint
     ps = [long_prompt(n, seed) for seed, n in enumerate((3, 37, 12, 70, 21))]
-    llm = LLM(base, device="cpu", dtype="float32", block_size=4)
+    llm = LLM(base, device="cpu", dtype="float32", block_size=4, attention_backend="torch")
     assert llm.engine.runner.kv_token_bytes  # the CPU runner plans chunks
     monkeypatch.setattr(step_inputs, "DECODE_CHUNK_BYTES", 1)
     chunked = [o.token_ids for o in llm.generate(ps, greedy(10))]

@@ -1,0 +1,139 @@
+"""Paged decode attention on the CPU, reading K/V in place through the block tables
+(kernels/csrc/paged_decode.c), where the torch path gathers every row's blocks into a padded
+copy and then runs SDPA over it: that copy, written and read back, was most of a decode step's
+attention time (engine/layers/attention.py).
+
+The C source is compiled once per machine with the system C compiler (`cc`, or $CC) at
+`-O3 -march=native -fopenmp` into a cache directory ($LORAGW_KERNEL_CACHE, else
+$XDG_CACHE_HOME/loragw/kernels or ~/.cache/loragw/kernels), named by a hash of the source,
+compiler, flags and this CPU's feature flags, and loaded with ctypes; its OpenMP is the libgomp
+torch already loaded, so its threads are torch's. No compiler, a failed build or a wrong result
+in `self_check` leaves the torch path serving (engine/backends.py). float32 only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("LORAGW_KERNEL_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "loragw" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """The compiled kernel, built on first use (raises when it cannot be)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or $CC) to build the CPU attention kernel")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(),
+                                     platform.machine().encode(), _cpu_flags().encode()]))
+    path = _cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # then one atomic rename
+            built = Path(tmp) / path.name
+            result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+                                    capture_output=True, text=True, timeout=120)
+            if result.returncode:
+                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
+            os.replace(built, path)
+    lib = ctypes.CDLL(str(path))
+    fn = lib.paged_decode_f32
+    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, f32, i32, f32]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def paged_attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
+                           context_lens: Tensor, scale: float, out: Tensor | None = None,
+                           sliding_window: int | None = None,
+                           softcap: float | None = None) -> Tensor:
+    """out[b, h] = softmax(cap(scale * q[b, h] @ K[b, :, h // G].T)) @ V[b, :, h // G], K/V read
+    through block_tables[b] up to context_lens[b] (its last `sliding_window` keys when given):
+    kernels.paged_attention's contract, on the CPU in float32.
+
+    q: [B, n_heads, D] (last dim contiguous)   k_cache, v_cache: [N, block_size, n_kv, D]
+    contiguous   block_tables: [B, W] int32   context_lens: [B] int32   out: [B, n_heads, D],
+    written (allocated when None). Returns out."""
+    B, n_heads, D = q.shape
+    _, block_size, n_kv, _ = k_cache.shape
+    assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32, "float32 only"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(-1) == 1
+    assert q.stride(1) == D, "q's heads must be adjacent"
+    tables, lens = block_tables.contiguous(), context_lens.contiguous()
+    assert tables.dtype == lens.dtype == torch.int32
+    result = out if out is not None and out.is_contiguous() else torch.empty(
+        B, n_heads, D, dtype=q.dtype, device=q.device)
+    failed = _library().paged_decode_f32(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        lens.data_ptr(), result.data_ptr(), B, n_heads, n_kv, D, block_size, tables.shape[1],
+        scale, sliding_window or 0, softcap or 0.0)
+    if failed:
+        raise MemoryError("the CPU attention kernel could not allocate its score buffer")
+    if out is not None and result is not out:
+        out.copy_(result)
+    return out if out is not None else result
+
+
+def self_check(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+               sliding_window: int | None = None, softcap: float | None = None) -> str | None:
+    """Why the kernel must not serve these shapes here, or None when it may: builds it, then
+    compares one small random paged cache (ragged contexts across block boundaries, shuffled
+    blocks) with the float64 reference, plainly and with the model's window and cap."""
+    from kernels.reference import oracle_paged_attention
+
+    if dtype != torch.float32:
+        return f"{dtype} (the kernel is float32 only)"
+    try:
+        _library()
+        g = torch.Generator().manual_seed(0)
+        tables = torch.randperm(12, generator=g)[:9].view(3, 3).to(torch.int32)
+        q = torch.randn(3, num_heads, head_dim, generator=g)
+        k_cache, v_cache = (torch.randn(12, 16, num_kv_heads, head_dim, generator=g)
+                            for _ in range(2))
+        lens = torch.tensor([1, 17, 40], dtype=torch.int32)
+        cases = [(None, None)]
+        if sliding_window is not None or softcap is not None:
+            cases.append((min(sliding_window, 24) if sliding_window else None, softcap))
+        for window, cap in cases:
+            got = paged_attention_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5,
+                                         sliding_window=window, softcap=cap)
+            want = oracle_paged_attention(q, k_cache, v_cache, tables, lens, head_dim ** -0.5,
+                                          window, cap)
+            error = (got.double() - want).abs().max().item()
+            if not error <= 1e-5:
+                return f"max error {error:.2e} against the float64 reference"
+    except Exception as exc:  # no compiler, a failed build or load
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+    return None
