@@ -11,11 +11,13 @@ Machine limits (torch's own threads, all cores):
 
 The model is the random bench Llama (hidden 512, 8 layers, the demo tokenizer's vocabulary), 32
 requests of 32-token prompts decoding --tokens greedy tokens each, with no adapter and with 32
-distinct rank-16 adapters on all seven projections (request i on adapter i). Rows: the engine
-with --linear-backend torch (F.linear, MKL) and onednn (weights packed at load), float32, and
-bfloat16 where the CPU has it. A decode step's roofline time is max(FLOPs / peak, bytes /
+distinct rank-16 adapters on all seven projections (request i on adapter i). Rows (CONFIGS):
+the float32 step as it was before each change (F.linear and oneDNN's packed GEMM, with the
+torch attention and embedding-bag LoRA paths), the float32 default now (oneDNN, the C decode
+attention and LoRA kernels), and bfloat16 where the CPU has it. A decode step's roofline time is max(FLOPs / peak, bytes /
 bandwidth): FLOPs = 2 x batch x (projection + lm_head parameters, and each row's adapter's),
-bytes = the weights once (and each distinct adapter once). The profile times one batch-32 run
+bytes = the weights once (and each distinct adapter once) and every row's K and V in every
+layer at the run's mean decode context (prompt + half the new tokens). The profile times one batch-32 run
 by op class with hooks: projections (the base GEMMs), LoRA (the deltas), attention, lm_head,
 norms/rotary/activations (the rest of the forward), sampling, and the host (the step's time
 outside the forward and the sampler).
@@ -43,9 +45,19 @@ from engine import LLM, SamplingParams  # noqa: E402
 from engine.layers.attention import PagedAttention  # noqa: E402
 from engine.layers.embedding import LMHead  # noqa: E402
 from engine.layers.linear import Linear, LoRABuffers  # noqa: E402
-from kernels import cpu_linear  # noqa: E402
+from kernels import cpu_linear, cpu_lora  # noqa: E402
 
 BATCH, PROMPT_LEN, ADAPTERS, RANK = 32, 32, 32, 16
+# (row, LLM options, the C LoRA kernel on): the CPU step as it was before each change, and now
+CONFIGS = [
+    ("float32: F.linear, torch attention, embedding bags", dict(
+        linear_backend="torch", attention_backend="torch"), False),
+    ("float32: oneDNN, torch attention, embedding bags", dict(
+        linear_backend="onednn", attention_backend="torch"), False),
+    ("float32: oneDNN, C attention, C LoRA (the default)", dict(linear_backend="auto"), True),
+    ("bfloat16: oneDNN, torch attention, embedding bags (the default)", dict(dtype="bfloat16"),
+     True),
+]
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -86,16 +98,20 @@ def has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def decode_cost(llm: LLM, batch: int, adapters: int) -> tuple[float, float]:
-    """(FLOPs, bytes) of one decode step of `batch` rows, `adapters` distinct ones among them."""
-    model = llm.engine.runner.model
+def decode_cost(llm: LLM, batch: int, adapters: int, context: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of one decode step of `batch` rows of `context` cached tokens on average,
+    `adapters` distinct ones among them: the weights (and each distinct adapter) read once, and
+    every row's K and V in every layer."""
+    runner = llm.engine.runner
+    model = runner.model
     dense = sum(m.out_features * m.in_features for m in model.modules() if isinstance(m, Linear))
     head = model.lm_head.local_vocab * model.lm_head.hidden_size
     lora = sum(RANK * (m.in_features + m.out_features) for m in model.modules()
                if isinstance(m, Linear) and m.lora is not None)
-    size = torch.finfo(llm.engine.runner.dtype).bits // 8
+    size = torch.finfo(runner.dtype).bits // 8
     flops = 2 * batch * (dense + head + (lora if adapters else 0))
-    moved = (dense + head) * size + adapters * lora * size
+    kv = batch * context * runner.bytes_per_block // runner.block_size
+    moved = (dense + head) * size + adapters * lora * size + kv
     return flops, moved
 
 
@@ -247,24 +263,31 @@ def main() -> None:
     print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (256 MiB, read + write)")
 
     rows, profiles = [], {}
-    for dtype, backend in [(torch.float32, "torch"), (torch.float32, "onednn")] + (
-            [(torch.bfloat16, "onednn")] if has_bf16() else []):
-        llm = LLM(model, device="cpu", dtype=str(dtype)[6:], max_num_seqs=BATCH,
-                  max_loras=ADAPTERS, max_lora_rank=RANK, max_model_len=512,
-                  linear_backend=backend)
+    for name, options, c_lora in CONFIGS:
+        if options.get("dtype") == "bfloat16" and not has_bf16():
+            continue
+        dtype = getattr(torch, options.get("dtype", "float32"))
+        llm = LLM(model, device="cpu", max_num_seqs=BATCH, max_loras=ADAPTERS,
+                  max_lora_rank=RANK, max_model_len=512, **{"dtype": "float32", **options})
         names = []
         for i, path in enumerate(dirs):
             names.append(f"a{i:02d}")
             llm.add_adapter(names[-1], path)
-        for with_adapters in (False, True):
-            use = names if with_adapters else []
-            tok_s, step = engine_tok_s(llm, use, args.tokens, hf.vocab_size)
-            flops, moved = decode_cost(llm, BATCH, len(use))
-            roof = max(flops / peaks[dtype][0], moved / bandwidth)
-            rows.append((f"engine {str(dtype)[6:]} {backend}", len(use), tok_s, step, roof))
-            print(rows[-1], flush=True)
-            if backend == "onednn" and dtype == torch.float32:
-                profiles[len(use)] = profile(llm, use, 32, hf.vocab_size)
+        usable = cpu_lora.usable
+        if not c_lora:  # the bag path in torch, as before the C kernel
+            cpu_lora.usable = lambda out, x: False
+        try:
+            for with_adapters in (False, True):
+                use = names if with_adapters else []
+                tok_s, step = engine_tok_s(llm, use, args.tokens, hf.vocab_size)
+                flops, moved = decode_cost(llm, BATCH, len(use), PROMPT_LEN + args.tokens // 2)
+                roof = max(flops / peaks[dtype][0], moved / bandwidth)
+                rows.append((name, dtype, len(use), tok_s, step, roof))
+                print(rows[-1], flush=True)
+                if dtype == torch.float32:
+                    profiles[(name, len(use))] = profile(llm, use, 32, hf.vocab_size)
+        finally:
+            cpu_lora.usable = usable
         del llm
     vllm = None
     if args.vllm_python:
@@ -276,21 +299,21 @@ def main() -> None:
     print("| engine | adapters | tok/s | decode step ms | roofline step ms | step at roofline |"
           " vs vLLM |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, n, tok_s, step, roof in rows:
+    for name, dtype, n, tok_s, step, roof in rows:
         ratio = ""
-        if vllm and name.startswith("engine float32"):
+        if vllm and dtype == torch.float32:
             ratio = f"{tok_s / vllm[f'{BATCH}:{int(n > 0)}']:.2f}x"
         print(f"| {name} | {n} | {tok_s:.0f} | {step * 1e3:.1f} | {roof * 1e3:.2f} | "
               f"{roof / step:.0%} | {ratio} |")
     if vllm:
         for n in (0, ADAPTERS):
             print(f"| vLLM CPU float32 | {n} | {vllm[f'{BATCH}:{int(n > 0)}']:.0f} | | | | |")
-    print("\nms per decode step by op class (float32, onednn):\n")
+    print("\nms per decode step by op class (float32):\n")
     classes = list(next(iter(profiles.values())))
-    print("| adapters | " + " | ".join(classes) + " |")
-    print("|---:|" + "---:|" * len(classes))
-    for n, parts in profiles.items():
-        print(f"| {n} | " + " | ".join(f"{parts[c]:.2f}" for c in classes) + " |")
+    print("| engine | adapters | " + " | ".join(classes) + " |")
+    print("|---|---:|" + "---:|" * len(classes))
+    for (name, n), parts in profiles.items():
+        print(f"| {name} | {n} | " + " | ".join(f"{parts[c]:.2f}" for c in classes) + " |")
 
 
 if __name__ == "__main__":

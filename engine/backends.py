@@ -50,6 +50,9 @@ class Backends:
     # projection's GEMM: quant_linear(x [T, I], QuantWeight, bias) -> [T, O]
     lora_kernels: LoRAKernels = field(init=False, repr=False, compare=False)
     decode_attention: Callable | None = field(init=False, repr=False, compare=False)
+    # store_kv(k, v, k_cache, v_cache, slots): the step's new K/V into the cache (None: the
+    # attention layer's index_copy_)
+    store_kv: Callable | None = field(init=False, repr=False, compare=False)
     quant_linear: Callable = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -58,12 +61,13 @@ class Backends:
         if self.quant == "triton":
             quant = importlib.import_module("kernels.quant_triton").quant_matmul
         object.__setattr__(self, "quant_linear", quant)
-        decode = None
+        decode = store = None
         if self.attention == "triton":  # triton imported only when it serves
             decode = importlib.import_module("kernels.paged_attention").paged_attention_decode
         elif self.attention == "cpu":
-            decode = cpu_attention.paged_attention_decode
+            decode, store = cpu_attention.paged_attention_decode, cpu_attention.store_kv
         object.__setattr__(self, "decode_attention", decode)
+        object.__setattr__(self, "store_kv", store)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,78 +1,43 @@
 """Paged decode attention on the CPU, reading K/V in place through the block tables
-(kernels/csrc/paged_decode.c), where the torch path gathers every row's blocks into a padded
-copy and then runs SDPA over it: that copy, written and read back, was most of a decode step's
-attention time (engine/layers/attention.py).
-
-The C source is compiled once per machine with the system C compiler (`cc`, or $CC) at
-`-O3 -march=native -fopenmp` into a cache directory ($LORAGW_KERNEL_CACHE, else
-$XDG_CACHE_HOME/loragw/kernels or ~/.cache/loragw/kernels), named by a hash of the source,
-compiler, flags and this CPU's feature flags, and loaded with ctypes; its OpenMP is the libgomp
-torch already loaded, so its threads are torch's. No compiler, a failed build or a wrong result
-in `self_check` leaves the torch path serving (engine/backends.py). float32 only.
+(kernels/csrc/paged_decode.c, built by kernels/native.py), where the torch path gathers every
+row's blocks into a padded copy and then runs SDPA over it: that copy, written and read back,
+was most of a decode step's attention time (engine/layers/attention.py). No compiler, a failed
+build or a wrong result in `self_check` leaves the torch path serving (engine/backends.py).
+float32 only.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("LORAGW_KERNEL_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "loragw" / "kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
+from kernels import native
 
 
 @functools.cache
-def _library() -> ctypes.CDLL:
-    """The compiled kernel, built on first use (raises when it cannot be)."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or $CC) to build the CPU attention kernel")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(),
-                                     platform.machine().encode(), _cpu_flags().encode()]))
-    path = _cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # then one atomic rename
-            built = Path(tmp) / path.name
-            result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
-                                    capture_output=True, text=True, timeout=120)
-            if result.returncode:
-                raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
-            os.replace(built, path)
-    lib = ctypes.CDLL(str(path))
-    fn = lib.paged_decode_f32
-    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i32, i32, f32, i32, f32]
-    fn.restype = ctypes.c_int
-    return lib
+def _library():
+    """The kernel's two functions, declared (raises when the library cannot be built)."""
+    decode = native.function("paged_decode", "paged_decode_f32", "plppppp" + "iiiiii" + "fif", "i")
+    store = native.function("paged_decode", "cache_store_f32", "plplpppii")
+    return decode, store
+
+
+def store_kv(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor) -> None:
+    """k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] (the step's new tokens), as
+    index_copy_ on the flattened caches does, for a fraction of its per-call cost.
+
+    k, v: [T, n_kv, D] float32 (rows may be strided)   k_cache, v_cache: [N, block_size, n_kv,
+    D] contiguous   slots: [T] int64, distinct, each < N * block_size"""
+    T, n_kv, D = k.shape
+    assert k.dtype == v.dtype == k_cache.dtype == torch.float32 and slots.dtype == torch.int64
+    k, v = (t if t.stride(1) == D and t.stride(2) == 1 else t.contiguous() for t in (k, v))
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[2:] == (n_kv, D)
+    slots = slots.contiguous()
+    _library()[1](k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                               k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), T,
+                               n_kv * D)
 
 
 def paged_attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor,
@@ -95,7 +60,7 @@ def paged_attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     assert tables.dtype == lens.dtype == torch.int32
     result = out if out is not None and out.is_contiguous() else torch.empty(
         B, n_heads, D, dtype=q.dtype, device=q.device)
-    failed = _library().paged_decode_f32(
+    failed = _library()[0](
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         lens.data_ptr(), result.data_ptr(), B, n_heads, n_kv, D, block_size, tables.shape[1],
         scale, sliding_window or 0, softcap or 0.0)

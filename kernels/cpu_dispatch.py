@@ -187,7 +187,7 @@ def _build_tables(lora_a: Tensor, lora_b: Tensor, ranks: Tensor, scales: Tensor,
         a_parts.append(a.transpose(1, 2))                                    # [S, H, r]
         b = torch.where(keep.unsqueeze(1), lora_b[:, lo:hi, :r].float(), 0.0)  # [S, width, r]
         b = b * scales[i].view(S, 1, 1)
-        b_parts.append(b.transpose(1, 2).reshape(S * r, hi - lo))           # [S * r, width]
+        b_parts.append(b.transpose(1, 2).reshape(S * r, hi - lo).contiguous())  # [S * r, width]
     cols = [0]
     for r in widths:
         cols.append(cols[-1] + r)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kernels import cpu_lora
 from kernels.cpu_dispatch import BagTables, GatherGroup, Rows, bag_tables, step_plan, workspace
 from kernels.meta import LoRAMeta
 
@@ -113,6 +114,9 @@ def _apply_bagged(out: Tensor, x: Tensor, tables: BagTables, ranks_cpu, offsets,
               if tables.b[i] is not None and any(ranks_cpu[i][s] for s in group.slot_list)]
     if not active:
         return  # no slot of the group adapts this projection (e.g. o_proj of a q,v adapter)
+    if cpu_lora.usable(out, x):  # the same sums, in C, one call (kernels/cpu_lora.py)
+        cpu_lora.apply_bags(out, x, tables, active, offsets, group)
+        return
     xs = (x if isinstance(rows, slice) else x.index_select(0, rows)).float()     # [L, H]
     H = xs.shape[1]
     y = F.embedding_bag(group.bag_index(H), tables.a, per_sample_weights=xs.contiguous(),

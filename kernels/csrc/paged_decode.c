@@ -76,3 +76,13 @@ int paged_decode_f32(const float *q, int64_t q_row, const float *k_cache, const 
     }
     return failed;
 }
+
+/* The step's new keys and values into their cache slots: row t of k and v (KV * D floats each,
+ * rows `k_row` / `v_row` floats apart) to slot slots[t] of k_cache and v_cache. */
+void cache_store_f32(const float *k, int64_t k_row, const float *v, int64_t v_row,
+                     float *k_cache, float *v_cache, const int64_t *slots, int T, int width) {
+    for (int t = 0; t < T; t++) {
+        memcpy(k_cache + slots[t] * width, k + t * k_row, sizeof(float) * width);
+        memcpy(v_cache + slots[t] * width, v + t * v_row, sizeof(float) * width);
+    }
+}

@@ -9,7 +9,7 @@ import torch
 
 from engine import backends
 from engine.backends import AttentionShape
-from kernels import cpu_attention
+from kernels import cpu_attention, native
 from kernels.reference import oracle_paged_attention
 
 CPU = torch.device("cpu")
@@ -57,6 +57,23 @@ def test_strided_queries_and_a_given_out():
     assert (out.double() - want).abs().max().item() < 1e-5
 
 
+def test_store_kv_is_index_copy():
+    """The step's new K/V land where index_copy_ puts them, from strided rows (v as a view of
+    the fused q/k/v rows) and from rows that need a copy first."""
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, 3 * 16, generator=g)
+    k, v = qkv[:, 16:32].view(5, 2, 8), qkv[:, 32:].view(5, 2, 8)
+    odd = torch.randn(5, 8, 2, generator=g).transpose(1, 2)  # [5, 2, 8], D not contiguous
+    slots = torch.tensor([3, 17, 39, 0, 22])
+    for new_k in (k, odd):
+        got = [torch.zeros(10, 4, 2, 8) for _ in range(2)]
+        cpu_attention.store_kv(new_k, v, *got, slots)
+        want = [torch.zeros(10, 4, 2, 8) for _ in range(2)]
+        want[0].view(40, 2, 8).index_copy_(0, slots, new_k)
+        want[1].view(40, 2, 8).index_copy_(0, slots, v)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_auto_picks_the_kernel_on_a_float32_cpu_engine():
     shape = AttentionShape(8, 2, 64)
     assert backends.resolve_attention_backend("auto", CPU, torch.float32, shape) == "cpu"
@@ -78,14 +95,25 @@ def test_a_kernel_that_cannot_build_leaves_torch_serving(monkeypatch, caplog):
 
 def test_the_build_is_cached_by_source_and_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("LORAGW_KERNEL_CACHE", str(tmp_path))
-    cpu_attention._library.cache_clear()
+    native.library.cache_clear()
     try:
-        cpu_attention._library()
+        native.library("paged_decode")
         built = list(tmp_path.glob("paged_decode-*.so"))
         assert len(built) == 1
-        cpu_attention._library.cache_clear()
-        cpu_attention._library()  # found, not rebuilt
+        native.library.cache_clear()
+        native.library("paged_decode")  # found, not rebuilt
         assert list(tmp_path.glob("paged_decode-*.so")) == built
         assert not [p for p in tmp_path.iterdir() if p.is_dir()], "a temporary build was left"
     finally:
-        cpu_attention._library.cache_clear()
+        native.library.cache_clear()
+
+
+def test_no_compiler_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("LORAGW_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    native.library.cache_clear()
+    try:
+        with pytest.raises((RuntimeError, OSError)):
+            native.library("paged_decode")
+    finally:
+        native.library.cache_clear()
