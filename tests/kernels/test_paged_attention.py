@@ -167,12 +167,12 @@ def test_backend_option(monkeypatch, tiny_checkpoint):
     shape = backends.AttentionShape(4, 2, 16)
     resolve = lambda name, device: backends.resolve_attention_backend(
         name, torch.device(device), torch.float32, shape)
-    assert resolve("auto", "cpu") == "torch"
+    assert resolve("auto", "cpu") == "cpu"  # the C kernel (tests/kernels/test_cpu_attention.py)
     assert resolve("auto", "cuda") == "triton"
     assert resolve("triton", "cpu") == "triton"
     from engine import Config
 
-    with pytest.raises(ValueError, match="torch, triton"):
+    with pytest.raises(ValueError, match="torch, triton, cpu"):
         Config(tiny_checkpoint("llama"), attention_backend="flash")
 
 
