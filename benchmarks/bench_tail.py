@@ -181,6 +181,7 @@ def main() -> int:
     parser.add_argument("serve_flags", nargs="*", help="extra `loragw serve` flags (after --)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     from transformers import AutoConfig
 
     model = build_llama25m_with_tokenizer(args.work_dir)
