@@ -85,6 +85,8 @@ class LLM:
                         result.finish_reason = out.finish_reason
                         result.stop_reason = out.stop_reason
                         bar.update(1)
+                for _, why in engine.take_failures():
+                    raise RuntimeError(why)
         return [results[r] for r in order]
 
     def add_adapter(self, name: str, path: str) -> None:

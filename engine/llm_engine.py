@@ -85,21 +85,17 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []  # final outputs of requests ended between steps
         logger.info("engine ready in %.1f s: %s", time.perf_counter() - started, config.model)
 
-    # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> list[int]:
         return tokenize(self.tokenizer, prompt)
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """The engine's admission rules (engine/request_checks.py); `add_requests` runs them on
-        every request before queueing any, so the gateway and the offline API get the same
-        refusals. What they passed, the rest of the engine trusts (and asserts)."""
+        """The engine's admission rules (engine/request_checks.py), run on every request before
+        any is queued: the gateway and the offline API get the same refusals."""
         check_request(self.limits, prompt_ids, params)
 
     def close(self) -> None:
-        """Free what the engine holds, at once rather than when it is collected: its requests,
-        the tensor-parallel workers and their process group, the model and its KV cache, the
-        adapter slots and host copies (on CUDA, memory back to the device). Idempotent; the
-        engine serves nothing after."""
+        """Free what the engine holds now, not when collected: requests, tensor-parallel
+        workers, model, KV cache, adapter slots and host copies. Idempotent; serves nothing after."""
         if self.closed:
             return
         self.closed = True
@@ -108,9 +104,8 @@ class LLMEngine:
         self._aborted.clear()
         self.runner.close()
         self.lora.close()
-        device = self.runner.local.device
         gc.collect()  # the model's modules and the pools refer to each other
-        if device.type == "cuda":
+        if self.runner.local.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def _check_open(self) -> None:
@@ -168,10 +163,9 @@ class LLMEngine:
         return aborted
 
     def add_adapter(self, name: str, path: str | None, adapter: LoraAdapter | None = None) -> int:
-        """Register or replace an adapter: `adapter`, parsed and validated where its bytes were
-        read, or else read from the PEFT directory `path` (also its disk copy, re-read after a
-        host eviction; None: in memory only); returns its version. A bad adapter raises
-        AdapterError, changing nothing."""
+        """Register or replace an adapter (`adapter`, parsed and validated where its bytes were
+        read, else read from the PEFT directory `path`, its disk copy too; None: in memory only);
+        returns its version. A bad adapter raises AdapterError, changing nothing."""
         if adapter is None:
             adapter = read_adapter(path, self.lora.spec)
         busy = {r.seq.adapter for r in self.requests.values() if r.seq.adapter}
@@ -233,8 +227,7 @@ class LLMEngine:
                 request.guided.advance(token)  # the matcher accepts it on the mask thread
             if logprob is not None:
                 seq.logprobs.append(logprob)
-            # The EOS or stop token that ends a request stays out of its text (as in vLLM),
-            # unless include_stop_str_in_output.
+            # an ending EOS / stop token stays out of the text unless include_stop_str_in_output
             show = (not ends_on_token(seq, token, self.eos_token_ids)
                     or seq.params.include_stop_str_in_output)
             text = request.detokenizer.step([token]) if request.detokenizer and show else ""
@@ -248,6 +241,16 @@ class LLMEngine:
                 del self.requests[seq.request_id]
             outputs.append(self._output(request, [token], [logprob] if logprob else [], text))
         return outputs
+
+    def take_failures(self) -> list[tuple[list[str], str]]:
+        """[(ids, why)]: requests failed, after a step, as their adapter could not be re-read."""
+        failures = []
+        for adapter, why in self.lora.reads.take_failures().items():
+            dropped = self.scheduler.drop_waiting(adapter)
+            for seq in dropped:
+                del self.requests[seq.request_id]
+            failures.append(([seq.request_id for seq in dropped], why))
+        return failures
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -277,8 +280,7 @@ class LLMEngine:
                              seq.finish_reason, request.stop_reason, seq.num_prompt_tokens,
                              seq.num_output_tokens, seq.num_cached_tokens or 0, prompt)
 
-    # ---- introspection (metrics, tests) ---------------------------------------------------
-    @property
+    @property  # introspection (metrics, tests)
     def num_running(self) -> int:
         return len(self.scheduler.running)
 

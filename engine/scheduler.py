@@ -245,6 +245,13 @@ class Scheduler:
         return ScheduledBatch(decode + [s for s, _ in rest], [1] * len(decode) + [n for _, n in rest],
                               num_decode=len(decode))
 
+    def drop_waiting(self, adapter: str) -> list[Sequence]:
+        """Retire every waiting sequence of `adapter` (its weights cannot be had); returns them."""
+        dropped = [seq for seq in self.waiting if seq.adapter == adapter]
+        for seq in dropped:
+            self.finish(seq, "abort")
+        return dropped
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         if self.slots is not None:

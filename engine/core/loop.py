@@ -86,6 +86,8 @@ class EngineLoop:
                     outputs += self.step()
                 if outputs:
                     self.outbox.send(Outputs(outputs))
+                for ids, why in engine.take_failures():  # an adapter's disk copy went bad
+                    self.outbox.send(Failed(ids, why))
         finally:
             self.loader.shutdown(wait=False, cancel_futures=True)
 

@@ -23,12 +23,14 @@ class HostReads:
     def __init__(self, spec):
         self.spec = spec  # what read_adapter validates against (the base's shapes)
         self._reads: dict[str, _Read] = {}
+        self.failures: dict[str, str] = {}  # adapter -> why its read failed (take_failures)
         self._pool: ThreadPoolExecutor | None = None
 
     def take(self, name: str, version: int, path: str) -> LoraAdapter | None:
         """`name`'s adapter (version `version`) read from `path` once it has been: None while
-        the read runs (the first call starts it). A read that failed raises here, as a read on
-        the step loop would."""
+        the read runs (the first call starts it), and after it failed (see take_failures)."""
+        if name in self.failures:  # failed already: the engine fails its requests next
+            return None
         read = self._reads.get(name)
         if read is not None and read.version != version:  # replaced since: read the new one
             read.future.cancel()
@@ -41,7 +43,16 @@ class HostReads:
         if not read.future.done():
             return None
         del self._reads[name]
-        return read.future.result()
+        try:
+            return read.future.result()
+        except Exception as exc:  # gone or corrupt on disk: its requests fail, nothing else
+            self.failures[name] = f"adapter {name!r} could not be re-read from {path}: {exc}"
+            return None
+
+    def take_failures(self) -> dict[str, str]:
+        """Adapters whose read failed since the last call, and why."""
+        failures, self.failures = self.failures, {}
+        return failures
 
     def forget(self, name: str) -> None:
         """Drop a read of an adapter that was removed or replaced."""

@@ -4,6 +4,7 @@ when nothing decodes); an adapter re-read from disk is read off the step loop, s
 decoding while it loads; and the CPU decode path's chunked attention (rows by context length,
 cache-sized gathers) gives the tokens the single batched gather gives."""
 
+import shutil
 import threading
 import time
 
@@ -127,3 +128,30 @@ def test_chunked_decode_attention_gives_the_batched_tokens(checkpoint, monkeypat
     llm.engine.runner.kv_token_bytes = None  # the single batched gather
     batched = [o.token_ids for o in llm.generate(ps, greedy(10))]
     assert chunked == batched
+
+
+def test_an_adapter_gone_bad_on_disk_fails_only_its_requests(checkpoint, tmp_path):
+    """ad1's disk copy is overwritten after its host copy was evicted: the request that needs it
+    fails with why (take_failures; LLM.generate raises it), the stream on ad0 goes on."""
+    llm = make_llm(checkpoint, max_loras=2, max_cpu_loras=1)
+    engine = llm.engine
+    copy = tmp_path / "bad"
+    shutil.copytree(checkpoint[1]["ad1"], copy)
+    engine.add_adapter("bad", str(copy))
+    engine.lora.evict("bad")
+    (copy / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    ps = prompts(2, seed=4)
+    solo = llm.generate([ps[0]], greedy(8), ["ad0"])[0].token_ids
+    good = engine.add_request(ps[0], greedy(8), adapter="ad0")
+    bad = engine.add_request(ps[1], greedy(8), adapter="bad")
+    tokens, failures = [], []
+    while engine.has_unfinished():
+        tokens += [t for out in engine.step() if out.request_id == good
+                   for t in out.new_token_ids]
+        failures += engine.take_failures()
+    assert tokens == solo
+    assert [ids for ids, _ in failures] == [[bad]]
+    assert "could not be re-read" in failures[0][1] and engine.sequence(bad) is None
+    with pytest.raises(RuntimeError, match="could not be re-read"):
+        llm.generate([ps[1]], greedy(4), ["bad"])
+    assert not engine.has_unfinished()
