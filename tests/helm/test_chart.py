@@ -370,6 +370,12 @@ def test_engine_values_become_loragw_serve_flags():
     assert all(isinstance(a, str) for a in container["args"]), "args are strings"
 
 
+def test_the_prefill_cap_reaches_the_server_only_when_set():
+    assert flag(gateway(render()), "--max-prefill-tokens-decoding") == []
+    container = gateway(render({"engine": {"maxPrefillTokensDecoding": 128}}))
+    assert flag(container, "--max-prefill-tokens-decoding") == ["128"]
+
+
 def test_prefix_caching_slot_aging_and_full_modules_reach_the_server_as_its_flags():
     default = gateway(render())
     assert "--enable-prefix-caching" in default["args"]
