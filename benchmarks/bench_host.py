@@ -26,7 +26,7 @@ from collections import defaultdict
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import build_llama25m_with_tokenizer, machine, write_adapters  # noqa: E402
+from common import build_llama25m_with_tokenizer, machine, timed, write_adapters  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 
@@ -66,22 +66,13 @@ def main() -> None:
 
     now: dict[str, float] = defaultdict(float)
 
-    def timed(part: str, fn):
-        def call(*a, **k):
-            start = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                now[part] += time.perf_counter() - start
-        return call
-
     originals = (engine.scheduler.schedule, engine.lora.prepare, runner.prepare, runner.forward,
                  engine.sampler)
-    engine.scheduler.schedule = timed("schedule", originals[0])
-    engine.lora.prepare = timed("prepare", originals[1])
-    runner.prepare = timed("prepare", originals[2])
-    runner.forward = timed("forward", originals[3])
-    engine.sampler = timed("sample", originals[4])
+    engine.scheduler.schedule = timed(now, "schedule", originals[0])
+    engine.lora.prepare = timed(now, "prepare", originals[1])
+    runner.prepare = timed(now, "prepare", originals[2])
+    runner.forward = timed(now, "forward", originals[3])
+    engine.sampler = timed(now, "sample", originals[4])
     phases = defaultdict(list)
     for _ in range(args.steps):
         now.clear()

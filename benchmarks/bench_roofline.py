@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import build_llama25m_with_tokenizer, machine, write_adapters  # noqa: E402
+from common import build_llama25m_with_tokenizer, machine, timed, write_adapters  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.layers.attention import PagedAttention  # noqa: E402
@@ -193,19 +193,10 @@ def profile(llm: LLM, names: list[str], tokens: int, vocab: int) -> dict[str, fl
     steps: list[dict[str, float]] = []
     forward, sample, step = runner.forward, engine.sampler.__class__.__call__, engine.step
 
-    def timed(part: str, fn):
-        def call(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                now[part] += time.perf_counter() - start
-        return call
-
     def timed_step():
         now.clear()
         clock.seconds.clear()
-        out = timed("step", step)()
+        out = timed(now, "step", step)()
         s = clock.seconds
         parts = {"projections": s["projections"] - s["lora"], "LoRA": s["lora"],
                  "attention": s["attention"], "lm_head": s["lm_head"]}
@@ -215,8 +206,8 @@ def profile(llm: LLM, names: list[str], tokens: int, vocab: int) -> dict[str, fl
         steps.append(parts)
         return out
 
-    runner.forward = timed("forward", forward)
-    engine.sampler.__class__.__call__ = timed("sample", sample)
+    runner.forward = timed(now, "forward", forward)
+    engine.sampler.__class__.__call__ = timed(now, "sample", sample)
     engine.step = timed_step
     try:
         engine_tok_s(llm, names, tokens, vocab)

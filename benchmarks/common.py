@@ -103,6 +103,17 @@ def machine() -> str:
             f"{torch.get_num_threads()} threads")
 
 
+def timed(totals: dict[str, float], part: str, fn):
+    """fn, adding the seconds of each call to totals[part] (a defaultdict(float))."""
+    def call(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[part] += time.perf_counter() - start
+    return call
+
+
 class Timer:
     def __enter__(self):
         self.start = time.perf_counter()

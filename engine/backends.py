@@ -117,17 +117,23 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
     return "triton"
 
 
+def checked(name: str, kernel: str, problem: str | None, what: str, instead: str) -> str:
+    """`kernel` when its self-check found no `problem`; else a forced `name` (== kernel) raises
+    and auto warns and keeps torch, so a kernel wrong on this machine never serves."""
+    if problem is None:
+        return kernel
+    if name == kernel:
+        raise ValueError(f"{what} fails its check here: {problem}")
+    logger.warning("%s is off, %s serves: %s", what, instead, problem)
+    return "torch"
+
+
 def resolve_cpu_attention(name: str, dtype: torch.dtype, shape: AttentionShape) -> str:
     if dtype != torch.float32 and name == "auto":
         return "torch"  # the C kernel is float32 only
     problem = cpu_attention.self_check(dtype, shape.num_heads, shape.num_kv_heads,
                                        shape.head_dim, shape.sliding_window, shape.softcap)
-    if problem is None:
-        return "cpu"
-    if name == "cpu":
-        raise ValueError(f"the CPU attention kernel cannot serve here: {problem}")
-    logger.warning("the CPU decode attention kernel is off, torch serves decode: %s", problem)
-    return "torch"
+    return checked(name, "cpu", problem, "the CPU decode attention kernel", "torch")
 
 
 def quant_kind(model) -> str | None:
@@ -158,13 +164,7 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) 
             raise ValueError(f'linear_backend="onednn" needs the CPU, float32 or bfloat16 and '
                              f"a torch with oneDNN; this is {device.type} {dtype}")
         return "torch"
-    problem = cpu_linear.self_check(dtype)
-    if problem is None:
-        return "onednn"
-    if name == "onednn":
-        raise ValueError(f"oneDNN's packed GEMM fails its check here: {problem}")
-    logger.warning("oneDNN's packed GEMM is off, F.linear serves: %s", problem)
-    return "torch"
+    return checked(name, "onednn", cpu_linear.self_check(dtype), "oneDNN's packed GEMM", "F.linear")
 
 
 def resolve_backends(lora: str, attention: str, device: torch.device, dtype: torch.dtype,

@@ -9,8 +9,9 @@ across steps. While any sequence decodes, a step's prompt tokens are capped furt
 `max_prefill_decoding`: a step's time grows with its prefill tokens, and every decoding stream
 waits for the whole step, so the cap bounds a running stream's worst gap between two tokens
 (a burst of long prompts is spread over several steps instead of stalling every stream for one
-long step). With nothing decoding there is nothing to delay, and the full budget applies. When KV blocks run out, the most recently admitted running sequence is
-preempted: its blocks are freed and it is recomputed later from its tokens (sharing again
+long step). With nothing decoding there is nothing to delay, and the full budget applies.
+
+When KV blocks run out, the most recently admitted running sequence is preempted: its blocks are freed and it is recomputed later from its tokens (sharing again
 whatever of its blocks is still cached).
 
 Adapter slots and aging. A waiting sequence whose adapter has no slot is skipped and the ones

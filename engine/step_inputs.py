@@ -86,16 +86,15 @@ def decode_chunks(views: DecodeViews, block_size: int, kv_token_bytes: int) -> l
     DECODE_CHUNK_BYTES of gathered K/V (at least one row each), each at its own width."""
     lens = views.context_lens.tolist()
     order = sorted(range(len(lens)), key=lens.__getitem__)
+    widths = [-(-lens[i] // block_size) for i in order]  # blocks, ascending
+    block_bytes = block_size * kv_token_bytes
     chunks, start = [], 0
     while start < len(order):
-        end = start + 1
-        while end < len(order):
-            width = -(-lens[order[end]] // block_size)  # the longest row so far: sorted
-            if (end + 1 - start) * width * block_size * kv_token_bytes > DECODE_CHUNK_BYTES:
-                break
+        end = start + 1  # a chunk is as wide as its last (longest) row
+        while end < len(order) and (end + 1 - start) * widths[end] * block_bytes <= DECODE_CHUNK_BYTES:
             end += 1
         rows = torch.tensor(order[start:end], dtype=torch.int64)
-        width = -(-lens[order[end - 1]] // block_size)
+        width = widths[end - 1]
         tables = views.block_tables.index_select(0, rows)[:, :width]  # [n, w]
         positions = torch.arange(width * block_size)
         mask = positions[None, :] < views.context_lens.index_select(0, rows)[:, None]

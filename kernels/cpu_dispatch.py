@@ -170,6 +170,8 @@ class BagTables:
     b: tuple[Tensor | None, ...]
     cols: tuple[int, ...]     # n+1: slice i's ranks are columns cols[i]:cols[i+1] of a
     key: tuple                # versions of the pool tensors it was built from, and the offsets
+    # the C kernel's array arguments, built once per set of active slices (kernels/cpu_lora.py)
+    native: dict = field(default_factory=dict)
 
 
 def _build_tables(lora_a: Tensor, lora_b: Tensor, ranks: Tensor, scales: Tensor,

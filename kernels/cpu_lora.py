@@ -32,16 +32,19 @@ def apply_bags(out: Tensor, x: Tensor, tables: BagTables, active: list[int],
     C source). out: [T, O], x: [T, H] float32, each row contiguous; tables contiguous (as
     kernels/cpu_dispatch.py builds them)."""
     n = len(offsets)
-    cols = (ctypes.c_int32 * (n + 1))(*tables.cols)
-    lo = (ctypes.c_int32 * n)(*(a for a, _ in offsets))
-    width = (ctypes.c_int32 * n)(*(b - a for a, b in offsets))
-    b = (ctypes.c_int64 * n)(*(tables.b[i].data_ptr() if i in active else 0 for i in range(n)))
+    arrays = tables.native.get(tuple(active))
+    if arrays is None:  # once per tables and active slices, not per call (56 calls a step)
+        arrays = tables.native[tuple(active)] = (
+            (ctypes.c_int32 * (n + 1))(*tables.cols),
+            (ctypes.c_int32 * n)(*(a for a, _ in offsets)),
+            (ctypes.c_int32 * n)(*(b - a for a, b in offsets)),
+            (ctypes.c_int64 * n)(*(tables.b[i].data_ptr() if i in active else 0 for i in range(n))))
     rows = None if isinstance(group.rows, slice) else group.rows.contiguous()
     slots = group.slots.contiguous()
     failed = _kernel()(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),
                        rows.data_ptr() if rows is not None else None, slots.data_ptr(),
                        group.num_tokens, x.shape[1], tables.a.data_ptr(), tables.a.shape[1], n,
-                       cols, lo, width, b)
+                       *arrays)
     if failed:
         raise MemoryError("the CPU LoRA kernel could not allocate its buffers")
 

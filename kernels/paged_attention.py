@@ -253,35 +253,10 @@ def paged_attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
 def self_check(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                head_dim: int, sliding_window: int | None = None,
                softcap: float | None = None) -> str | None:
-    """Why the kernel must not serve these shapes on `device`, or None when it may: one small
-    random paged cache (ragged contexts across block boundaries, shuffled blocks) run through
-    the kernel and compared with the float64 reference, plainly and, when given, with a window
-    (at most 24 keys, so that it cuts the contexts) and the cap. Compiles the kernel."""
-    from kernels.reference import oracle_paged_attention
+    """Why the kernel must not serve these shapes on `device`, or None when it may
+    (kernels.reference.paged_decode_problem). Compiles the kernel."""
+    from kernels.reference import paged_decode_problem
 
-    cases = [(None, None)]
-    if sliding_window is not None or softcap is not None:
-        cases.append((min(sliding_window, 24) if sliding_window is not None else None, softcap))
-    try:
-        g = torch.Generator(device="cpu").manual_seed(0)
-        block_size, lens = 16, [1, 17, 40]
-        blocks = torch.randperm(12, generator=g)[:9].view(3, 3).to(torch.int32)  # [B, 3]
-        rand = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
-        q = rand(3, num_heads, head_dim)
-        k_cache, v_cache = (rand(12, block_size, num_kv_heads, head_dim) for _ in range(2))
-        tables = blocks.to(device)
-        context = torch.tensor(lens, dtype=torch.int32, device=device)
-        scale = head_dim ** -0.5
-        errors = []
-        for window, cap in cases:
-            out = paged_attention_decode(q, k_cache, v_cache, tables, context, scale,
-                                         sliding_window=window, softcap=cap)
-            want = oracle_paged_attention(q, k_cache, v_cache, tables, context, scale, window, cap)
-            errors.append((out.double() - want).abs().max().item())
-    except Exception as exc:  # a compile or launch failure on this GPU / Triton
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
-    tolerance = 1e-3 if dtype == torch.float32 else 3e-2
-    for error in errors:
-        if not error <= tolerance:  # also catches NaN
-            return f"max error {error:.3g} vs the float64 reference exceeds {tolerance:g}"
-    return None
+    return paged_decode_problem(paged_attention_decode, device, dtype, num_heads, num_kv_heads,
+                                head_dim, sliding_window, softcap,
+                                tolerance=1e-3 if dtype == torch.float32 else 3e-2)

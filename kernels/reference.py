@@ -249,3 +249,38 @@ def oracle_paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
             scores = softcap * torch.tanh(scores / softcap)
         out[b] = (scores.softmax(dim=-1).unsqueeze(1) @ v).squeeze(1)        # [n_heads, D]
     return out
+
+
+def paged_decode_problem(decode, device: torch.device, dtype: torch.dtype, num_heads: int,
+                         num_kv_heads: int, head_dim: int, sliding_window: int | None,
+                         softcap: float | None, tolerance: float) -> str | None:
+    """Why the paged decode kernel `decode` (kernels/paged_attention.py's signature) must not
+    serve these shapes on `device`, or None when it may: one small random paged cache (ragged
+    contexts across block boundaries, shuffled blocks) run through it and compared with
+    oracle_paged_attention, plainly and, when given, with a window (at most 24 keys, so that it
+    cuts the contexts) and the cap. A kernel that fails to build or launch says why."""
+    cases = [(None, None)]
+    if sliding_window is not None or softcap is not None:
+        cases.append((min(sliding_window, 24) if sliding_window is not None else None, softcap))
+    try:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        lens = [1, 17, 40]
+        tables = torch.randperm(12, generator=g)[:9].view(3, 3).to(torch.int32)  # [B, 3]
+        rand = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+        q = rand(3, num_heads, head_dim)
+        k_cache, v_cache = (rand(12, 16, num_kv_heads, head_dim) for _ in range(2))
+        tables = tables.to(device)
+        context = torch.tensor(lens, dtype=torch.int32, device=device)
+        scale = head_dim ** -0.5
+        errors = []
+        for window, cap in cases:
+            out = decode(q, k_cache, v_cache, tables, context, scale, sliding_window=window,
+                         softcap=cap)
+            want = oracle_paged_attention(q, k_cache, v_cache, tables, context, scale, window, cap)
+            errors.append((out.double() - want).abs().max().item())
+    except Exception as exc:  # a build, compile or launch failure here
+        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+    for error in errors:
+        if not error <= tolerance:  # also catches NaN
+            return f"max error {error:.3g} vs the float64 reference exceeds {tolerance:g}"
+    return None

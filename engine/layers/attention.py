@@ -53,14 +53,11 @@ class PagedAttention(nn.Module):
         # q: [T, n_heads, D]  k, v: [T, n_kv_heads, D] -> out: [T, n_heads * D]
         ctx = get_forward_context()
         meta = ctx.attn
-        num_blocks, block_size = self.k_cache.shape[:2]
-        k_flat = self.k_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
-        v_flat = self.v_cache.view(num_blocks * block_size, self.num_kv_heads, self.head_dim)
         if ctx.backends.store_kv is not None:  # the CPU kernel's copy
             ctx.backends.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        else:
-            k_flat.index_copy_(0, meta.slot_mapping, k)  # no host sync: a CUDA graph captures it
-            v_flat.index_copy_(0, meta.slot_mapping, v)
+        else:  # no host sync: a CUDA graph captures it
+            self.k_cache.flatten(0, 1).index_copy_(0, meta.slot_mapping, k)
+            self.v_cache.flatten(0, 1).index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty_like(q)
         decoded = meta.num_decode_tokens
