@@ -22,6 +22,7 @@ from engine.layers.rotary import longrope_context
 from engine.models import adapter_spec, model_class
 from engine.quant.scheme import CHOICES as QUANTIZATION_CHOICES
 from engine.quant.scheme import QuantConfig, read_quantization
+from engine.speculative_config import SpeculativeConfig, as_json, parse_speculative_config
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,11 @@ class EngineOptions:
         choices=QUANTIZATION_CHOICES)
     max_logprobs: int = option(20, "most alternatives a request may ask for per token "
                                "(logprobs, top_logprobs, prompt_logprobs)")
+    # vLLM's flag and keys (engine/spec/config.py); LLM(speculative_config={...}) takes a dict
+    speculative_config: str | None = option(
+        None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4} (prompt lookup in the request\'s own '
+        'tokens); requests may opt out with "speculative": false')
 
     def option_name(self, name: str) -> str:
         """How messages name an option: the field name (the command line names its flag)."""
@@ -141,6 +147,10 @@ class EngineOptions:
             raise ValueError(f"{n('max_full_module_slots')} must be in [0, {n('max_loras')}="
                              f"{self.max_loras}] (each adapter with saved modules also holds a "
                              f"LoRA slot), got {self.max_full_module_slots}")
+        spec = parse_speculative_config(self.speculative_config)  # a bad one fails here
+        if isinstance(self.speculative_config, dict):  # held as the flag's JSON text
+            object.__setattr__(self, "speculative_config",
+                               json.dumps(as_json(spec)) if spec is not None else None)
         if self.tensor_parallel_size > 1 and self.max_full_module_slots:
             raise ValueError(f"{n('max_full_module_slots')} must be 0 with "
                              f"{n('tensor_parallel_size')} > 1: saved modules are not split "
@@ -170,6 +180,10 @@ class Config(EngineOptions):
         object.__setattr__(self, "quant", _read_quant(self.hf_config, self.quantization, cls))
         if self.max_model_len is None:
             object.__setattr__(self, "max_model_len", _default_context(self.hf_config))
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return parse_speculative_config(self.speculative_config)
 
     @property
     def torch_device(self) -> torch.device:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -22,33 +22,18 @@ from engine.lora.manager import LoRAManager
 from engine.model_runner import ModelRunner
 from engine.prompt_logprobs import record_prompt_logprobs
 from engine.request_checks import RequestLimits, check_request
+from engine.request_state import RequestState
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.sequence import (
-    EngineRequest,
-    Prompt,
-    RequestOutput,
-    Sequence,
-    SequenceStatus,
-    TokenLogprob,
-)
+from engine.sequence import EngineRequest, Prompt, RequestOutput, Sequence, SequenceStatus
+from engine.spec.speculator import Speculator
+from engine.spec.verify import Verified
 from engine.step_plan import plan_step
-from engine.stopping import ends_on_token, finish_reason
 from engine.structured import GrammarCompiler, GuidedState
 from engine.tokenizer import eos_token_ids, tokenize, try_load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-
-@dataclass(slots=True)
-class _Request:
-    seq: Sequence
-    detokenizer: IncrementalDetokenizer | None
-    stop_reason: str | int | None = None
-    guided: GuidedState | None = None  # structured output's matcher, if params.guided
-    sent_prompt_logprobs: bool = False  # its first output carried them
 
 
 class LLMEngine:
@@ -79,7 +64,9 @@ class LLMEngine:
                                     frozenset(self.eos_token_ids), blocks.num_blocks,
                                     blocks.block_size, blocks.window, blocks.max_chunk)
         self.sampler = Sampler(config.seed, self.eos_token_ids)
-        self.requests: dict[str, _Request] = {}
+        spec = config.speculative
+        self.speculator = Speculator(spec) if spec is not None else None
+        self.requests: dict[str, RequestState] = {}
         self.closed = False
         self._grammars: GrammarCompiler | None = None  # built by the first guided request
         self._aborted: list[RequestOutput] = []  # final outputs of requests ended between steps
@@ -144,7 +131,7 @@ class LLMEngine:
         self.scheduler.add(seq)
         detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
                  if self.tokenizer is not None else None)
-        self.requests[seq.request_id] = _Request(seq, detok, guided=guided)
+        self.requests[seq.request_id] = RequestState(seq, detok, guided=guided)
         return seq.request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -153,7 +140,7 @@ class LLMEngine:
         if request is None:
             return None
         self.scheduler.finish(request.seq, "abort")
-        out = self._output(request, [], [], "")
+        out = request.output([], [], "")
         self._aborted.append(out)
         return out
 
@@ -196,6 +183,8 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self._check_open()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.lora.reads.pending:  # what waits, waits for an adapter read
@@ -211,36 +200,36 @@ class LLMEngine:
             raise
         self.block_manager.commit()
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            self.block_manager.mark_computed(seq, num_new)
+            if not seq.spec_tokens:  # a drafted row's count waits for its verification
+                self.block_manager.mark_computed(seq, num_new)
         record_prompt_logprobs(step, batch)
         if not sampling:
             return []
+        outputs = []
+        for seq, new in zip(sampling, self._sample(step, sampling, masks)):
+            request = self.requests[seq.request_id]
+            taken = request.take(new.token_ids, new.logprobs, self.eos_token_ids,
+                                 self.config.max_model_len)
+            if taken.finish_reason is not None:
+                self.scheduler.finish(seq, taken.finish_reason)
+                del self.requests[seq.request_id]
+            elif seq.spec_tokens:
+                self.block_manager.settle_verified(seq, new.num_accepted)
+            seq.spec_tokens = []
+            outputs.append(request.output(taken.tokens, taken.logprobs, taken.text))
+        return outputs
+
+    def _sample(self, step, sampling: list[Sequence], masks) -> list[Verified]:
+        """Each sampling sequence's new tokens: one sampled, or its kept drafts and one more."""
+        mask = masks.result() if masks else None
+        if self.speculator is not None:
+            return self.speculator.sample(self.sampler, step, sampling, mask)
         logits = step.logits
         if len(step.sampling) < logits.shape[0]:
             logits = logits[torch.tensor(step.sampling, device=logits.device)]
-        sampled = self.sampler(logits, sampling, masks.result() if masks else None)
-        outputs = []
-        for seq, token, logprob in zip(sampling, sampled.token_ids, sampled.logprobs):
-            request = self.requests[seq.request_id]
-            seq.token_ids.append(token)
-            if request.guided is not None:
-                request.guided.advance(token)  # the matcher accepts it on the mask thread
-            if logprob is not None:
-                seq.logprobs.append(logprob)
-            # an ending EOS / stop token stays out of the text unless include_stop_str_in_output
-            show = (not ends_on_token(seq, token, self.eos_token_ids)
-                    or seq.params.include_stop_str_in_output)
-            text = request.detokenizer.step([token]) if request.detokenizer and show else ""
-            reason, request.stop_reason = finish_reason(
-                seq, token, self.eos_token_ids, request.detokenizer, request.guided,
-                self.config.max_model_len)
-            if reason is not None:
-                if request.detokenizer is not None:
-                    text += request.detokenizer.flush()  # never releases a matched stop string
-                self.scheduler.finish(seq, reason)
-                del self.requests[seq.request_id]
-            outputs.append(self._output(request, [token], [logprob] if logprob else [], text))
-        return outputs
+        out = self.sampler(logits, sampling, mask)
+        return [Verified([token], None if logprob is None else [logprob], 0)
+                for token, logprob in zip(out.token_ids, out.logprobs)]
 
     def take_failures(self) -> list[tuple[list[str], str]]:
         """[(ids, why)]: requests failed, after a step, as their adapter could not be re-read."""
@@ -263,22 +252,20 @@ class LLMEngine:
         return self._grammars
 
     def _fill_masks(self, sampling: list[Sequence]):
-        """A future of the TokenMask of the constrained rows of `sampling`, or None."""
+        """A future of the TokenMask of the constrained rows of `sampling`, or None. Its rows
+        are the sampler's: the rows without drafts first, one each, then the drafted rows'
+        k + 1 each (Speculator.sample splits them)."""
         if self._grammars is None:
             return None  # no request has ever been guided
-        states = [(i, r.guided) for i, seq in enumerate(sampling)
-                  if (r := self.requests[seq.request_id]).guided is not None]
+        plain = [seq for seq in sampling if not seq.spec_tokens]
+        drafted = [seq for seq in sampling if seq.spec_tokens]
+        states, row = [], 0
+        for seq in plain + drafted:
+            guided = self.requests[seq.request_id].guided
+            if guided is not None:
+                states.append((row, guided, seq.spec_tokens))
+            row += len(seq.spec_tokens) + 1
         return self._grammars.fill_async(states) if states else None
-
-    def _output(self, request: _Request, tokens: list[int], logprobs: list[TokenLogprob],
-                text: str) -> RequestOutput:
-        seq = request.seq
-        prompt = None
-        if seq.prompt_logprobs is not None and not request.sent_prompt_logprobs:
-            prompt, request.sent_prompt_logprobs = seq.prompt_logprobs, True  # the first output
-        return RequestOutput(seq.request_id, tokens, text, logprobs, seq.is_finished,
-                             seq.finish_reason, request.stop_reason, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.num_cached_tokens or 0, prompt)
 
     @property  # introspection (metrics, tests)
     def num_running(self) -> int:

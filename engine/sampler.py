@@ -65,18 +65,7 @@ class Sampler:
         # Logprobs are of the raw model distribution, so take them before anything edits logits.
         raw = torch.log_softmax(logits[want_logprobs].float(), dim=-1) if want_logprobs else None
 
-        owned = mask is not None  # logits is our own copy: never edit the caller's tensor
-        if mask is not None:
-            logits = mask.apply(logits)  # a masked copy; unconstrained rows keep their values
-        edited = [i for i, s in enumerate(seqs) if needs_token_edits(s)]
-        if edited:
-            logits, owned = (logits if owned else logits.clone()), True
-            apply_token_edits(logits, edited, seqs, self.eos_token_ids)
-        penalized = [i for i, p in enumerate(params) if needs_penalties(p)]
-        if penalized:
-            logits = logits if owned else logits.clone()
-            logits[penalized] = apply_penalties(logits[penalized], [seqs[i] for i in penalized])
-
+        logits = self.process(logits, seqs, mask)
         # A greedy batch stops here: one argmax. Greedy rows of a mixed batch keep their argmax
         # (the first index on ties, as transformers' torch.argmax).
         token_ids = argmax_rows(logits)  # [B]
@@ -92,8 +81,32 @@ class Sampler:
                 out_logprobs[row] = lp
         return SamplerOutput(token_ids=tokens, logprobs=out_logprobs)
 
+    def process(self, logits: Tensor, seqs: list, mask: TokenMask | None = None) -> Tensor:
+        """logits [B, V] with the grammar mask, token edits and penalties applied: a copy when
+        any applies (the caller's tensor is never edited). `seqs` may be Sequences or views
+        with the same fields (speculative verification's DraftView)."""
+        params = [s.params for s in seqs]
+        owned = mask is not None  # logits is our own copy: never edit the caller's tensor
+        if mask is not None:
+            logits = mask.apply(logits)  # a masked copy; unconstrained rows keep their values
+        edited = [i for i, s in enumerate(seqs) if needs_token_edits(s)]
+        if edited:
+            logits, owned = (logits if owned else logits.clone()), True
+            apply_token_edits(logits, edited, seqs, self.eos_token_ids)
+        penalized = [i for i, p in enumerate(params) if needs_penalties(p)]
+        if penalized:
+            logits = logits if owned else logits.clone()
+            logits[penalized] = apply_penalties(logits[penalized], [seqs[i] for i in penalized])
+        return logits
+
     def _sample(self, logits: Tensor, seqs: list[Sequence]) -> Tensor:
         """logits: [R, V] fp32 of non-greedy rows (penalized). Returns token ids [R] (int64)."""
+        probs = self.probs(logits, seqs)
+        return argmax_rows(probs / self._exponential_noise(seqs, probs.shape[1], probs.device))
+
+    def probs(self, logits: Tensor, seqs: list) -> Tensor:
+        """logits: [R, V] fp32 of non-greedy rows (processed) -> the distribution each samples
+        from [R, V]: temperature, top-k, top-p, min-p, softmax."""
         params = [s.params for s in seqs]
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], device=device)
@@ -113,8 +126,11 @@ class Sampler:
             m = torch.tensor([params[i].min_p for i in min_p_rows], device=device)
             logits[min_p_rows] = apply_min_p(logits[min_p_rows], m)
 
-        probs = torch.softmax(logits, dim=-1)  # [R, V]
-        return argmax_rows(probs / self._exponential_noise(seqs, probs.shape[1], device))
+        return torch.softmax(logits, dim=-1)  # [R, V]
+
+    def generator(self, seq, device: torch.device) -> torch.Generator:
+        """Where a row's randomness comes from: its own seeded generator, else the engine's."""
+        return seq.generator if seq.generator is not None else self._generator(device)
 
     def _exponential_noise(self, seqs: list[Sequence], vocab: int, device: torch.device) -> Tensor:
         """q: [R, V] ~ Exponential(1). Seeded rows draw exactly V values from their own generator."""

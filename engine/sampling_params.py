@@ -59,6 +59,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     guided: GuidedDecoding | None = None  # structured output (engine/structured.py)
+    # An extension: False keeps this request out of speculative decoding (--speculative-config).
+    speculative: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -86,16 +86,18 @@ class ScheduledBatch:
         return sum(self.num_new_tokens)
 
     def samples(self, i: int) -> bool:
-        """Row i reaches the end of its tokens this step, so its last logits yield a token."""
+        """Row i reaches the end of its tokens (and drafts) this step, so its last logits
+        yield a token."""
         seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+        return (seq.num_computed_tokens + self.num_new_tokens[i]
+                == seq.num_tokens + len(seq.spec_tokens))
 
     def logit_range(self, i: int) -> range:
         """Which of row i's new tokens (offsets into them) need logits this step: its last if it
-        samples; from the first prompt token still lacking a logprob, if it asked for prompt
+        samples (with drafts, its last token's and every draft's); from the first prompt token still lacking a logprob, if it asked for prompt
         logprobs (the hidden state at position p gives the logprob of token p + 1)."""
         seq, n = self.seqs[i], self.num_new_tokens[i]
-        start = n - 1 if self.samples(i) else n
+        start = n - 1 - len(seq.spec_tokens) if self.samples(i) else n
         if seq.needs_prompt_logprobs:
             first = max(seq.num_computed_tokens, len(seq.prompt_logprobs) - 1)
             if first < min(seq.num_computed_tokens + n, seq.num_prompt_tokens - 1):
@@ -172,10 +174,14 @@ class Scheduler:
             seq = running[i]
             remaining = seq.num_tokens - seq.num_computed_tokens
             prefilling = remaining > 1  # a prompt (or a preempted sequence's recompute)
-            num_new = min(remaining, budget, prefill_budget if prefilling else remaining)
+            # a decoding row also computes its drafts (speculative decoding), as the budget allows
+            wanted = remaining + (0 if prefilling else len(seq.spec_tokens))
+            num_new = min(wanted, budget, prefill_budget if prefilling else wanted)
             if num_new == 0:  # no prefill budget left this step: it waits for the next
+                seq.spec_tokens = []
                 i += 1
                 continue
+            seq.spec_tokens = seq.spec_tokens[:num_new - remaining] if not prefilling else []
             while not self.block_manager.grow(seq, seq.num_computed_tokens + num_new):
                 victim = running.pop()
                 self._preempt(victim)
@@ -254,6 +260,7 @@ class Scheduler:
         return dropped
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.spec_tokens = []
         self.block_manager.free(seq)
         if self.slots is not None:
             self.slots.release(seq)

@@ -63,6 +63,9 @@ class Sequence:
     # params.prompt_logprobs: one entry per prompt token so far, filled chunk by chunk by the
     # engine (the first token has none); None when not asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Proposed next tokens this step verifies (speculative decoding, engine/spec): set by the
+    # proposer, cut to the step's budget by the scheduler, cleared once verified
+    spec_tokens: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -67,6 +67,11 @@ class EngineSnapshot:
     prefix_cache_hits: int = 0  # of those, tokens found cached
     # Device bytes of the adapter pools: projections, embed_tokens, lm_head, full_modules
     lora_device_bytes: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding per adapter ("" for the base): verifications, drafted tokens, and of
+    # those the ones kept (vLLM's spec_decode counters); empty without --speculative-config
+    spec_drafts: dict[str, int] = field(default_factory=dict)
+    spec_draft_tokens: dict[str, int] = field(default_factory=dict)
+    spec_accepted_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def kv_blocks_used(self) -> int:
@@ -93,4 +98,11 @@ def take_snapshot(engine: LLMEngine, step_errors: int = 0) -> EngineSnapshot:
         hits={"device": stats.device_hits},
         prefix_cache_queries=blocks.cache.stats.queries,
         prefix_cache_hits=blocks.cache.stats.hits,
-        lora_device_bytes=dict(lora.device_bytes))
+        lora_device_bytes=dict(lora.device_bytes),
+        **_spec_counters(engine))
+
+
+def _spec_counters(engine: LLMEngine) -> dict[str, dict[str, int]]:
+    counts = engine.speculator.counts if engine.speculator is not None else {}
+    return {f"spec_{name}": {adapter or "": getattr(c, name) for adapter, c in counts.items()}
+            for name in ("drafts", "draft_tokens", "accepted_tokens")}

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 
 from engine.lora_step import LoRARows
 from engine.scheduler import LogitRows, ScheduledBatch
+from engine.sequence import Sequence
 
 
 @dataclass(frozen=True, slots=True)
 class RowPlan:
     start: int  # the sequence's computed tokens: the position of its first new token
-    new_tokens: list[int]  # the tokens it computes this step (one for a decode row)
+    new_tokens: list[int]  # the tokens it computes this step (one for a decode row; a
+    # row verifying drafts: its last token, then the drafts)
     block_table: list[int]  # its KV blocks (the sequence's own list: read within the step)
 
 
@@ -33,8 +35,14 @@ class StepPlan:
 
 
 def plan_step(batch: ScheduledBatch, lora: LoRARows | None) -> StepPlan:
-    rows = [RowPlan(seq.num_computed_tokens,
-                    seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n],
-                    seq.block_table)
+    rows = [RowPlan(seq.num_computed_tokens, _new_tokens(seq, n), seq.block_table)
             for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
     return StepPlan(rows, batch.num_decode, batch.logit_rows, lora)
+
+
+def _new_tokens(seq: Sequence, n: int) -> list[int]:
+    """The tokens `seq` computes this step: its next n, or its last one then its drafts."""
+    start = seq.num_computed_tokens
+    if seq.spec_tokens:
+        return seq.token_ids[start:] + seq.spec_tokens
+    return seq.token_ids[start:start + n]

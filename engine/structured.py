@@ -4,7 +4,7 @@ A request's `SamplingParams.guided` (a `GuidedDecoding`) is compiled once per di
 xgrammar (LRU-cached), and each request gets its own matcher (`GuidedState`). Every step:
 
     mask thread, while the forward pass runs:
-        matcher.accept_token(last step's sampled token)    each constrained row
+        matcher.accept_token(last step's kept tokens)      each constrained row
         matcher.fill_next_token_bitmask(...)               [R, ceil(V / 32)] packed int32
         bias = 0 / -inf per token, unpacked from the bitmask
     main thread, after the forward pass:
@@ -25,7 +25,7 @@ import logging
 import re
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -84,18 +84,18 @@ class GuidedDecoding:
 class GuidedState:
     """One request's grammar matcher (engine-owned; created by add_request).
 
-    The engine calls `advance(token)` after sampling; the matcher itself accepts the token on
-    the mask thread at the start of the next mask job (`GrammarCompiler.fill`)."""
+    The engine calls `advance(token)` for each token a step kept (one, or with speculative
+    decoding the accepted drafts and one more); the matcher itself accepts them on the mask
+    thread at the start of the next mask job (`GrammarCompiler.fill`)."""
 
     matcher: xgr.GrammarMatcher
     stop_token_ids: frozenset[int]
     json: bool = False  # the output is JSON (json_object / json_schema)
-    pending: int | None = None  # sampled but not yet accepted by the matcher
+    pending: list[int] = field(default_factory=list)  # kept, not yet accepted by the matcher
     done: bool = False  # a stop token was sampled: the grammar is complete
 
     def advance(self, token: int) -> None:
-        assert self.pending is None, "advance twice without a mask job in between"
-        self.pending = token
+        self.pending.append(token)
         self.done = token in self.stop_token_ids
 
 
@@ -110,6 +110,20 @@ class TokenMask:
     bitmask: Tensor
     rows: list[int]
     bias: Tensor
+
+    def split(self, n: int) -> tuple[TokenMask | None, TokenMask | None]:
+        """The masks of rows [0, n) and of rows n.. (renumbered from 0); None where none."""
+        first = [j for j, row in enumerate(self.rows) if row < n]
+        rest = [j for j, row in enumerate(self.rows) if row >= n]
+        return (self._take(first, 0), self._take(rest, n))
+
+    def _take(self, entries: list[int], shift: int) -> TokenMask | None:
+        if not entries:
+            return None
+        if len(entries) == len(self.rows) and not shift:
+            return self
+        return TokenMask(self.bitmask[entries], [self.rows[j] - shift for j in entries],
+                         self.bias[entries])
 
     def apply(self, logits: Tensor) -> Tensor:
         """logits: [B, V] -> a copy with disallowed tokens of the masked rows at -inf."""
@@ -201,30 +215,45 @@ class GrammarCompiler:
         return GuidedState(xgr.GrammarMatcher(self.compile(guided)), self.stop_token_ids,
                            json=guided.kind in ("json_object", "json_schema"))
 
-    def fill(self, states: list[tuple[int, GuidedState]]) -> TokenMask | None:
-        """Accept each state's pending token, then fill the bitmasks of the (row, state) pairs;
-        None if there are none. (Plain loops: xgrammar's batch calls cost more in their Python
-        wrappers than they save, at these batch sizes.)"""
+    def fill(self, states: list[tuple[int, GuidedState, list[int]]]) -> TokenMask | None:
+        """Accept each state's pending tokens, then fill the bitmasks of the (first row, state,
+        drafts) triples; None if there are none. A state with drafts (speculative decoding)
+        fills len(drafts) + 1 rows from `first` on: row i as if drafts[:i] were accepted (the
+        matcher accepts them, then rolls them back); rows past a draft the grammar refuses
+        repeat the last mask (that draft is rejected there, so they are never used). (Plain
+        loops: xgrammar's batch calls cost more in their Python wrappers than they save, at
+        these batch sizes.)"""
         if not states:
             return None
-        for _, state in states:
-            if state.pending is not None:
-                if not state.matcher.accept_token(state.pending):
-                    # The mask made this impossible: the grammar and mask disagree.
-                    logger.warning("grammar rejected token %d that its own mask allowed",
-                                   state.pending)
-                state.pending = None
-        bitmask = xgr.allocate_token_bitmask(len(states), self.vocab_size)  # [R, W] int32
-        for j, (_, state) in enumerate(states):
-            state.matcher.fill_next_token_bitmask(bitmask, j)
+        rows = [first + i for first, _, drafts in states for i in range(len(drafts) + 1)]
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)  # [R, W] int32
         words = bitmask.numpy()  # the same memory
-        json_rows = [j for j, (_, s) in enumerate(states) if s.json]
+        json_rows, j = [], 0
+        for _, state, drafts in states:
+            for token in state.pending:
+                if not state.matcher.accept_token(token):
+                    # The mask made this impossible: the grammar and mask disagree.
+                    logger.warning("grammar rejected token %d that its own mask allowed", token)
+            state.pending = []
+            accepted = 0
+            for i in range(len(drafts) + 1):
+                if i == accepted and not (i and state.matcher.is_terminated()):
+                    state.matcher.fill_next_token_bitmask(bitmask, j + i)
+                    if i < len(drafts) and state.matcher.accept_token(drafts[i]):
+                        accepted += 1
+                else:
+                    words[j + i] = words[j + i - 1]
+            if accepted:
+                state.matcher.rollback(accepted)
+            if state.json:
+                json_rows.extend(range(j, j + len(drafts) + 1))
+            j += len(drafts) + 1
         if json_rows:
             words[json_rows] &= self._no_control_bytes
         bias = torch.from_numpy(mask_bias(words, self.vocab_size))
-        return TokenMask(bitmask, [row for row, _ in states], bias)
+        return TokenMask(bitmask, rows, bias)
 
-    def fill_async(self, states: list[tuple[int, GuidedState]]) -> Future | None:
+    def fill_async(self, states: list[tuple[int, GuidedState, list[int]]]) -> Future | None:
         """fill() on the mask thread, so it overlaps the forward pass; None if nothing to do."""
         return self._pool.submit(self.fill, states) if states else None
 

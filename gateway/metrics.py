@@ -151,6 +151,8 @@ class _LiveCollector(Collector):
                 family = CounterMetricFamily(f"loragw_{name}", doc)
                 family.add_metric([], value)
                 yield family
+        if snap is not None and snap.spec_drafts:
+            yield from _spec_decode(snap)
         for name in ("loads", "evictions", "hits"):
             family = CounterMetricFamily(f"loragw_adapter_{name}", f"Adapter {name} per tier",
                                          labels=["tier"])
@@ -159,6 +161,26 @@ class _LiveCollector(Collector):
             for tier in TIERS:
                 family.add_metric([tier], engine_counts.get(tier, 0) + ours[tier])
             yield family
+
+
+def _spec_decode(snap: EngineSnapshot):
+    """Speculative decoding per adapter, as vLLM's spec_decode metrics: verifications, drafted
+    and accepted tokens, and the acceptance rate (accepted / drafted)."""
+    label = {adapter: adapter or BASE_LABEL for adapter in snap.spec_drafts}
+    for name, doc, counts in (
+            ("num_drafts", "Verifications of proposed tokens (one per sequence and step)",
+             snap.spec_drafts),
+            ("num_draft_tokens", "Tokens proposed", snap.spec_draft_tokens),
+            ("num_accepted_tokens", "Proposed tokens accepted", snap.spec_accepted_tokens)):
+        family = CounterMetricFamily(f"loragw_spec_decode_{name}", doc, labels=["adapter"])
+        for adapter, value in sorted(counts.items()):
+            family.add_metric([label[adapter]], value)
+        yield family
+    rate = GaugeMetricFamily("loragw_spec_decode_acceptance_rate", "Proposed tokens accepted "
+                             "over proposed tokens, since start", labels=["adapter"])
+    for adapter, drafted in sorted(snap.spec_draft_tokens.items()):
+        rate.add_metric([label[adapter]], snap.spec_accepted_tokens[adapter] / max(drafted, 1))
+    yield rate
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

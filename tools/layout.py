@@ -254,7 +254,8 @@ def probe_problems(root: Path = ROOT) -> Iterator[str]:
 # engine ("" is engine/__init__): a module imports modules of its own layer or lower ones only.
 ENGINE_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("nouns", ("sampling_params", "structured", "sequence", "tokenizer", "detokenizer",
-               "stopping", "backends", "lora_step", "forward_context")),
+               "decode_stream", "stopping", "request_state", "backends", "lora_step",
+               "forward_context", "speculative_config")),
     ("distributed", ("distributed",)),  # shard and group primitives, below the layers
     ("layers", ("layers", "quant")),  # quant: the quantized layout the layers hold
     ("models", ("models", "loader")),
@@ -264,6 +265,7 @@ ENGINE_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("runner", ("model_runner", "cuda_graphs", "step_inputs", "prompt_logprobs", "sampler",
                 "host_memory")),
     ("parallel", ("parallel",)),  # the tensor-parallel runner, above the model runner
+    ("spec", ("spec",)),  # speculative decoding: proposals and verification around the step
     ("engine", ("llm_engine", "snapshot")),
     ("fronts", ("llm", "core", "")),  # the offline API, the engine loop and its transports
 )

@@ -171,7 +171,9 @@ class BlockManager:
                 self.free_block_ids.append(block_id)
 
     def _register_filled(self, seq: Sequence, num_tokens: int) -> None:
-        """Put the blocks this step's tokens will fill in the prefix cache (module docstring)."""
+        """Put the blocks this step's tokens will fill in the prefix cache (module docstring);
+        never one that drafts fill (speculative decoding): a draft may yet be rejected."""
+        num_tokens = min(num_tokens, seq.num_tokens)
         for i in range(seq.num_computed_tokens // self.block_size, num_tokens // self.block_size):
             block = self.blocks[seq.block_table[i]]
             if self.cache.register(block, self._hash(seq, i)):
@@ -205,6 +207,18 @@ class BlockManager:
     def mark_computed(self, seq: Sequence, num_new: int) -> None:
         """A step wrote the K/V of `seq`'s next `num_new` tokens."""
         seq.num_computed_tokens += num_new
+
+    def settle_verified(self, seq: Sequence, num_kept: int) -> None:
+        """A step that verified `seq`'s drafts kept the K/V of its last token and `num_kept`
+        drafts, now in seq.token_ids: the blocks they filled join the prefix cache, and the
+        blocks only rejected drafts reached go back to the free list."""
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens += 1 + num_kept
+        if self.enable_prefix_caching:  # their K/V were written: no rollback to track
+            for i in range(start // self.block_size, seq.num_computed_tokens // self.block_size):
+                self.cache.register(self.blocks[seq.block_table[i]], self._hash(seq, i))
+        while len(seq.block_table) > self.blocks_for(seq.num_tokens):
+            self._release(seq.block_table.pop())
 
     def commit(self) -> None:
         """The step ran: the blocks it registered hold their K/V now."""

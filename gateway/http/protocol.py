@@ -84,6 +84,8 @@ class SamplingRequest(Struct, kw_only=True):
     # vLLM's: the prompt tokens' logprobs with this many alternatives (the response's
     # `prompt_logprobs`); not with n > 1
     prompt_logprobs: Logprobs | None = None
+    # an extension: false keeps this request out of speculative decoding (--speculative-config)
+    speculative: bool = True
     user: str | None = None  # accepted, ignored
 
 

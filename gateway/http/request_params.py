@@ -152,7 +152,7 @@ def sampling_params(data: SamplingRequest, logprobs: int | None,
             allowed_token_ids=data.allowed_token_ids,
             include_stop_str_in_output=data.include_stop_str_in_output,
             skip_special_tokens=data.skip_special_tokens, logprobs=logprobs, guided=guided,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, speculative=getattr(data, "speculative", True))
     except InvalidParam as exc:
         raise APIError.from_engine(exc) from None
 

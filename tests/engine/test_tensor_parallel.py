@@ -47,6 +47,19 @@ def test_mixed_adapters_match_peft_under_chunked_prefill_and_preemption(lora_wor
     assert_ranks_agree(llm)
 
 
+def test_speculative_decoding_matches_peft(lora_world: World):
+    """Prompt-lookup drafts verified in the same mixed, chunked, preempting batches: every rank
+    computes the drafted rows of the plan it is sent."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+             "disable_by_batch_size": 64}
+    llm = lora_world.llm(tensor_parallel_size=2, max_num_batched_tokens=24, num_kv_blocks=12,
+                         speculative_config=ngram)
+    outputs = llm.generate(lora_world.prompts, GREEDY, adapters=lora_world.requests)
+    lora_world.check(outputs, "tp=2 with speculation")
+    assert sum(c.draft_tokens for c in llm.engine.speculator.counts.values()) > 0
+    assert_ranks_agree(llm)
+
+
 def test_vocabulary_loras_and_rank_32_match_peft(vocab_world: World):
     llm = vocab_world.llm(tensor_parallel_size=2, max_lora_rank=32)
     outputs = llm.generate(vocab_world.prompts, GREEDY, adapters=vocab_world.requests)

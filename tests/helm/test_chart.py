@@ -376,6 +376,18 @@ def test_the_prefill_cap_reaches_the_server_only_when_set():
     assert flag(container, "--max-prefill-tokens-decoding") == ["128"]
 
 
+def test_speculative_config_reaches_the_server_as_json_only_when_set():
+    assert flag(gateway(render()), "--speculative-config") == []
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    (text,) = flag(gateway(render({"engine": {"speculativeConfig": spec}})), "--speculative-config")
+    assert json.loads(text) == spec
+    from engine.speculative_config import parse_speculative_config
+    assert parse_speculative_config(text).num_speculative_tokens == 4
+    raw = '{"method": "ngram", "num_speculative_tokens": 2}'
+    container = gateway(render({"engine": {"speculativeConfig": raw}}))
+    assert flag(container, "--speculative-config") == [raw]
+
+
 def test_prefix_caching_slot_aging_and_full_modules_reach_the_server_as_its_flags():
     default = gateway(render())
     assert "--enable-prefix-caching" in default["args"]
