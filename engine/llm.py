@@ -92,5 +92,10 @@ class LLM:
     def add_adapter(self, name: str, path: str) -> None:
         self.engine.add_adapter(name, path)
 
+    def add_draft_adapter(self, name: str, path: str) -> None:
+        """The draft model's LoRA for adapter `name`'s rows (speculative decoding with a draft
+        model; the config's "draft_adapters" register them at start)."""
+        self.engine.add_draft_adapter(name, path)
+
     def remove_adapter(self, name: str) -> None:
         self.engine.remove_adapter(name)

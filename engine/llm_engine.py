@@ -65,7 +65,8 @@ class LLMEngine:
                                     blocks.block_size, blocks.window, blocks.max_chunk)
         self.sampler = Sampler(config.seed, self.eos_token_ids)
         spec = config.speculative
-        self.speculator = Speculator(spec) if spec is not None else None
+        self.speculator = (Speculator(spec, config, blocks.num_blocks, self.vocab_size)
+                           if spec is not None else None)
         self.requests: dict[str, RequestState] = {}
         self.closed = False
         self._grammars: GrammarCompiler | None = None  # built by the first guided request
@@ -91,6 +92,8 @@ class LLMEngine:
         self._aborted.clear()
         self.runner.close()
         self.lora.close()
+        if self.speculator is not None:
+            self.speculator.close()
         gc.collect()  # the model's modules and the pools refer to each other
         if self.runner.local.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -158,6 +161,15 @@ class LLMEngine:
         busy = {r.seq.adapter for r in self.requests.values() if r.seq.adapter}
         return self.lora.add(name, adapter, path=path, busy=busy)
 
+    def add_draft_adapter(self, name: str, path: str) -> None:
+        """Register (or replace) the draft-model LoRA that drafts for adapter `name`'s rows
+        (speculative decoding with a draft model); AdapterError when it does not fit the draft."""
+        draft = self.speculator.draft if self.speculator is not None else None
+        if draft is None:
+            raise ValueError("draft adapters need speculative decoding with a draft model "
+                             '(--speculative-config {"method": "draft_model", ...})')
+        draft.add_adapter(name, path)
+
     def evict_adapter(self, name: str) -> bool:
         """Move an adapter down to the disk tier (device slot and host copy freed)."""
         return self.lora.evict(name)
@@ -184,7 +196,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         self._check_open()
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+            self.speculator.propose(self.scheduler.running, self.sampler)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.lora.reads.pending:  # what waits, waits for an adapter read

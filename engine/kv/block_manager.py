@@ -217,7 +217,12 @@ class BlockManager:
         if self.enable_prefix_caching:  # their K/V were written: no rollback to track
             for i in range(start // self.block_size, seq.num_computed_tokens // self.block_size):
                 self.cache.register(self.blocks[seq.block_table[i]], self._hash(seq, i))
-        while len(seq.block_table) > self.blocks_for(seq.num_tokens):
+        self.trim(seq, seq.num_tokens)
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Hand back `seq`'s blocks past its first `num_tokens` tokens (never cached ones: a
+        block is cached only once its tokens are the sequence's own)."""
+        while len(seq.block_table) > self.blocks_for(num_tokens):
             self._release(seq.block_table.pop())
 
     def commit(self) -> None:

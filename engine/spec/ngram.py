@@ -67,5 +67,8 @@ class NgramProposer:
             history = self.histories[seq.seq_id] = TokenHistory(seq.token_ids)
         return lookup(history.sync(seq.token_ids), self.min_n, self.max_n, k)
 
-    def forget(self, seq: Sequence) -> None:
-        self.histories.pop(seq.seq_id, None)
+    def forget_all_but(self, alive: set[int]) -> None:
+        """Drop the copies of finished, aborted and preempted requests."""
+        if len(self.histories) > len(alive):
+            for seq_id in [i for i in self.histories if i not in alive]:
+                del self.histories[seq_id]

@@ -15,11 +15,13 @@ step's plan like any other, so every rank computes them.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch import Tensor
 
+from engine.config import Config
 from engine.sampler import Sampler
 from engine.sequence import Sequence
 from engine.spec.ngram import NgramProposer
@@ -40,39 +42,50 @@ class SpecCounts:
     accepted_tokens: int = 0  # of those, kept
 
 
-@dataclass
 class Speculator:
-    config: SpeculativeConfig
-    counts: dict[str | None, SpecCounts] = field(default_factory=dict)
+    def __init__(self, config: SpeculativeConfig, target: Config, num_kv_blocks: int,
+                 vocab_size: int):
+        self.config = config
+        self.counts: dict[str | None, SpecCounts] = {}
+        self.ngram = self.draft = None
+        if config.method == "ngram":
+            self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        else:
+            from engine.spec.draft import DraftProposer  # loads a second model
 
-    def __post_init__(self) -> None:
-        if self.config.method != "ngram":
-            raise ValueError(f"speculative method {self.config.method!r} is not served yet")
-        self.proposer = NgramProposer(self.config.prompt_lookup_min,
-                                      self.config.prompt_lookup_max)
+            self.draft = DraftProposer(target, config.model, config.draft_adapters,
+                                       num_kv_blocks, vocab_size)
+        self.draft_probs: dict[int, Tensor] = {}  # seq_id -> q [k, V] of a sampled row's drafts
 
-    def propose(self, running: Iterable[Sequence]) -> None:
+    def close(self) -> None:
+        if self.draft is not None:
+            self.draft.close()
+
+    def propose(self, running: Iterable[Sequence], sampler: Sampler) -> None:
         """Set every running sequence's drafts for this step ([] for none): only decoding
         sequences that allow it propose, and none when more than disable_by_batch_size
         decode (the rule: RESULTS.md)."""
         running = list(running)
         decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
-        off = len(decoding) > self.config.disable_by_batch_size
-        histories = self.proposer.histories
-        if len(histories) > 2 * len(running):  # finished and aborted requests' copies
-            alive = {s.seq_id for s in running}
-            for seq_id in [i for i in histories if i not in alive]:
-                del histories[seq_id]
         for seq in running:
             seq.spec_tokens = []
-        if off:
+        self.draft_probs.clear()
+        if len(decoding) > self.config.disable_by_batch_size:
+            decoding = []
+        # the step emits up to k + 1 tokens: never past max_tokens
+        ks = [min(self.config.num_speculative_tokens,
+                  seq.params.max_tokens - seq.num_output_tokens - 1) for seq in decoding]
+        wanted = [(seq, k) for seq, k in zip(decoding, ks) if k > 0 and seq.params.speculative]
+        if self.ngram is not None:
+            self.ngram.forget_all_but({s.seq_id for s in running})
+            for seq, k in wanted:
+                seq.spec_tokens = self.ngram.propose(seq, k)
             return
-        for seq in decoding:
-            p = seq.params
-            # the step emits up to k + 1 tokens: never past max_tokens
-            k = min(self.config.num_speculative_tokens, p.max_tokens - seq.num_output_tokens - 1)
-            if k > 0 and p.speculative:
-                seq.spec_tokens = self.proposer.propose(seq, k)
+        proposals = self.draft.propose([s for s, _ in wanted], [k for _, k in wanted], sampler)
+        for (seq, _), (drafts, q) in zip(wanted, proposals):
+            seq.spec_tokens = drafts
+            if q is not None:
+                self.draft_probs[seq.seq_id] = q
 
     def sample(self, sampler: Sampler, step: StepLogits, seqs: list[Sequence],
                mask: TokenMask | None) -> list[Verified]:
@@ -94,7 +107,8 @@ class Speculator:
                     for r in range(step.sampling[j] - len(seqs[j].spec_tokens),
                                    step.sampling[j] + 1)]
             verified = verify(sampler, logits[torch.tensor(rows)], [seqs[j] for j in drafted],
-                              [seqs[j].spec_tokens for j in drafted], mask=drafted_mask)
+                              [seqs[j].spec_tokens for j in drafted],
+                              [self._q(seqs[j]) for j in drafted], mask=drafted_mask)
             for j, v in zip(drafted, verified, strict=True):
                 results[j] = v
                 counts = self.counts.setdefault(seqs[j].adapter, SpecCounts())
@@ -102,3 +116,9 @@ class Speculator:
                 counts.draft_tokens += len(seqs[j].spec_tokens)
                 counts.accepted_tokens += v.num_accepted
         return results
+
+    def _q(self, seq: Sequence) -> Tensor | None:
+        """The draft distribution of seq's drafts (as many as the scheduler kept), None for a
+        point mass (prompt lookup, or a greedy row)."""
+        q = self.draft_probs.get(seq.seq_id)
+        return None if q is None else q[:len(seq.spec_tokens)]

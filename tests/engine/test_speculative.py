@@ -76,11 +76,15 @@ def test_greedy_tokens_equal_decoding_without_speculation(checkpoint, params):
     assert got == want
 
 
-def test_mixed_adapters_match_peft(lora_world):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_mixed_adapters_match_peft(lora_world, method):
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    llm = lora_world.llm(speculative_config=NGRAM, max_num_batched_tokens=24)
+    config = NGRAM if method == "ngram" else {
+        "method": "draft_model", "num_speculative_tokens": 3, "model": lora_world.base,
+        "disable_by_batch_size": 64, "draft_adapters": {"qv-r16": lora_world.dirs["qv-r16"]}}
+    llm = lora_world.llm(speculative_config=config, max_num_batched_tokens=24)
     lora_world.check(llm.generate(lora_world.prompts, greedy, adapters=lora_world.requests),
-                     "ngram speculation")
+                     f"{method} speculation")
     assert sum(c.draft_tokens for c in llm.engine.speculator.counts.values()) > 0
 
 
@@ -125,21 +129,21 @@ def _chi_square(counts: np.ndarray, p: np.ndarray) -> float:
     return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
 
 
-def _first_token_counts(p_logits: torch.Tensor, draft: int, q: torch.Tensor | None) -> np.ndarray:
-    """Emit TRIALS first tokens of one sequence whose row 0 has logits `p_logits` and whose
-    one draft is `draft` (a point mass), or drawn from q each time."""
-    seq = Sequence([0], SamplingParams(temperature=1.0, seed=1234))
-    sampler = Sampler(seed=0)
-    logits = torch.stack([p_logits, p_logits])  # row 1 (after the draft) is only the bonus
-    counts = np.zeros(VOCAB, dtype=np.int64)
-    draft_probs = [q[None, :]] if q is not None else None
-    rng = np.random.default_rng(0)
-    for _ in range(TRIALS):
-        if q is not None:
-            draft = int(rng.choice(VOCAB, p=q.double().numpy() / q.double().sum().item()))
-        (v,) = verify(sampler, logits, [seq], [[draft]], draft_probs)
-        counts[v.token_ids[0]] += 1
-    return counts
+def _first_token_counts(p_logits: torch.Tensor, draft: int | None,
+                        q: torch.Tensor | None) -> np.ndarray:
+    """The first tokens of TRIALS sequences, verified in one batch, each with one draft: `draft`
+    (a point mass), or drawn from q for each sequence."""
+    seqs = [Sequence([0], SamplingParams(temperature=1.0)) for _ in range(TRIALS)]
+    logits = p_logits.expand(2 * TRIALS, VOCAB)  # row 1 of each (after the draft): the bonus
+    if q is None:
+        drafts = [[draft]] * TRIALS
+    else:
+        rng = np.random.default_rng(0)
+        p = q.double().numpy()
+        drafts = [[int(d)] for d in rng.choice(VOCAB, TRIALS, p=p / p.sum())]
+    draft_probs = None if q is None else [q[None, :]] * TRIALS
+    verified = verify(Sampler(seed=0), logits, seqs, drafts, draft_probs)
+    return np.bincount([v.token_ids[0] for v in verified], minlength=VOCAB)
 
 
 P_LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3])
@@ -243,3 +247,95 @@ def test_guided_rows_draft_and_keep_the_grammar(demo_model):
     assert counts.draft_tokens > 0 and counts.accepted_tokens > 0, counts
     assert got.token_ids == want.token_ids and got.finish_reason == "stop"
     json.loads(got.text)
+
+
+# ---- draft-model proposals --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory, checkpoint) -> str:
+    """A 1-layer Llama of the small world's vocabulary, and a draft LoRA for it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("draft")
+    torch.manual_seed(1)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)).save_pretrained(
+        root / "model")
+    return str(root / "model")
+
+
+def draft_lora(path: str, seed: int) -> str:
+    """A PEFT-format LoRA on the tiny draft's q_proj and down_proj."""
+    import json
+    import os
+
+    import safetensors.torch
+
+    os.makedirs(path)
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                   "target_modules": ["q_proj", "down_proj"]}, f)
+    g = torch.Generator().manual_seed(seed)
+    prefix = "base_model.model.model.layers.0"
+    safetensors.torch.save_file({
+        f"{prefix}.self_attn.q_proj.lora_A.weight": torch.randn(4, 32, generator=g),
+        f"{prefix}.self_attn.q_proj.lora_B.weight": torch.randn(32, 4, generator=g),
+        f"{prefix}.mlp.down_proj.lora_A.weight": torch.randn(4, 64, generator=g),
+        f"{prefix}.mlp.down_proj.lora_B.weight": torch.randn(32, 4, generator=g),
+    }, os.path.join(path, "adapter_model.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize("draft", ["tiny", "target"])
+def test_draft_model_greedy_equals_decoding_without_speculation(checkpoint, tiny_draft, draft,
+                                                                tmp_path):
+    """A draft that rarely agrees (a tiny random model, with LoRAs for ad1's and ad2's rows) and
+    one that agrees wherever it has the row's adapter (the target itself, with ad1 as ad1's
+    draft LoRA): same tokens under chunked prefill and preemption."""
+    base, _ = checkpoint
+    config = {"method": "draft_model", "num_speculative_tokens": 3,
+              "model": tiny_draft if draft == "tiny" else base, "disable_by_batch_size": 64}
+    if draft == "tiny":
+        config["draft_adapters"] = {"ad1": draft_lora(str(tmp_path / "d1"), 5)}
+    else:  # ad1's rows are drafted by the target with ad1 itself: every draft is kept
+        config["draft_adapters"] = {"ad1": checkpoint[1]["ad1"]}
+    ps = repetitive(8)
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    with make_llm(checkpoint) as plain:
+        want = [o.token_ids for o in plain.generate(ps, params, ADAPTERS)]
+    with make_llm(checkpoint, speculative_config=config, max_num_batched_tokens=16,
+                  num_kv_blocks=32, block_size=4) as spec:
+        proposer = spec.engine.speculator.draft
+        if draft == "tiny":  # one more, registered while serving
+            spec.add_draft_adapter("ad2", draft_lora(str(tmp_path / "d2"), 6))
+            assert set(proposer.lora.adapters) == {"ad1", "ad2"}
+        got = [o.token_ids for o in spec.generate(ps, params, ADAPTERS)]
+        counts = spec.engine.speculator.counts
+        assert proposer.shadows == {} and proposer.blocks.num_used_blocks == 0
+    assert got == want
+    drafted = sum(c.draft_tokens for c in counts.values())
+    kept = sum(c.accepted_tokens for c in counts.values())
+    assert drafted > 0
+    if draft == "target":  # only rows of adapters without their draft LoRA can disagree
+        for adapter in (None, "ad1"):
+            assert counts[adapter].accepted_tokens == counts[adapter].draft_tokens > 0
+        assert sum(counts[a].accepted_tokens < counts[a].draft_tokens
+                   for a in ("ad0", "ad2", "ad3", "ad4")) >= 2, counts
+    else:
+        assert kept < drafted
+
+
+def test_draft_model_sampling_is_seeded_and_refuses_another_vocabulary(checkpoint, tiny_draft,
+                                                                       demo_model):
+    config = {"method": "draft_model", "num_speculative_tokens": 3, "model": tiny_draft}
+    ps = repetitive(3)
+    params = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=i) for i in range(3)]
+    runs = []
+    for _ in range(2):
+        with make_llm(checkpoint, speculative_config=config) as llm:
+            runs.append([o.token_ids for o in llm.generate(ps, params)])
+            assert sum(c.draft_tokens for c in llm.engine.speculator.counts.values()) > 0
+    assert runs[0] == runs[1]
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_llm(checkpoint, speculative_config=config | {"model": demo_model})

@@ -47,13 +47,15 @@ def test_mixed_adapters_match_peft_under_chunked_prefill_and_preemption(lora_wor
     assert_ranks_agree(llm)
 
 
-def test_speculative_decoding_matches_peft(lora_world: World):
-    """Prompt-lookup drafts verified in the same mixed, chunked, preempting batches: every rank
-    computes the drafted rows of the plan it is sent."""
-    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-             "disable_by_batch_size": 64}
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_matches_peft(lora_world: World, method):
+    """Drafts (prompt lookup; a draft model, the base itself, unsplit on rank 0) verified in
+    the same mixed, chunked, preempting batches: every rank computes the drafted rows of the
+    plan it is sent."""
+    spec = {"method": method, "num_speculative_tokens": 3, "disable_by_batch_size": 64}
+    spec |= {"prompt_lookup_min": 1} if method == "ngram" else {"model": lora_world.base}
     llm = lora_world.llm(tensor_parallel_size=2, max_num_batched_tokens=24, num_kv_blocks=12,
-                         speculative_config=ngram)
+                         speculative_config=spec)
     outputs = llm.generate(lora_world.prompts, GREEDY, adapters=lora_world.requests)
     lora_world.check(outputs, "tp=2 with speculation")
     assert sum(c.draft_tokens for c in llm.engine.speculator.counts.values()) > 0
