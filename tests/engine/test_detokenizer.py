@@ -158,6 +158,12 @@ def test_earliest_stop_string_wins(tok):
     assert detok.stop_reason == "text" and detok.text == "new "
 
 
+@pytest.mark.parametrize("stops", [["wor", "w"], ["w", "wor"]])
+def test_stop_strings_at_one_index_the_first_listed_wins(tok, stops):
+    _, _, detok = stream(tok, [encode(tok, "hello world")], stop=stops)
+    assert detok.stop_reason == stops[0] and detok.text == "hello "
+
+
 def test_possible_stop_beginning_is_held_then_released(tok):
     detok = IncrementalDetokenizer(tok, [], SamplingParams(stop=["world"]))
     assert detok.step(encode(tok, "hello wor")) == "hello "  # "wor" may begin "world"
@@ -174,6 +180,17 @@ def test_min_tokens_holds_off_stop_strings(tok):
                                  min_tokens=len(first))
     assert "".join(deltas[:len(first)]) == "hello world,"  # nothing held back meanwhile
     assert detok.stop_reason == "hello" and detok.text == "hello world, " and tail == ""
+
+
+def test_text_shown_within_min_tokens_is_never_held_back_later():
+    """"hel" is shown inside min_tokens; "l" then makes "hell", a beginning of "hello" whose
+    first three characters are out already: only unshown text may be held back."""
+    words = Tokenizer(models.WordLevel({"hel": 0, "l": 1, "o": 2, "!": 3}, unk_token="!"))
+    words.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=words)
+    deltas, tail, detok = stream(tok, [[0], [1], [2], [3]], stop=["hello"], min_tokens=1)
+    assert deltas == ["hel", "l", "o", "!"] and tail == ""
+    assert detok.stop_reason is None  # it began before stop strings were looked for
 
 
 def test_load_tokenizer_round_trips(tok):
