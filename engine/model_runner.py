@@ -26,7 +26,7 @@ from engine.loader import load_model
 from engine.lora_step import LoRAStep
 from engine.scheduler import PromptRows
 from engine.step_inputs import DecodeBuffers, DecodeViews, StepInputs, decode_metadata
-from engine.step_plan import StepPlan
+from engine.step_plan import RowPlan, StepPlan
 from kernels import LoRAMeta
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,9 @@ class ModelRunner:
         # the torch decode path's chunks are sized by this on the CPU (step_inputs.decode_chunks)
         self.kv_token_bytes = (self.bytes_per_block // (self.args.num_layers * self.block_size)
                                if self.device.type == "cpu" else None)
-        self.decode_buffers = DecodeBuffers(config.max_num_seqs, self.max_blocks, self.block_size,
+        spec = config.speculative  # a verifying row attends as 1 + k single-query rows
+        query_rows = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+        self.decode_buffers = DecodeBuffers(query_rows, self.max_blocks, self.block_size,
                                             pad_block=self.num_kv_blocks, device=self.device)
         self._metas: dict[tuple[int, int], LoRAMeta] = {}  # (rows, slots) -> decode LoRA meta
         off = graphs_off_reason(self.device, config.enforce_eager, self.backends)
@@ -137,9 +139,15 @@ class ModelRunner:
             return self._prepare_decode(plan)
         input_ids, positions, slots = [], [], []
         prefill_starts, prefill_lens, prefill_ctx, prefill_tables = [], [], [], []
+        # single-query attention rows: the decode rows, then each token of a row verifying drafts
+        # (a few tokens on a long context: the decode kernel per token beats a prefill's gather)
+        queries = plan.rows[:plan.num_decode] + [
+            RowPlan(row.start + i, [token], row.block_table)
+            for row in plan.rows[plan.num_decode:plan.num_decode + plan.num_drafted]
+            for i, token in enumerate(row.new_tokens)]
         for i, row in enumerate(plan.rows):
             start, end = row.start, row.start + len(row.new_tokens)
-            if i >= plan.num_decode:
+            if i >= plan.num_decode + plan.num_drafted:
                 prefill_starts.append(len(input_ids))
                 prefill_lens.append(end - start)
                 prefill_ctx.append(end)
@@ -152,13 +160,12 @@ class ModelRunner:
                          for p in range(start, end))
         rows = torch.tensor([input_ids, positions, slots], dtype=torch.long, device=self.device)
         attn = AttentionMetadata(
-            slot_mapping=rows[2], num_decode_tokens=plan.num_decode, decode_block_tables=None,
+            slot_mapping=rows[2], num_decode_tokens=len(queries), decode_block_tables=None,
             decode_context_lens=None, decode_block_ids=None, decode_mask=None,
             prefill_query_starts=prefill_starts, prefill_query_lens=prefill_lens,
             prefill_context_lens=prefill_ctx, prefill_block_tables=prefill_tables)
-        decode = plan.rows[:plan.num_decode]
-        if decode:  # the decode rows' addressing, in the decode buffers
-            views = self.decode_buffers.fill(decode, len(decode))
+        if queries:  # the single-query rows' addressing, in the decode buffers
+            views = self.decode_buffers.fill(queries, len(queries))
             meta = decode_metadata(views, self.backends.attention, self.block_size,
                                    self.kv_token_bytes)
             attn.decode_block_tables, attn.decode_context_lens = meta.decode_block_tables, meta.decode_context_lens

@@ -73,9 +73,11 @@ class LogitRows:
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    seqs: list[Sequence] = field(default_factory=list)  # decode rows first, then prefill rows
+    # decode rows first, then rows verifying drafts, then prefill rows
+    seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     num_decode: int = 0  # leading rows with exactly one new token
+    num_drafted: int = 0  # the rows after them that verify drafts (speculative decoding)
     _logit_rows: LogitRows | None = None
 
     def __len__(self) -> int:
@@ -246,11 +248,13 @@ class Scheduler:
 
     @staticmethod
     def _order(scheduled: list[tuple[Sequence, int]]) -> ScheduledBatch:
-        """Decode rows (one new token) first, then the rest, each in scheduling order."""
+        """Decode rows (one new token) first, then rows verifying drafts, then the rest, each
+        in scheduling order."""
         decode = [s for s, n in scheduled if n == 1]
-        rest = [(s, n) for s, n in scheduled if n != 1]
+        drafted = [(s, n) for s, n in scheduled if n != 1 and s.spec_tokens]
+        rest = drafted + [(s, n) for s, n in scheduled if n != 1 and not s.spec_tokens]
         return ScheduledBatch(decode + [s for s, _ in rest], [1] * len(decode) + [n for _, n in rest],
-                              num_decode=len(decode))
+                              num_decode=len(decode), num_drafted=len(drafted))
 
     def drop_waiting(self, adapter: str) -> list[Sequence]:
         """Retire every waiting sequence of `adapter` (its weights cannot be had); returns them."""

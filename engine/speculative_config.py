@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 METHODS = ("ngram", "draft_model")
-# On a 2-core AVX-512 CPU a step of 8 rows x 5 tokens already costs more than the 1.5-2 tokens
-# a row accepts save (benchmarks/RESULTS.md, "Speculative decoding").
+# Measured on a 2-core AVX-512 CPU: 4 decoding rows still gain from k = 4 drafts each (1.25-1.29x
+# TPOT), 16 lose (0.69-1.02x) (benchmarks/RESULTS.md, "Speculative decoding").
 DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 

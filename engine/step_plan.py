@@ -24,10 +24,11 @@ class RowPlan:
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:
-    rows: list[RowPlan]  # decode rows first, then prefill chunks
+    rows: list[RowPlan]  # decode rows first, then rows verifying drafts, then prefill chunks
     num_decode: int  # leading rows with exactly one new token
     logit_rows: LogitRows  # which token rows become logits (ScheduledBatch.logit_rows)
     lora: LoRARows | None  # None when no row has an adapter
+    num_drafted: int = 0  # rows after the decode rows that verify drafts
 
     @property
     def decode_only(self) -> bool:
@@ -37,7 +38,7 @@ class StepPlan:
 def plan_step(batch: ScheduledBatch, lora: LoRARows | None) -> StepPlan:
     rows = [RowPlan(seq.num_computed_tokens, _new_tokens(seq, n), seq.block_table)
             for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)]
-    return StepPlan(rows, batch.num_decode, batch.logit_rows, lora)
+    return StepPlan(rows, batch.num_decode, batch.logit_rows, lora, batch.num_drafted)
 
 
 def _new_tokens(seq: Sequence, n: int) -> list[int]:

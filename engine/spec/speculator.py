@@ -2,8 +2,11 @@
 the forward pass, and the counters /metrics shows.
 
     step():  propose(running)      each decoding sequence gets up to k drafts (seq.spec_tokens)
-             schedule               a drafted row computes [last token, drafts] (budget allowing)
-             forward                one pass; a drafted row yields k + 1 logit rows
+             schedule               a drafted row computes [last token, drafts] (budget allowing),
+                                    placed right after the decode rows
+             forward                one pass; each token of a drafted row attends as a decode
+                                    query of its own (the decode kernel, no prefill gather), and
+                                    the row yields k + 1 logit rows
              sample(...)            plain rows through the sampler, drafted rows through verify
              settle                 K/V of the kept drafts count as computed (block manager)
 
