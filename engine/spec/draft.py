@@ -146,7 +146,7 @@ class DraftProposer:
         end = min(len(mine), len(theirs), shadow.num_computed_tokens)
         while kept < end and mine[kept] == theirs[kept]:
             kept += 1
-        shadow.token_ids = theirs[:kept] + theirs[kept:]  # a copy
+        shadow.token_ids = list(theirs)
         shadow.num_computed_tokens = min(shadow.num_computed_tokens, kept)
         self.blocks.trim(shadow, max(shadow.num_computed_tokens, 1))
         self.synced[seq.seq_id] = len(theirs)
