@@ -35,6 +35,8 @@ from engine.structured import TokenMask
 if TYPE_CHECKING:
     from engine.model_runner import StepLogits
 
+MAX_BACKOFF_STEPS = 16
+
 
 @dataclass(slots=True)
 class SpecCounts:
@@ -59,6 +61,10 @@ class Speculator:
             self.draft = DraftProposer(target, config.model, config.draft_adapters,
                                        num_kv_blocks, vocab_size)
         self.draft_probs: dict[int, Tensor] = {}  # seq_id -> q [k, V] of a sampled row's drafts
+        # seq_id -> [steps still to skip, the skip after the next miss]: a request whose drafts
+        # were all rejected proposes nothing for 1, 2, 4 ... 16 steps, so an answer that does not
+        # repeat its context stops paying for verification; a kept draft resets it
+        self.backoff: dict[int, list[int]] = {}
 
     def close(self) -> None:
         if self.draft is not None:
@@ -69,6 +75,9 @@ class Speculator:
         sequences that allow it propose, and none when more than disable_by_batch_size
         decode (the rule: RESULTS.md)."""
         running = list(running)
+        if len(self.backoff) > len(running):  # finished requests' states
+            alive = {s.seq_id for s in running}
+            self.backoff = {i: b for i, b in self.backoff.items() if i in alive}
         decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         for seq in running:
             seq.spec_tokens = []
@@ -78,7 +87,8 @@ class Speculator:
         # the step emits up to k + 1 tokens: never past max_tokens
         ks = [min(self.config.num_speculative_tokens,
                   seq.params.max_tokens - seq.num_output_tokens - 1) for seq in decoding]
-        wanted = [(seq, k) for seq, k in zip(decoding, ks) if k > 0 and seq.params.speculative]
+        wanted = [(seq, k) for seq, k in zip(decoding, ks)
+                  if k > 0 and seq.params.speculative and not self._backing_off(seq)]
         if self.ngram is not None:
             self.ngram.forget_all_but({s.seq_id for s in running})
             for seq, k in wanted:
@@ -89,6 +99,20 @@ class Speculator:
             seq.spec_tokens = drafts
             if q is not None:
                 self.draft_probs[seq.seq_id] = q
+
+    def _backing_off(self, seq: Sequence) -> bool:
+        state = self.backoff.get(seq.seq_id)
+        if state is None or state[0] == 0:
+            return False
+        state[0] -= 1
+        return True
+
+    def _record(self, seq: Sequence, kept: int) -> None:
+        if kept:
+            self.backoff.pop(seq.seq_id, None)
+            return
+        state = self.backoff.setdefault(seq.seq_id, [0, 1])
+        state[0], state[1] = state[1], min(2 * state[1], MAX_BACKOFF_STEPS)
 
     def sample(self, sampler: Sampler, step: StepLogits, seqs: list[Sequence],
                mask: TokenMask | None) -> list[Verified]:
@@ -118,6 +142,7 @@ class Speculator:
                 counts.drafts += 1
                 counts.draft_tokens += len(seqs[j].spec_tokens)
                 counts.accepted_tokens += v.num_accepted
+                self._record(seqs[j], v.num_accepted)
         return results
 
     def _q(self, seq: Sequence) -> Tensor | None:
