@@ -28,7 +28,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import EngineRequest, Prompt, RequestOutput, Sequence, SequenceStatus
 from engine.spec.speculator import Speculator
-from engine.spec.verify import Verified
+from engine.spec.verify import Verified, sample_plain
 from engine.step_plan import plan_step
 from engine.structured import GrammarCompiler, GuidedState
 from engine.tokenizer import eos_token_ids, tokenize, try_load_tokenizer
@@ -239,9 +239,7 @@ class LLMEngine:
         logits = step.logits
         if len(step.sampling) < logits.shape[0]:
             logits = logits[torch.tensor(step.sampling, device=logits.device)]
-        out = self.sampler(logits, sampling, mask)
-        return [Verified([token], None if logprob is None else [logprob], 0)
-                for token, logprob in zip(out.token_ids, out.logprobs)]
+        return sample_plain(self.sampler, logits, sampling, mask)
 
     def take_failures(self) -> list[tuple[list[str], str]]:
         """[(ids, why)]: requests failed, after a step, as their adapter could not be re-read."""

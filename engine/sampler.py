@@ -170,6 +170,12 @@ def exponential(shape: tuple[int, ...], generator: torch.Generator,
     return torch.rand(shape, generator=generator, device=device).neg_().log1p_().neg_()
 
 
+def draw(weights: Tensor, generator: torch.Generator) -> int:
+    """One token from unnormalised weights [V] by the exponential race (module docstring)."""
+    noise = exponential((weights.shape[0],), generator, generator.device).to(weights.device)
+    return int((weights / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax())
+
+
 def apply_token_edits(logits: Tensor, rows: list[int], seqs: list[Sequence],
                       eos_token_ids: list[int]) -> None:
     """logits: [B, V], edited in place for rows `rows` (seqs[r] belongs to row r):

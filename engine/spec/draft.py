@@ -28,7 +28,7 @@ from engine.config import Config
 from engine.kv.block_manager import BlockManager
 from engine.lora.manager import LoRAManager
 from engine.model_runner import ModelRunner
-from engine.sampler import Sampler, argmax_rows, exponential
+from engine.sampler import Sampler, argmax_rows, draw
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence, SequenceStatus
 from engine.step_plan import plan_step
@@ -123,9 +123,7 @@ class DraftProposer:
         if seq.params.greedy:
             return int(argmax_rows(row[None])[0]), None
         q = sampler.probs(row[None].float(), [seq])[0]  # [V]
-        generator = sampler.generator(seq, q.device)
-        noise = exponential(q.shape, generator, generator.device).to(q.device)
-        return int((q / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax()), q
+        return draw(q, sampler.generator(seq, q.device)), q
 
     def _shadow(self, seq: Sequence) -> Sequence:
         """seq's shadow, its tokens synced to the target's: the K/V of drafts the target did

@@ -28,7 +28,7 @@ from engine.config import Config
 from engine.sampler import Sampler
 from engine.sequence import Sequence
 from engine.spec.ngram import NgramProposer
-from engine.spec.verify import Verified, verify
+from engine.spec.verify import Verified, sample_plain, verify
 from engine.speculative_config import SpeculativeConfig
 from engine.structured import TokenMask
 
@@ -126,9 +126,9 @@ class Speculator:
         if plain:
             rows = [step.sampling[j] for j in plain]
             picked = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows)]
-            out = sampler(picked, [seqs[j] for j in plain], plain_mask)
-            for j, token, logprob in zip(plain, out.token_ids, out.logprobs, strict=True):
-                results[j] = Verified([token], None if logprob is None else [logprob], 0)
+            for j, v in zip(plain, sample_plain(sampler, picked, [seqs[j] for j in plain],
+                                                plain_mask), strict=True):
+                results[j] = v
         if drafted:
             rows = [r for j in drafted
                     for r in range(step.sampling[j] - len(seqs[j].spec_tokens),

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.sampler import Sampler, argmax_rows, exponential, gather_logprobs
+from engine.sampler import Sampler, argmax_rows, draw, gather_logprobs
 from engine.sequence import Sequence, TokenLogprob
 from engine.structured import TokenMask
 
@@ -58,6 +58,14 @@ class Verified:
     token_ids: list[int]  # the kept drafts, then the target's own token: 1 to k + 1 of them
     logprobs: list[TokenLogprob] | None  # one per token, when the request asked for logprobs
     num_accepted: int  # drafts kept
+
+
+def sample_plain(sampler: Sampler, logits: Tensor, seqs: list[Sequence],
+                 mask: TokenMask | None) -> list[Verified]:
+    """Rows without drafts: one sampled token each (logits: [len(seqs), V])."""
+    out = sampler(logits, seqs, mask)
+    return [Verified([token], None if logprob is None else [logprob], 0)
+            for token, logprob in zip(out.token_ids, out.logprobs, strict=True)]
 
 
 @torch.inference_mode()
@@ -118,11 +126,5 @@ def _rejection_sample(p: Tensor, drafts: list[int], q: Tensor | None,
             residual = (p[i] - q[i].to(p.dtype)).clamp_(min=0.0)
         if not bool((residual > 0).any()):  # p == q up to rounding: nothing to correct towards
             residual = p[i]
-        return drafts[:i] + [_draw(residual, generator)]
-    return list(drafts) + [_draw(p[len(drafts)], generator)]
-
-
-def _draw(weights: Tensor, generator: torch.Generator) -> int:
-    """One token from unnormalised weights [V], by the exponential race (engine/sampler.py)."""
-    noise = exponential((weights.shape[0],), generator, generator.device).to(weights.device)
-    return int((weights / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax())
+        return drafts[:i] + [draw(residual, generator)]
+    return list(drafts) + [draw(p[len(drafts)], generator)]

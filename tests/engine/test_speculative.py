@@ -10,7 +10,7 @@ from peft_reference import MAX_TOKENS
 from small_world import make_llm, prompts
 
 from engine import SamplingParams
-from engine.sampler import Sampler
+from engine.sampler import Sampler, draw
 from engine.sequence import Sequence
 from engine.spec import verify as verify_module
 from engine.spec.ngram import lookup
@@ -164,7 +164,7 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(monkeypatch):
         u = float(torch.rand(1, generator=generator))
         if u < float(p[0, drafts[0]]):
             return [drafts[0], 0]
-        return [verify_module._draw(p[0], generator)]
+        return [draw(p[0], generator)]
 
     monkeypatch.setattr(verify_module, "_rejection_sample", wrong)
     p = torch.softmax(P_LOGITS, -1).numpy()
