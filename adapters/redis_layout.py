@@ -1,6 +1,7 @@
 """Where the registry keeps its data in Redis, and the reads and writes of it.
 
-Keys, under ``prefix`` (default ``loragw:``):
+Keys, under ``prefix`` (the gateway's: ``loragw:<base key>:``, one catalog per base model,
+adapters.base_identity):
     catalog          hash   adapter_id -> CatalogEntry JSON
     replica:{id}     string ReplicaState JSON (the adapters it holds: in slots, in host memory
                             or on disk), expiring ttl_s after the last heartbeat

@@ -30,8 +30,11 @@ from adapters.registry_types import (
 
 __all__ = [
     "EVENT_ADDED", "EVENT_DELETED", "EVENT_REPLACED", "AdapterEvent", "CatalogEntry", "EventCallback",
-    "InProcessRegistry", "Registry", "ReplicaState", "decode_state", "make_registry",
+    "InProcessRegistry", "REGISTRY_PREFIX", "Registry", "ReplicaState", "decode_state",
+    "make_registry",
 ]  # fmt: skip
+
+REGISTRY_PREFIX = "loragw:"  # the gateway keys its catalog by base model under this
 
 
 def make_registry(
@@ -40,7 +43,7 @@ def make_registry(
     *,
     heartbeat_s: float = 2.0,
     ttl_s: float = 6.0,
-    prefix: str = "loragw:",
+    prefix: str = REGISTRY_PREFIX,
 ) -> Registry:
     """``RedisRegistry`` when ``redis_url`` is set, else ``InProcessRegistry``.
 

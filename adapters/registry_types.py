@@ -18,6 +18,8 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
+from adapters.base_identity import BaseIdentity
+
 logger = logging.getLogger(__name__)
 
 EVENT_ADDED = "added"
@@ -46,6 +48,9 @@ class CatalogEntry:
     holder: str = ""  # the replica that registered it, when no other may be able to fetch it
     created_at: float = 0.0  # unix time of this version's registration
     owner: str = ""  # the tenant it belongs to; "": shared with every key (DESIGN.md, Tenants)
+    base: BaseIdentity | None = None  # the base model it was made for (adapters.base_identity)
+    # the earlier versions still kept (--adapter-versions-kept), newest first, each with kept=()
+    kept: tuple[CatalogEntry, ...] = ()
 
     def same_weights(self, other: CatalogEntry) -> bool:
         return (self.sha256, self.config_sha256, self.version) == (

@@ -4,17 +4,16 @@ Layout (ids are NAME or ORG/NAME, see adapters.ids; names starting with '.' are 
 
     root/.lock                    flock held by every change and by start-up recovery
     root/.versions.json           last version of each deleted id, so a version never repeats
-    root/<id>/adapter_config.json
-    root/<id>/adapter_model.safetensors
-    root/<id>/meta.json           StoredAdapter, less its path (see adapters.store_meta)
+    root/<id>/adapter_config.json, adapter_model.safetensors, meta.json (adapters.store_meta)
+    root/.kept/<id>/<version>/    earlier versions a request may pin (adapters.store_kept)
     root/.tmp-*  .old-*  .del-*   a change in flight; recovered at start (see _recover)
 
 A put writes a complete copy into root/.tmp-*, fsyncs every file and the directory (see
 adapters.durable_fs), then makes it visible with one rename (or, replacing, one atomic exchange
 with the old copy; where the filesystem cannot exchange, the old copy is renamed to .old-* first
 and restored at start if the process died in between). Before that last step a failure leaves
-the tree as it was; after it, nothing is raised. The store does not validate adapters: callers run
-adapters.format.parse_adapter first.
+the tree as it was; after it, nothing is raised (the superseded copy goes to .kept). The store
+does not validate adapters: callers run adapters.format.parse_adapter first.
 """
 
 from __future__ import annotations
@@ -30,10 +29,12 @@ import tempfile
 import threading
 import time
 
+from adapters.base_identity import BaseIdentity
 from adapters.durable_fs import exchange, fsync_dir, write_synced
 from adapters.errors import AdapterError, AdapterNotFound, InvalidAdapterId
 from adapters.ids import validate_adapter_id
 from adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
+from adapters.store_kept import KeptVersions
 from adapters.store_meta import META_FILE, StoredAdapter, StoredMeta, encode_meta, read_meta
 
 logger = logging.getLogger(__name__)
@@ -50,9 +51,14 @@ class AdapterExists(AdapterError):
 
 
 class AdapterStore:
-    def __init__(self, root: str | os.PathLike) -> None:
+    """`AdapterStore(root, base)`: the adapters of one base model (every put records `base`;
+    None: a store that records none, e.g. one written before adapters were keyed by base)."""
+
+    def __init__(self, root: str | os.PathLike, base: BaseIdentity | None = None,
+                 versions_kept: int = 1) -> None:
         os.makedirs(root, exist_ok=True)
-        self.root = os.path.realpath(root)
+        self.root, self.base, self.kept = os.path.realpath(root), base, KeptVersions(
+            os.path.realpath(root), versions_kept)  # kept: earlier versions, for pins
         self._thread_lock = threading.Lock()
         self._lock_fd = os.open(os.path.join(self.root, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
         with self._locked():
@@ -96,17 +102,16 @@ class AdapterStore:
         with self._locked():
             old = self.get(adapter_id)
             if old is not None and not replace:
-                raise AdapterExists(
-                    f"adapter {adapter_id!r} already exists (version {old.version}); delete it"
-                    " first or replace it (vLLM: load again; admin API: replace=true)"
-                )
+                raise AdapterExists(f"adapter {adapter_id!r} already exists (version {old.version}); "
+                                    "delete it first or replace it (vLLM: load again; admin "
+                                    "API: replace=true)")  # fmt: skip
             self._check_namespace(adapter_id, target, old)
             version = meta.version or self.next_version(adapter_id)
             stored = StoredAdapter(
                 adapter_id, version, hashlib.sha256(weights_raw).hexdigest(), len(weights_raw),
                 meta.source, meta.revision, meta.rank, tuple(meta.targets), time.time(), target,
                 hashlib.sha256(config_raw).hexdigest(), meta.object_key, tuple(meta.warnings),
-                meta.owner,
+                meta.owner, self.base,
             )  # fmt: skip
             parent = os.path.dirname(target)
             made_parent = not os.path.isdir(parent)
@@ -119,16 +124,15 @@ class AdapterStore:
                 if made_parent:
                     os.makedirs(parent)
                     fsync_dir(self.root)
-                self._commit(tmp, target)
+                self._commit(tmp, target, old)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 if made_parent:
                     with contextlib.suppress(OSError):
                         os.rmdir(parent)
                 raise
-        logger.info(
-            "stored adapter %s version %d (%d bytes)", adapter_id, version, len(weights_raw)
-        )
+        logger.info("stored adapter %s version %d (%d bytes)", adapter_id, version,
+                    len(weights_raw))  # fmt: skip
         return stored
 
     def next_version(self, adapter_id: str) -> int:
@@ -154,8 +158,20 @@ class AdapterStore:
             with contextlib.suppress(OSError):
                 fsync_dir(os.path.dirname(target))
             self._tidy(trash, os.path.dirname(target))
+            self.kept.drop(adapter_id)
         logger.info("deleted adapter %s version %d", adapter_id, old.version)
         return old
+
+    def supersede(self, adapter_id: str) -> None:
+        """This disk's copy is no longer the newest version: it becomes a kept one (or goes)."""
+        with self._locked():
+            old = self.get(adapter_id)
+            if old is None:
+                return
+            trash = tempfile.mkdtemp(prefix=DEL, dir=self.root)
+            os.rename(self.path(adapter_id), os.path.join(trash, "x"))
+            self.kept.keep(os.path.join(trash, "x"), old)
+            self._tidy(trash, os.path.dirname(self.path(adapter_id)))
 
     # -- internals -------------------------------------------------------------------------
 
@@ -179,7 +195,7 @@ class AdapterStore:
             raise AdapterExists(f"adapter id {adapter_id!r} is taken by adapters named "
                                 f"'{adapter_id}/...'; choose another id")  # fmt: skip
 
-    def _commit(self, tmp: str, target: str) -> None:
+    def _commit(self, tmp: str, target: str, old: StoredAdapter | None) -> None:
         """Make tmp's content visible at target in one step; after it, only log failures."""
         parent = os.path.dirname(target)
         if not os.path.lexists(target):
@@ -208,7 +224,10 @@ class AdapterStore:
         except OSError as e:
             logger.warning("adapter stored, but fsync of %s failed: %s", parent, e)
         if leftover is not None:
-            self._tidy(leftover, None)
+            if old is not None:  # the superseded copy: kept for pins (or dropped) by self.kept
+                self.kept.keep(leftover if leftover == tmp else os.path.join(leftover, "x"), old)
+            if os.path.lexists(leftover):
+                self._tidy(leftover, None)
 
     def _tidy(self, trash: str, parent: str | None) -> None:
         try:

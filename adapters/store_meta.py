@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from adapters.base_identity import BaseIdentity
+
 logger = logging.getLogger(__name__)
 
 META_FILE = "meta.json"
@@ -48,6 +50,7 @@ class StoredAdapter:
     object_key: str = ""
     warnings: tuple[str, ...] = ()
     owner: str = ""
+    base: BaseIdentity | None = None  # the base model it was validated against (None: older)
 
 
 def encode_meta(stored: StoredAdapter) -> bytes:

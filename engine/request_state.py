@@ -5,10 +5,11 @@ right there and the tokens after it are dropped."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sequence import RequestOutput, Sequence, TokenLogprob
+from engine.sequence import RequestOutput, RequestTimes, Sequence, TokenLogprob
 from engine.stopping import ends_on_token, finish_reason
 from engine.structured import GuidedState
 
@@ -33,6 +34,8 @@ class RequestState:
              eos_token_ids: frozenset[int], max_model_len: int) -> Taken:
         """Append the step's tokens up to the first that ends the request."""
         seq, detok = self.seq, self.detokenizer
+        if seq.first_token_at is None and tokens:
+            seq.first_token_at = time.monotonic()
         kept, texts = [], []
         reason = None
         for i, token in enumerate(tokens):
@@ -61,6 +64,8 @@ class RequestState:
         prompt = None
         if seq.prompt_logprobs is not None and not self.sent_prompt_logprobs:
             prompt, self.sent_prompt_logprobs = seq.prompt_logprobs, True  # the first output
+        times = (RequestTimes(seq.arrival, seq.scheduled_at, seq.first_token_at,
+                              time.monotonic(), seq.device_load) if seq.is_finished else None)
         return RequestOutput(seq.request_id, tokens, text, logprobs, seq.is_finished,
                              seq.finish_reason, self.stop_reason, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.num_cached_tokens or 0, prompt)
+                             seq.num_output_tokens, seq.num_cached_tokens or 0, prompt, times)

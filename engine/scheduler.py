@@ -26,6 +26,7 @@ adapter and adapters in the other slots are admitted as before, in arrival order
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -41,6 +42,7 @@ class SlotPolicy(Protocol):
 
     def acquire(self, seq: Sequence) -> bool: ...
     def release(self, seq: Sequence) -> None: ...
+    def finished(self, seq: Sequence) -> None: ...
 
     def version(self, adapter: str) -> int:
         """The version of `adapter`'s weights that acquire() would run a sequence with now."""
@@ -217,6 +219,8 @@ class Scheduler:
             self.slot_waits.pop(seq, None)
             self.block_manager.allocate(seq, num_computed + num_new, cached)
             seq.status = SequenceStatus.RUNNING
+            if seq.scheduled_at is None:  # its queueing ends here (a preempted one's did)
+                seq.scheduled_at = time.monotonic()
             self.running.append(seq)
             scheduled.append((seq, num_new))
             budget -= num_new
@@ -239,6 +243,8 @@ class Scheduler:
         """The weights `seq` would run with if admitted now, which its KV blocks then hold."""
         if seq.adapter is None:
             return None
+        if seq.adapter_version:  # it runs on the version it started on, to its end
+            return seq.adapter, seq.adapter_version
         return seq.adapter, self.slots.version(seq.adapter) if self.slots is not None else 0
 
     def _takes_slot(self, seq: Sequence) -> bool:
@@ -284,5 +290,7 @@ class Scheduler:
         self.block_manager.free(seq)
         if self.slots is not None and seq.status == SequenceStatus.RUNNING:
             self.slots.release(seq)
+        if self.slots is not None:
+            self.slots.finished(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

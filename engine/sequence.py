@@ -59,7 +59,12 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     generator: torch.Generator | None = None  # per-request RNG when params.seed is set
     lora_slot: int = -1  # device slot of its adapter while running (set by LoRAManager)
-    arrival: float = 0.0
+    adapter_version: int = 0  # the adapter weights' version it started on (0: not yet)
+    arrival: float = 0.0  # time.monotonic() when queued, as are the stage times below
+    scheduled_at: float | None = None  # first admitted to a batch (the scheduler's)
+    first_token_at: float | None = None  # its first output token kept (RequestState.take)
+    # (start, end) of the host -> device copy of its adapter it waited for (LoRAManager.acquire)
+    device_load: tuple[float, float] | None = None
     # params.prompt_logprobs: one entry per prompt token so far, filled chunk by chunk by the
     # engine (the first token has none); None when not asked for
     prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -111,6 +116,19 @@ class Sequence:
 
 
 @dataclass(slots=True)
+class RequestTimes:
+    """When one request reached each stage, in time.monotonic() seconds of the engine's
+    process (CLOCK_MONOTONIC: one clock for every process on the host); on its finished
+    output only, for the gateway's queue / prefill / decode trace spans."""
+
+    arrival: float
+    scheduled: float | None  # None: finished (aborted) before it was ever scheduled
+    first_token: float | None
+    finished: float
+    device_load: tuple[float, float] | None = None  # its adapter's copy into a device slot
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request (increments; `finished` on the last one)."""
 
@@ -126,6 +144,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     # with params.prompt_logprobs, on its first output: one per prompt token, the first None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    times: RequestTimes | None = None  # on the finished output
 
 
 @dataclass(slots=True)

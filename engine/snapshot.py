@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.lora.state import LoadTimes  # a field msgspec rebuilds across the process boundary
 from engine.request_checks import RequestLimits
 
 if TYPE_CHECKING:
@@ -72,6 +73,12 @@ class EngineSnapshot:
     spec_drafts: dict[str, int] = field(default_factory=dict)
     spec_draft_tokens: dict[str, int] = field(default_factory=dict)
     spec_accepted_tokens: dict[str, int] = field(default_factory=dict)
+    # Seconds of the engine's loads per tier ("device": slot fills, "host": re-reads)
+    load_seconds: dict[str, LoadTimes] = field(default_factory=dict)
+    # Adapter ids of the running and of the waiting sequences, each from its own queue, each
+    # id once in queue order (what vLLM's lora_requests_info names; the base is left out)
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
 
     @property
     def kv_blocks_used(self) -> int:
@@ -99,7 +106,15 @@ def take_snapshot(engine: LLMEngine, step_errors: int = 0) -> EngineSnapshot:
         prefix_cache_queries=blocks.cache.stats.queries,
         prefix_cache_hits=blocks.cache.stats.hits,
         lora_device_bytes=dict(lora.device_bytes),
+        load_seconds={"device": stats.device_load_times.copy(),
+                      "host": stats.host_load_times.copy()},
+        running_adapters=_adapters(engine.scheduler.running),
+        waiting_adapters=_adapters(engine.scheduler.waiting),
         **_spec_counters(engine))
+
+
+def _adapters(queue) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(seq.adapter for seq in queue if seq.adapter is not None))
 
 
 def _spec_counters(engine: LLMEngine) -> dict[str, dict[str, int]]:

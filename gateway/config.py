@@ -35,6 +35,9 @@ class ServerConfig(EngineOptions):
     port: int = option(8000, "port to listen on (0: any free port)")
     adapter_dir: str | None = option(None, "directory where uploaded and downloaded adapters "
                                      f"are stored (default {DEFAULT_ADAPTER_DIR})")
+    adapter_versions_kept: int = option(3, "versions of each adapter id kept (the newest and "
+                                        "earlier ones a request may pin as ID@N); older ones "
+                                        "leave the store")
     hub_allow: tuple[str, ...] = option((), "ORG/REPO glob of Hub adapters loaded on first use "
                                         "(repeatable)")
     s3_allow: tuple[str, ...] = option((), "BUCKET/PATH glob of s3:// adapters (PEFT folders) "
@@ -61,10 +64,18 @@ class ServerConfig(EngineOptions):
                                      "seconds is cut off (408)")
     metrics_key: str | None = option(None, "Bearer key required on /metrics (its labels name "
                                      "adapters; default: open)")
+    metrics_max_adapters: int = option(
+        50, "adapters whose /metrics series carry their own adapter and version labels: the "
+        "busiest by requests; the rest are summed under adapter=\"other\" (the label set stays "
+        "bounded however many adapters are used)")
     health_timeout_s: float = option(30.0, "/health answers 503 once the engine loop has not "
                                      "answered a ping for this many seconds (a liveness probe "
                                      "then restarts the pod)")
     max_waiting: int = option(256, "requests queued beyond --max-num-seqs before 429")
+    otlp_traces_endpoint: str | None = option(
+        None, "OTLP over HTTP (protobuf) URL every request's trace spans are exported to, as "
+        "vLLM's flag (e.g. http://collector:4318/v1/traces; a URL without a path gets "
+        "/v1/traces); off, and free, when unset")
     engine_process: bool = option(True, "run the engine loop in a process of its own, so the "
                                   "HTTP server never shares a GIL with it (--no-engine-process: "
                                   "a thread of the server's)")
@@ -84,7 +95,7 @@ class ServerConfig(EngineOptions):
             raise ValueError("--model and --demo exclude each other; pass one")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
-        for name in ("max_upload_mb", "max_request_mb"):
+        for name in ("max_upload_mb", "max_request_mb", "adapter_versions_kept"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{self.option_name(name)} must be at least 1, got "
                                  f"{getattr(self, name)}")
@@ -92,6 +103,9 @@ class ServerConfig(EngineOptions):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{self.option_name(name)} must be positive, got "
                                  f"{getattr(self, name)}")
+        if self.metrics_max_adapters < 0:
+            raise ValueError(f"--metrics-max-adapters must be at least 0, got "
+                             f"{self.metrics_max_adapters}")
         if self.max_waiting < 0:
             raise ValueError(f"--max-waiting must be at least 0, got {self.max_waiting}")
         if self.tensor_parallel_size > 1 and not self.engine_process:
@@ -105,6 +119,10 @@ class ServerConfig(EngineOptions):
         if self.adapter_store_url is not None and not self.adapter_store_url.startswith("s3://"):
             raise ValueError(f"--adapter-store-url must be s3://BUCKET[/PREFIX], got "
                              f"{self.adapter_store_url!r}")
+        if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint.startswith(
+                ("http://", "https://")):
+            raise ValueError(f"--otlp-traces-endpoint must be an http:// or https:// URL (OTLP "
+                             f"over HTTP), got {self.otlp_traces_endpoint!r}")
         for name in ("api_key", "admin_key", "metrics_key"):
             if getattr(self, name) == "":
                 raise ValueError(f"{self.option_name(name)} is empty; give a key or leave the "

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from engine.core.client import EngineClient
 from engine.sequence import RequestOutput
-from gateway.metrics import BASE_LABEL, Metrics
+from gateway.metrics import Metrics
 from gateway.tenants.windows import Reservation
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,9 @@ class GenerationJob:
     on_close: Callable[[GenerationJob], None] = lambda job: None
     tenant: str = "operator"  # the caller's tenant, the label of its tenant metrics
     reservation: Reservation | None = None  # of the caller's key limits, finished on close
+    version: int | None = None  # the adapter's catalog version (its metrics label)
+    # with tracing: each choice's engine phases as spans, given its finished output
+    trace: Callable[[str, RequestOutput], None] | None = None
     _sink: Sink | None = None
     _early: list[tuple[Choice, RequestOutput]] = field(default_factory=list)  # before start()
     _pumps: list[asyncio.Task] = field(default_factory=list)
@@ -153,13 +156,15 @@ class GenerationJob:
         choice.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             choice.finished, choice.finish_reason = True, out.finish_reason
+            if self.trace is not None:
+                self.trace(choice.request_id, out)
             ttft = None if choice.first_token_at is None else choice.first_token_at - self.arrival
             if out.finish_reason == "abort":
-                self.metrics.completion_tokens.labels(self.adapter or BASE_LABEL).inc(
-                    out.num_output_tokens)
-            else:
-                self.metrics.observe_sequence(self.adapter, ttft, now - self.arrival,
+                self.metrics.count_completion(self.adapter, self.version,
                                               out.num_output_tokens)
+            else:
+                self.metrics.observe_sequence(self.adapter, self.version, ttft,
+                                              now - self.arrival, out.num_output_tokens)
 
     def abort(self) -> None:
         """End every unfinished choice now with finish_reason "abort" (its adapter is being
@@ -184,8 +189,7 @@ class GenerationJob:
         for choice in self.choices:
             if choice.finished:
                 continue
-            label = self.adapter or BASE_LABEL
-            self.metrics.completion_tokens.labels(label).inc(choice.num_output_tokens)
+            self.metrics.count_completion(self.adapter, self.version, choice.num_output_tokens)
             if not choice.started:
                 # Never iterated (its pump never ran), so nothing else will abort it.
                 spawn(self.engine.abort(choice.request_id))

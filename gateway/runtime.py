@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
@@ -34,15 +35,27 @@ from gateway.metrics import Metrics
 from gateway.residency.manager import AdapterManager
 from gateway.tenants.service import Tenants
 
+if TYPE_CHECKING:  # imported only when tracing (start_tracing)
+    from gateway.tracing import Tracing
+
 logger = logging.getLogger(__name__)
 ENGINE_PROBE_TIMEOUT_S = 10.0
+
+
+def start_tracing(config: ServerConfig) -> Tracing | None:
+    """The replica's tracer with --otlp-traces-endpoint, else None (gateway/tracing.py and
+    OpenTelemetry's tracing SDK not even imported)."""
+    if config.otlp_traces_endpoint is None:
+        return None
+    from gateway.tracing import Tracing
+    return Tracing(config.otlp_traces_endpoint, config.replica)
 
 
 class Runtime:
     def __init__(self, config: ServerConfig, metrics: Metrics | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None):
         self.config = config
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or Metrics(config.metrics_max_adapters, config.model_name)
         self.on_fatal = on_fatal  # called when start-up fails (the server should exit)
         self.engine: EngineClient | None = None
         self.info: EngineInfo | None = None  # the engine's vocabulary size, context window, ...
@@ -50,6 +63,7 @@ class Runtime:
         self.adapters: AdapterManager | None = None
         self.tenants: Tenants | None = None  # keys, limits, audit: started first
         self.router: Router | None = None
+        self.tracing = start_tracing(config)  # None without --otlp-traces-endpoint
         self.token_text: TokenText | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.ready = False
@@ -89,10 +103,11 @@ class Runtime:
                 self.metrics.info = self.info
                 self.tokenizer = await asyncio.to_thread(try_load_tokenizer, config.model)
                 self.token_text = TokenText(self.tokenizer)
-                self.adapters = AdapterManager(config, self.engine, self.metrics)
+                self.adapters = AdapterManager(config, self.engine, self.metrics,
+                                               tracing=self.tracing)
                 await self.adapters.start()
                 self.router = Router(self.adapters.registry, self.adapters.replica_id,
-                                     fleet=bool(config.redis_url))
+                                     fleet=bool(config.redis_url), tracing=self.tracing)
                 await self._stack.enter_async_context(self.router.running())
                 bar.update()
                 for name, source in sources:
@@ -146,6 +161,8 @@ class Runtime:
             await self.tenants.close()
         if self.engine is not None:
             await asyncio.to_thread(self.engine.shutdown)
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # exports the spans still queued
 
     def check_ready(self) -> None:
         if not self.ready:

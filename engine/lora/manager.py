@@ -24,6 +24,7 @@ from engine.lora.aging import slot_to_drain
 from engine.lora.pool import SlotPool, SlotSink
 from engine.lora.reads import HostReads
 from engine.lora.state import LoRAStats, RegisteredAdapter, Slot, host_copy
+from engine.lora.versions import StartedVersions
 from engine.lora_step import LoRARows
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import ScheduledBatch
@@ -48,6 +49,7 @@ class LoRAManager:
                              config.max_full_module_slots, replicas)
         self.stats = LoRAStats()
         self.reads = HostReads(self.spec)
+        self.started = StartedVersions()  # each sequence keeps the version it started on
         self._versions = 0
 
     # ---- registry and host tier -----------------------------------------------------------
@@ -63,6 +65,7 @@ class LoRAManager:
         self._versions += 1
         previous = self.adapters.get(name)
         if previous is not None:
+            self.started.replaced(name, previous)
             self._retire(name)
         self.adapters[name] = RegisteredAdapter(
             self._versions, path, adapter, adapter.num_bytes, adapter.max_rank,
@@ -83,12 +86,11 @@ class LoRAManager:
             raise AdapterError(f"adapter {name!r} is pinned; unpin it before evicting", )
         on_device = False
         for index, slot in enumerate(self.slots):
-            if slot.adapter == name:
-                if slot.ref_count:
-                    on_device = True
-                else:
-                    self._clear(index)
-                    self.stats.device_evictions += 1
+            if slot.adapter == name and slot.ref_count:
+                on_device = True
+            elif slot.adapter == name:
+                self._clear(index)
+                self.stats.device_evictions += 1
         if entry.path is not None and not on_device and entry.host is not None:
             entry.host = None
             self.stats.host_evictions += 1
@@ -100,10 +102,10 @@ class LoRAManager:
         entry = self._get(name)
         self._ensure_host(name, entry)
         if self._find(name, entry.version) is None:
-            index = self._victim(bool(entry.saved_modules))
-            if index is None:
+            victims = self._victims(bool(entry.saved_modules))
+            if not victims:
                 return "host"
-            self._fill(index, name, entry)
+            self._fill(victims[0], name, entry)
         return "device"
 
     def pin(self, name: str, pinned: bool = True) -> None:
@@ -169,11 +171,12 @@ class LoRAManager:
             self.stats.host_evictions += 1
             excess -= 1
 
-    def _ensure_host(self, name: str, entry: RegisteredAdapter,
-                     adapter: LoraAdapter | None = None) -> LoraAdapter:
-        """The host copy, re-read and re-validated from disk if evicted (or `adapter`, read)."""
+    def _ensure_host(self, name: str, entry: RegisteredAdapter, adapter: LoraAdapter | None = None,
+                     read_seconds: float = 0.0) -> LoraAdapter:
+        """The host copy, re-read from disk if evicted (or `adapter`, read in read_seconds)."""
         if entry.host is None:
-            entry.host = host_copy(adapter or read_adapter(entry.path, self.spec), self.device)
+            with self.stats.host_load_times.timed(read_seconds):
+                entry.host = host_copy(adapter or read_adapter(entry.path, self.spec), self.device)
             self.stats.host_loads += 1
             self._trim_host(keep={name})
         entry.last_used = time.monotonic()
@@ -191,7 +194,7 @@ class LoRAManager:
     def acquire(self, seq: Sequence) -> bool:
         if seq.adapter is None:
             return True
-        entry = self.adapters.get(seq.adapter)
+        entry = self.started.entry_for(seq, self.adapters.get(seq.adapter))
         if entry is None:
             return False
         index = self._find(seq.adapter, entry.version)
@@ -205,22 +208,27 @@ class LoRAManager:
                         if self.reads.may_start(seq.adapter, len(victims)) else None)
                 if read is None:
                     return False
-                self._ensure_host(seq.adapter, entry, read)
-            index = victims[0]
+                self._ensure_host(seq.adapter, entry, *read)
+            index, started = victims[0], time.monotonic()
             self._fill(index, seq.adapter, entry)
+            seq.device_load = (started, time.monotonic())  # its trace's host -> device span
         else:
             self.stats.device_hits += 1
         slot = self.slots[index]
         slot.ref_count += 1
         slot.last_used = entry.last_used = time.monotonic()
         seq.lora_slot = index
+        self.started.start(seq, entry)
         return True
 
     def version(self, adapter: str) -> int:
-        """The version acquire() gives a sequence: the registered one (0 if unknown, then
-        acquire() refuses it anyway). Its prefix-cache key, so old versions' blocks never match."""
+        """The version acquire() gives a new sequence (0: unknown, refused anyway): its
+        prefix-cache key, so old versions' blocks never match."""
         entry = self.adapters.get(adapter)
         return entry.version if entry is not None else 0
+
+    def finished(self, seq: Sequence) -> None:
+        self.started.finished(seq)
 
     def release(self, seq: Sequence) -> None:
         if seq.adapter is None:
@@ -244,10 +252,6 @@ class LoRAManager:
                 return index
         return None
 
-    def _victim(self, needs_full: bool = False) -> int | None:
-        victims = self._victims(needs_full)
-        return victims[0] if victims else None
-
     def _victims(self, needs_full: bool = False) -> list[int]:
         """The slots an adapter may take, best first: free slots, then idle slots of unpinned
         adapters, least recently used first. With `needs_full` and no full-module slot free,
@@ -270,7 +274,8 @@ class LoRAManager:
         if self.slots[index].adapter is not None:
             self.stats.device_evictions += 1
         self._clear(index)
-        self.pool.fill(index, adapter)
+        with self.stats.device_load_times.timed():  # the copies' issue (on CUDA they run async)
+            self.pool.fill(index, adapter)
         self.slots[index] = Slot(adapter=name, version=entry.version, last_used=time.monotonic())
         self.stats.device_loads += 1
         logger.info("adapter %s (v%d) loaded into slot %d", name, entry.version, index)
@@ -292,6 +297,3 @@ class LoRAManager:
         self.slots = [Slot() for _ in range(self.num_slots)]
         self.pool.close()
         self.model = None
-
-
-__all__ = ["LoRAManager", "LoRAStats"]

@@ -7,6 +7,7 @@ large ones).
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from adapters.format import LoraAdapter, read_adapter
 class _Read:
     version: int
     future: Future
+    started: float  # time.perf_counter() when it was submitted
 
 
 class HostReads:
@@ -26,9 +28,10 @@ class HostReads:
         self.failures: dict[str, str] = {}  # adapter -> why its read failed (take_failures)
         self._pool: ThreadPoolExecutor | None = None
 
-    def take(self, name: str, version: int, path: str) -> LoraAdapter | None:
-        """`name`'s adapter (version `version`) read from `path` once it has been: None while
-        the read runs (the first call starts it), and after it failed (see take_failures)."""
+    def take(self, name: str, version: int, path: str) -> tuple[LoraAdapter, float] | None:
+        """`name`'s adapter (version `version`) read from `path` once it has been, with the
+        seconds since its read started: None while the read runs (the first call starts it),
+        and after it failed (see take_failures)."""
         if name in self.failures:  # failed already: the engine fails its requests next
             return None
         read = self._reads.get(name)
@@ -38,13 +41,14 @@ class HostReads:
         if read is None:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="adapter-read")
-            self._reads[name] = _Read(version, self._pool.submit(read_adapter, path, self.spec))
+            self._reads[name] = _Read(version, self._pool.submit(read_adapter, path, self.spec),
+                                      time.perf_counter())
             return None
         if not read.future.done():
             return None
         del self._reads[name]
         try:
-            return read.future.result()
+            return read.future.result(), time.perf_counter() - read.started
         except Exception as exc:  # gone or corrupt on disk: its requests fail, nothing else
             self.failures[name] = f"adapter {name!r} could not be re-read from {path}: {exc}"
             return None

@@ -3,7 +3,10 @@ tiers, the LoRAStats counters the metrics read, and how a host copy is made."""
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -32,6 +35,35 @@ class RegisteredAdapter:
     last_used: float = field(default_factory=time.monotonic)
 
 
+# Buckets of the seconds a load into a tier takes (the gateway's load-seconds histogram too).
+LOAD_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                        30.0, 60.0)
+
+
+@dataclass(slots=True)
+class LoadTimes:
+    """Seconds of the loads into one tier: a count per LOAD_SECONDS_BUCKETS bucket (+Inf last,
+    not cumulative) and their sum. Bucketed, so it stays one small fixed size however long the
+    engine runs."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LOAD_SECONDS_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(LOAD_SECONDS_BUCKETS, seconds)] += 1
+        self.total += seconds
+
+    @contextlib.contextmanager
+    def timed(self, extra_seconds: float = 0.0) -> Iterator[None]:
+        """Observe the seconds the block takes, plus `extra_seconds` spent on it before."""
+        started = time.perf_counter()
+        yield
+        self.observe(time.perf_counter() - started + extra_seconds)
+
+    def copy(self) -> LoadTimes:
+        return LoadTimes(list(self.counts), self.total)
+
+
 @dataclass(slots=True)
 class LoRAStats:
     device_loads: int = 0  # host -> slot copies
@@ -39,6 +71,8 @@ class LoRAStats:
     device_evictions: int = 0
     host_loads: int = 0  # disk -> host parses
     host_evictions: int = 0
+    device_load_times: LoadTimes = field(default_factory=LoadTimes)
+    host_load_times: LoadTimes = field(default_factory=LoadTimes)  # re-reads after an eviction
 
 
 def host_copy(adapter: LoraAdapter, device: torch.device) -> LoraAdapter:

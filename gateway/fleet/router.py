@@ -22,6 +22,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 import httpx
 from litestar import Request, Response
@@ -30,6 +31,9 @@ from litestar.response import Stream
 from adapters.registry import Registry, ReplicaState
 from gateway.errors import APIError
 from gateway.tenants.forwarding import IDENTITY_HEADER
+
+if TYPE_CHECKING:  # imported only when tracing
+    from gateway.tracing import ClientSpan, Tracing
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +91,13 @@ def choose(states: list[ReplicaState], self_id: str, adapter: str | None) -> Rep
 
 class Router:
     """Forwards a request to the replica `choose` picks, through one pooled HTTP client (open
-    between `start` and `close`). `fleet` is False without Redis: nothing to forward to."""
+    between `start` and `close`). `fleet` is False without Redis: nothing to forward to.
+    With `tracing`, each forward is a CLIENT span whose `traceparent` the target continues."""
 
-    def __init__(self, registry: Registry, replica_id: str, fleet: bool):
+    def __init__(self, registry: Registry, replica_id: str, fleet: bool,
+                 tracing: Tracing | None = None):
         self.registry, self.replica_id, self.fleet = registry, replica_id, fleet
+        self.tracing = tracing
         self.client: httpx.AsyncClient | None = None
         self._states: list[ReplicaState] = []
         self._states_at = -1e9
@@ -133,7 +140,8 @@ class Router:
             headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
             headers[IDENTITY_HEADER] = identity(body)
         for target in candidates:
-            forwarded = await self._forward(target, body, headers, request.scope["path"])
+            forwarded = await self._forward(target, body, headers, request.scope["path"],
+                                            adapter)
             if forwarded is not None:
                 return forwarded
         if here:
@@ -146,10 +154,13 @@ class Router:
                        headers={"Retry-After": "1"})
 
     async def _forward(self, target: ReplicaState, request_body: bytes,
-                       headers: Mapping[str, str], path: str) -> Response | None:
+                       headers: Mapping[str, str], path: str,
+                       adapter: str | None = None) -> Response | None:
         """The target's streamed response, or None if it failed before the first byte."""
         out = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS}
         out[FORWARDED_HEADER] = self.replica_id
+        span = (self.tracing.forward(target.replica_id, target.url + path, out, adapter)
+                if self.tracing is not None else None)
         upstream_request = self.client.build_request("POST", target.url + path,
                                                      content=request_body, headers=out)
         try:
@@ -157,17 +168,22 @@ class Router:
         except httpx.HTTPError as exc:
             logger.warning("forward of %s to %s (%s) failed: %s", path, target.replica_id,
                            target.url, exc)
+            if span is not None:
+                span.failed(f"{type(exc).__name__}: {exc}")
             return None
         if (upstream.status_code >= 500 or upstream.status_code in _FALLBACK_STATUSES) \
                 and not _over_key_limit(upstream):
             await upstream.aclose()
             logger.warning("replica %s answered %d to a forwarded %s", target.replica_id,
                            upstream.status_code, path)
+            if span is not None:
+                span.failed(f"answered {upstream.status_code}")
             return None
         headers_back = {k: v for k, v in upstream.headers.items()
                         if k.lower() not in _HOP_HEADERS and k.lower() != "content-type"}
         headers_back.setdefault(SERVED_BY_HEADER, target.replica_id)
-        return Stream(_relay(upstream), status_code=upstream.status_code, headers=headers_back,
+        return Stream(_relay(upstream, span), status_code=upstream.status_code,
+                      headers=headers_back,
                       media_type=upstream.headers.get("content-type", "application/json"))
 
     async def states(self) -> list[ReplicaState]:
@@ -178,13 +194,16 @@ class Router:
         return self._states
 
 
-async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
-    """The upstream body as it arrives; the upstream connection closes when we stop."""
+async def _relay(upstream: httpx.Response, span: ClientSpan | None) -> AsyncIterator[bytes]:
+    """The upstream body as it arrives; the upstream connection closes (and the forward's
+    span ends) when we stop."""
     try:
         async for chunk in upstream.aiter_raw():
             yield chunk
     finally:
         await upstream.aclose()
+        if span is not None:
+            span.relayed(upstream.status_code)
 
 
 def _over_key_limit(upstream: httpx.Response) -> bool:

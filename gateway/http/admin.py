@@ -51,7 +51,7 @@ class Deleted(msgspec.Struct):
     deleted: bool = True
 
 
-def _manager(runtime: Runtime) -> AdapterManager:
+def ready_manager(runtime: Runtime) -> AdapterManager:
     runtime.check_ready()
     return runtime.adapters
 
@@ -66,7 +66,7 @@ async def write(runtime: Runtime, request: Request, adapter_id: str, owner: str 
                 action: str, add, source: str | None = None) -> AdapterInfo:
     """An upload or a registration (from `source`) of `adapter_id` (`add(owner)` does it), if
     the caller may, audited as what it was: an add or a replace."""
-    manager, caller = _manager(runtime), principal(request)
+    manager, caller = ready_manager(runtime), principal(request)
     owner, existed = await owner_for_write(manager, caller, adapter_id, owner)
     if source is not None:
         check_source(manager, caller, source)
@@ -83,14 +83,14 @@ class AdminController(Controller):
     @get("/", responses=error_responses(401, 403, 503))
     async def list_adapters(self, request: Request, runtime: Runtime) -> AdapterList:
         caller = principal(request)
-        return AdapterList([a for a in await _manager(runtime).list()
+        return AdapterList([a for a in await ready_manager(runtime).list()
                             if caller.may_use(a.id, a.owner)])
 
     @get("/{adapter_id:path}", responses=error_responses(
         400, 401, 403, 404, 503, e400="the adapter id is not valid"))
     async def get_adapter(self, request: Request, adapter_id: str,
                           runtime: Runtime) -> AdapterInfo:
-        manager = _manager(runtime)
+        manager = ready_manager(runtime)
         return await manager.get(await check_visible(manager, principal(request),
                                                      adapter_id.strip("/")))
 
@@ -103,7 +103,7 @@ class AdminController(Controller):
     async def upload(self, request: Request[Any, Any, Any], runtime: Runtime) -> AdapterInfo:
         """multipart: `adapter_id`, `adapter_config` (file), `adapter_model` (file),
         optional `replace`=true, optional `owner` (the operator's: a tenant; empty: shared)."""
-        manager = _manager(runtime)
+        manager = ready_manager(runtime)
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise APIError.bad_request("upload as multipart/form-data with fields adapter_id, "
                                        "adapter_config and adapter_model")
@@ -125,7 +125,7 @@ class AdminController(Controller):
     async def register(self, request: Request, data: RegisterRequest,
                        runtime: Runtime) -> AdapterInfo:
         async def add(owner: str | None) -> AdapterInfo:
-            return await _manager(runtime).register(data.adapter_id, data.source,
+            return await ready_manager(runtime).register(data.adapter_id, data.source,
                                                     data.replace, owner)
 
         return await write(runtime, request, data.adapter_id, data.owner,
@@ -141,7 +141,7 @@ class AdminController(Controller):
             raise APIError(404, f"no admin route POST /admin/adapters/{target.strip('/')}; "
                                 f"use /admin/adapters/ID/{{{'|'.join(ACTIONS)}}}",
                            code="not_found")
-        manager, caller = _manager(runtime), principal(request)
+        manager, caller = ready_manager(runtime), principal(request)
         adapter_id = await check_change(manager, caller, adapter_id)
         if verb == "load":
             info = await manager.load(adapter_id)
@@ -163,7 +163,7 @@ class AdminController(Controller):
 async def remove(runtime: Runtime, caller: Principal, raw: str, lenient: bool = False) -> str:
     """Delete an adapter the caller may change; audited. `lenient` (vLLM's unload): an
     invalid name is just one that is not loaded (404), as vLLM answers."""
-    manager = _manager(runtime)
+    manager = ready_manager(runtime)
     if lenient and not valid_adapter_id(raw):
         raise not_registered(raw)
     adapter_id = await check_change(manager, caller, raw)

@@ -3,8 +3,10 @@
     0. who?                        the route's guard (gateway/http/auth.py) 401 / 403
     1. ready?                      Runtime.check_ready                      503
     2. which adapter, where?       AdapterManager.locate(model, caller):   404 (also for one
-                                   the catalog's entry, read now; here or   the caller's key
-                                   only on other replicas                   may not use)
+                                   an alias's target (sticky per `user`);   the caller's key
+                                   a pinned version (ID@N, ID@sha256:..);   may not use, and
+                                   the catalog's entry, read now; here or   a version no longer
+                                   only on other replicas                   kept)
     3. another replica?            Router.route: by affinity, or to a       503 if no holder
                                    holder when it cannot be fetched here;   answers
                                    the caller's identity signed for it
@@ -34,6 +36,8 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
@@ -61,9 +65,14 @@ from gateway.http.request_params import (
 )
 from gateway.http.streaming import collect, stream_sse
 from gateway.jobs import Choice, GenerationJob
+from gateway.residency.names import Location
+from gateway.residency.versions import VERSION_HEADER, header_value
 from gateway.runtime import Runtime
 from gateway.tenants.forwarding import sign
 from gateway.tenants.keys import Principal
+
+if TYPE_CHECKING:  # imported only when tracing
+    from opentelemetry.trace import Span
 
 CHECK_INLINE_MAX_TOKENS = 16_384  # longer prompts are checked on a worker thread
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -106,10 +115,33 @@ async def serve_chat(request: Request, data: ChatCompletionRequest, runtime: Run
 
 async def serve(request: Request, data: SamplingRequest, runtime: Runtime, kind: str,
                 prepare: Prepare) -> Response:
+    """Admission (one trace span with --otlp-traces-endpoint), then the response."""
+    with runtime.tracing.span("admission") if runtime.tracing else nullcontext() as span:
+        admitted = await admit(request, data, runtime, kind, prepare, span)
+    if isinstance(admitted, Response):
+        return admitted  # forwarded
+    job, fmt = admitted
+    served = ({VERSION_HEADER: header_value(job.adapter, job.version)}
+              if job.adapter is not None and job.version is not None else {})
+    if data.stream:
+        include_usage = bool(data.stream_options and data.stream_options.include_usage)
+        return Stream(stream_sse(job, fmt, include_usage), media_type="text/event-stream",
+                      headers=SSE_HEADERS | served, background=BackgroundTask(job.aclose))
+    # a whole response: stop generating if the client goes away before it is ready
+    return Response(await collect(job, fmt, asyncio.ensure_future(_disconnect(request))),
+                    headers=served)
+
+
+async def admit(request: Request, data: SamplingRequest, runtime: Runtime, kind: str,
+                prepare: Prepare, span: Span | None) -> Response | tuple[GenerationJob, Format]:
+    """Steps 1-9: the response of the replica it was forwarded to, or the job queued here
+    and the Format of its response. `span`: admission's trace span, if tracing."""
     runtime.check_ready()
     state, caller = request.scope["state"], principal(request)
     state["model"] = data.model
-    location = await runtime.adapters.locate(data.model, caller)
+    location = await runtime.adapters.locate(data.model, caller, user=data.user)
+    if span is not None:
+        span.set_attributes(runtime.tracing.located(location, runtime.adapters.records))
     forwarded = await runtime.router.route(request, location.adapter_id, location.here,
                                            location.holders, identity(runtime, caller, request))
     if forwarded is not None:
@@ -118,22 +150,19 @@ async def serve(request: Request, data: SamplingRequest, runtime: Runtime, kind:
     adapter = location.adapter_id
     if adapter is not None:
         await runtime.adapters.ensure_ready(location)
-    state["adapter"] = adapter or "base"  # the metrics label; set only once resolved
+    state["adapter"] = adapter or "base"  # the access log's; set only once resolved
+    state["location"] = location  # the metrics labels: adapter and version
+    runtime.metrics.resolved(adapter)
     prompts, first, make_format = await prepare()
-    job = await start(request, runtime, prompts, first, data.n, adapter, kind)
-    fmt = make_format(job)
-    if data.stream:
-        include_usage = bool(data.stream_options and data.stream_options.include_usage)
-        return Stream(stream_sse(job, fmt, include_usage), media_type="text/event-stream",
-                      headers=SSE_HEADERS, background=BackgroundTask(job.aclose))
-    # a whole response: stop generating if the client goes away before it is ready
-    return Response(await collect(job, fmt, asyncio.ensure_future(_disconnect(request))))
+    job = await start(request, runtime, prompts, first, data.n, location, kind)
+    return job, make_format(job)
 
 
 async def start(request: Request, runtime: Runtime, prompts: list[list[int]],
-                first: SamplingParams, n: int, adapter: str | None, kind: str) -> GenerationJob:
+                first: SamplingParams, n: int, location: Location, kind: str) -> GenerationJob:
     """Steps 7-9: one engine request per choice (prompts x n), checked, admitted and queued at
-    once."""
+    once, on the version `location` names."""
+    adapter, version = location.adapter_id, location.version
     await check_prompts(runtime, prompts, first)
     params, prompt_of = choice_params(first, len(prompts), n)
     job_id = f"{kind}-{uuid.uuid4().hex}"
@@ -141,14 +170,16 @@ async def start(request: Request, runtime: Runtime, prompts: list[list[int]],
     arrival = request.scope["state"].get("arrival", time.monotonic())
     caller = principal(request)
     job = GenerationJob(job_id, runtime.engine, choices, adapter, runtime.metrics, arrival,
-                        runtime.release, tenant=caller.metrics_label)
+                        runtime.release, tenant=caller.metrics_label, version=version,
+                        trace=runtime.tracing.engine_spans(adapter, version)
+                        if runtime.tracing else None)
     runtime.admit(job)
     try:
         tokens = reserved_tokens(prompts, params, prompt_of, runtime.info.max_model_len)
         job.reservation, headers = await runtime.tenants.admit(caller, job_id, tokens)
         request.scope["state"][RATE_LIMIT_HEADERS] = headers
         streams = await runtime.engine.submit_many([
-            EngineRequest(prompts[c.prompt_index], p, adapter, c.request_id)
+            EngineRequest(prompts[c.prompt_index], p, location.engine_adapter, c.request_id)
             for c, p in zip(choices, params, strict=True)])
     except BaseException as exc:
         job.close()
@@ -157,7 +188,7 @@ async def start(request: Request, runtime: Runtime, prompts: list[list[int]],
         raise
     for choice, stream in zip(choices, streams, strict=True):
         choice.stream = stream
-    runtime.metrics.prompt_tokens.labels(adapter or "base").inc(sum(len(p) for p in prompts))
+    runtime.metrics.count_prompt(adapter, version, sum(len(p) for p in prompts))
     return job
 
 

@@ -25,6 +25,7 @@ from adapters.errors import short_name
 from gateway.config import MB, ServerConfig
 from gateway.fleet.router import served_by_hook
 from gateway.http.admin import AdminController
+from gateway.http.aliases import AliasController
 from gateway.http.auth import PRINCIPAL, RATE_LIMIT_HEADERS
 from gateway.http.error_handlers import EXCEPTION_HANDLERS
 from gateway.http.openai import AdapterLoadController, OpenAIController
@@ -113,8 +114,9 @@ class RequestContextMiddleware(ASGIMiddleware):
         state = scope["state"]
         route = scope.get("path_template") or scope["path"]
         self.metrics.http_requests.labels(route, str(status)).inc()
-        if "adapter" in state:
-            self.metrics.requests.labels(state["adapter"], str(status)).inc()
+        if "location" in state:
+            location = state["location"]
+            self.metrics.count_request(location.adapter_id, location.version, status)
         caller = state.get(PRINCIPAL)
         if caller is not None and not state.get("forwarded"):
             self.metrics.tenant_requests.labels(caller.metrics_label, str(status)).inc()
@@ -160,6 +162,15 @@ def rate_limit_hook(runtime: Runtime):
     return add_rate_limit_headers
 
 
+def traced(runtime: Runtime) -> list[ASGIMiddleware]:
+    """The SERVER-span middleware when the runtime traces (--otlp-traces-endpoint); imported
+    only then, so a server without the flag loads no tracing code."""
+    if runtime.tracing is None:
+        return []
+    from gateway.http.tracing_middleware import TracingMiddleware
+    return [TracingMiddleware(runtime.tracing, runtime)]
+
+
 def create_app(config: ServerConfig, runtime: Runtime | None = None,
                on_fatal: Callable[[BaseException], None] | None = None) -> Litestar:
     """The app; `on_fatal` is called if start-up fails (the server should then exit)."""
@@ -168,12 +179,12 @@ def create_app(config: ServerConfig, runtime: Runtime | None = None,
     return Litestar(
         route_handlers=[OpenAIController, ResponsesController, UtilityController,
                         AdapterLoadController, OpsController, AdminController,
-                        TenantKeyController, AuditController],
+                        TenantKeyController, AuditController, AliasController],
         lifespan=[runtime.lifespan] if owned else [],
         state=State({"config": config, "runtime": runtime}),
         dependencies={"runtime": Provide(lambda: runtime, use_cache=True, sync_to_thread=False)},
         exception_handlers=EXCEPTION_HANDLERS,
-        middleware=[RequestContextMiddleware(runtime.metrics)],
+        middleware=[RequestContextMiddleware(runtime.metrics), *traced(runtime)],
         before_send=[_unrouted_request_id, served_by_hook(config.replica),
                      rate_limit_hook(runtime)],
         request_max_body_size=config.max_request_mb * MB,  # the upload route has its own

@@ -39,6 +39,8 @@ class OpsController(Controller):
          responses=error_responses(401))
     async def metrics(self, runtime: Runtime) -> Response[bytes]:
         """Prometheus text format; engine gauges are read live at each scrape."""
-        metrics = runtime.metrics
-        metrics.snapshot = await runtime.snapshot()
+        metrics, snapshot = runtime.metrics, await runtime.snapshot()
+        adapters = runtime.adapters
+        metrics.scraped(snapshot, {} if adapters is None else {
+            name: adapters.residency(name, snapshot) for name in adapters.records})
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -86,7 +86,7 @@ class SamplingRequest(Struct, kw_only=True):
     prompt_logprobs: Logprobs | None = None
     # an extension: false keeps this request out of speculative decoding (--speculative-config)
     speculative: bool = True
-    user: str | None = None  # accepted, ignored
+    user: str | None = None  # keeps one alias target per user (adapters/aliases.py)
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):

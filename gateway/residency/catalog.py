@@ -10,9 +10,9 @@ this view four ways, each applied under the adapter id's lock:
                 served with weights the catalog has replaced or deleted
     adopt       at start-up, this disk's adapters against the catalog
 
-A record whose catalog entry has other weights loses its local copy (engine and disk: requests
-on the old weights are aborted) and becomes remote; one the catalog no longer lists is
-removed. An absence counts as a deletion only while the registry is healthy (a Redis that
+A record whose catalog entry has a newer version becomes remote: its local copy is kept as an
+earlier version (gateway/residency/versions.py) and the requests running on it finish there;
+one the catalog no longer lists is removed (its requests end). An absence counts as a deletion only while the registry is healthy (a Redis that
 restarted empty is refilled by the replicas first: adapters.registry_redis).
 """
 
@@ -33,6 +33,7 @@ from adapters.store_meta import StoredAdapter
 from gateway.residency.fetch import UPLOAD_SOURCE
 from gateway.residency.info import catalog_entry
 from gateway.residency.tiers import AdapterRecord, AdapterTiers
+from gateway.residency.versions import PinnedVersions
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +44,9 @@ def same_bytes(entry: CatalogEntry, stored: StoredAdapter) -> bool:
 
 
 class FleetCatalog:
-    def __init__(self, registry: Registry, tiers: AdapterTiers,
+    def __init__(self, registry: Registry, tiers: AdapterTiers, pinned: PinnedVersions,
                  locks: defaultdict[str, asyncio.Lock], replica_id: str, shared: bool):
-        self.registry, self.tiers, self.locks = registry, tiers, locks
+        self.registry, self.tiers, self.pinned, self.locks = registry, tiers, pinned, locks
         self.replica_id, self.shared = replica_id, shared
 
     @property
@@ -119,12 +120,13 @@ class FleetCatalog:
             logger.info("adapter %s v%d from the catalog (%s)", entry.adapter_id, entry.version,
                         entry.source)
         elif not record.entry.same_weights(entry):
-            await self.tiers.forget(entry.adapter_id)  # aborts requests on the old weights
+            await self.tiers.supersede(entry.adapter_id)  # running requests finish on it
             record.entry = entry
-            logger.info("adapter %s replaced in the catalog (v%d): local copy dropped",
-                        entry.adapter_id, entry.version)
+            logger.info("adapter %s replaced in the catalog (v%d): local copy kept as an "
+                        "earlier version", entry.adapter_id, entry.version)
         else:
             record.entry = entry  # same bytes; where they live may have changed
+        await self.pinned.follow(entry, entry.adapter_id)  # earlier versions no longer kept
 
     async def _drop_unlisted(self, adapter_id: str) -> None:
         """Remove a record the catalog does not list, if it still does not (the id's lock is
@@ -133,6 +135,7 @@ class FleetCatalog:
             return
         if await self.registry.get_adapter(adapter_id) is None and self.registry.healthy:
             await self.tiers.remove(adapter_id)
+            await self.pinned.follow(None, adapter_id)
             logger.info("adapter %s deleted from the catalog: local copy dropped", adapter_id)
 
     async def on_event(self, event: AdapterEvent) -> None:
@@ -165,14 +168,15 @@ class FleetCatalog:
             async with self.locks[adapter_id]:
                 await self._drop_unlisted(adapter_id)
 
-    async def collect(self, key: str, store: ObjectStore | None) -> None:
-        """Delete the object-store pair at `key` once no catalog entry refers to it."""
-        if not key or store is None:
+    async def collect(self, keys: set[str], store: ObjectStore | None) -> None:
+        """Delete the object-store pairs at `keys` that no catalog entry (nor a version one
+        keeps) refers to."""
+        if not keys or store is None:
             return
-        if any(e.object_key == key for e in await self.registry.list_adapters()):
-            return
-        try:
-            await asyncio.to_thread(store.delete, key)
-            logger.info("object store: deleted %s (no catalog entry refers to it)", key)
-        except Exception as exc:  # the bucket keeps an orphan; the catalog is right either way
-            logger.warning("object store: could not delete %s: %s", key, exc)
+        used = {v.object_key for e in await self.registry.list_adapters() for v in (e, *e.kept)}
+        for key in sorted(keys - used):
+            try:
+                await asyncio.to_thread(store.delete, key)
+                logger.info("object store: deleted %s (no catalog entry refers to it)", key)
+            except Exception as exc:  # the bucket keeps an orphan; the catalog is right anyway
+                logger.warning("object store: could not delete %s: %s", key, exc)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import math
 import os
 import time
@@ -28,6 +29,7 @@ from adapters.registry import CatalogEntry
 from adapters.s3 import S3Options
 from adapters.sources import parse_source, read_adapter_files, resolve_source
 
+logger = logging.getLogger(__name__)
 UPLOAD_SOURCE = "upload"
 STORE_CHECK_S = 5.0  # how long one answer of the store (it answers, or it does not) holds
 # A probe gives up fast: while the store is down, requests wait on it before going elsewhere.
@@ -89,6 +91,17 @@ def fetch_bytes(entry: CatalogEntry, store: ObjectStore | None, *, hub_endpoint:
                       "share uploads)")
     verify(entry, config_raw, weights_raw, where)
     return config_raw, weights_raw
+
+
+async def check_store(store: ObjectStore | None, shared: bool) -> None:
+    """At start: the shared object store answers; or, in a fleet without one, say what that
+    means."""
+    if store is not None:
+        await asyncio.to_thread(store.check)
+    elif shared:
+        logger.warning("--redis-url without --adapter-store-url: uploads and paths other "
+                       "replicas cannot read stay on the replica that took them (requests "
+                       "for them are forwarded there)")
 
 
 def verify(entry: CatalogEntry, config_raw: bytes, weights_raw: bytes, where: str) -> None:

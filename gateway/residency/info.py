@@ -30,13 +30,15 @@ class AdapterInfo(msgspec.Struct):
     holder: str = ""  # the only replica with its bytes, when it is not in a shared store
     warnings: list[str] = []  # accepted, but worth a look (e.g. trained on another base)
     owner: str = ""  # the tenant it belongs to ("": shared with every key)
+    base: str = ""  # the base model it was made for: "NAME (ARCHITECTURE, base KEY)"
+    versions: list[int] = []  # the versions a request may pin (ID@N), newest first
 
 
 def catalog_entry(stored: StoredAdapter, holder: str) -> CatalogEntry:
     return CatalogEntry(stored.adapter_id, stored.source, stored.revision, stored.sha256,
                         stored.rank, tuple(stored.targets), stored.num_bytes, stored.version,
                         stored.config_sha256, stored.object_key, holder, stored.created_at,
-                        stored.owner)
+                        stored.owner, stored.base)
 
 
 def adapter_info(record: AdapterRecord, residency: str, snapshot: EngineSnapshot,
@@ -46,4 +48,13 @@ def adapter_info(record: AdapterRecord, residency: str, snapshot: EngineSnapshot
     warnings = list(record.stored.warnings) if record.stored is not None else []
     return AdapterInfo(e.adapter_id, e.version, e.sha256, e.rank, list(e.targets), e.num_bytes,
                        e.source, residency, pinned, int(e.created_at), sorted(resident_on),
-                       e.object_key, e.holder, warnings, e.owner)
+                       e.object_key, e.holder, warnings, e.owner,
+                       e.base.describe() if e.base is not None else "",
+                       [e.version, *(k.version for k in e.kept)])
+
+
+def residency(record: AdapterRecord | None, name: str, snapshot: EngineSnapshot | None) -> str:
+    """"device" | "host" | "disk" on this replica, or "remote" (not fetched here yet)."""
+    if record is not None and record.stored is None:
+        return "remote"
+    return snapshot.residency.get(name, "disk") if snapshot is not None else "disk"

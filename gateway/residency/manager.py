@@ -16,11 +16,12 @@ import contextlib
 import logging
 import os
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
-from adapters.ids import validate_adapter_id
+from adapters.alias_store import AliasBook
+from adapters.base_identity import base_identity
 from adapters.object_store import ObjectStore
-from adapters.registry import make_registry
-from adapters.store import AdapterExists
+from adapters.registry import REGISTRY_PREFIX, make_registry
 from adapters.store_meta import StoredAdapter, StoredMeta
 from engine.core.client import EngineClient
 from engine.snapshot import EngineSnapshot
@@ -28,12 +29,16 @@ from gateway.config import ServerConfig
 from gateway.errors import APIError
 from gateway.metrics import Metrics
 from gateway.residency.catalog import FleetCatalog
-from gateway.residency.fetch import UPLOAD_SOURCE, StoreHealth, can_fetch, in_store
+from gateway.residency.fetch import UPLOAD_SOURCE, StoreHealth, can_fetch, check_store, in_store
 from gateway.residency.heartbeat import holders, replica_state, resident_on
-from gateway.residency.info import AdapterInfo, adapter_info
-from gateway.residency.names import Location, on_demand
+from gateway.residency.info import AdapterInfo, adapter_info, residency
+from gateway.residency.names import Location, check_free, check_new_id, on_demand
 from gateway.residency.tiers import AdapterRecord, AdapterTiers
+from gateway.residency.versions import PinnedVersions, object_keys, parse_pin, with_history
 from gateway.tenants.keys import OPERATOR, Principal
+
+if TYPE_CHECKING:  # imported only when tracing
+    from gateway.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 PUBLISH_INTERVAL_S = 1.0  # this replica's state, and a read of the whole catalog
@@ -45,7 +50,8 @@ class AdapterManager:
 
     def __init__(self, config: ServerConfig, engine: EngineClient,
                  metrics: Metrics | None = None,
-                 *, hub_endpoint: str | None = None, hub_cache_dir: str | None = None):
+                 *, hub_endpoint: str | None = None, hub_cache_dir: str | None = None,
+                 tracing: Tracing | None = None):
         self.base_name, self.engine = config.model_name, engine
         self.adapter_dir = config.adapter_path
         self.object_store = (ObjectStore(config.adapter_store_url)
@@ -55,13 +61,20 @@ class AdapterManager:
             self.adapter_dir, engine, metrics or Metrics(),
             hub_endpoint=hub_endpoint or os.environ.get("HF_ENDPOINT") or None,
             hub_cache_dir=hub_cache_dir or os.environ.get("HF_HUB_CACHE") or None,
-            object_store=self.object_store)
+            object_store=self.object_store, tracing=tracing)
         self.hub_allow, self.s3_allow = list(config.hub_allow), list(config.s3_allow)
         self.replica_id, self.url = config.replica, config.reachable_url
-        self.registry = make_registry(config.redis_url, self.replica_id)
+        # adapters are keyed by base model: another base's are not this server's to list,
+        # serve or forward to (adapters/base_identity.py)
+        self.base = base_identity(engine.adapter_spec, config.model_name)
+        prefix = f"{REGISTRY_PREFIX}{self.base.key}:"
+        self.registry = make_registry(config.redis_url, self.replica_id, prefix=prefix)
+        self.aliases = AliasBook.open(config.redis_url, prefix)  # this base's, fleet-wide
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
-        self.catalog = FleetCatalog(self.registry, self.tiers, self._locks, self.replica_id,
-                                    shared=bool(config.redis_url))
+        self.versions_kept = config.adapter_versions_kept
+        self.pinned = PinnedVersions(self.tiers)  # earlier versions, for requests that pin one
+        self.catalog = FleetCatalog(self.registry, self.tiers, self.pinned, self._locks,
+                                    self.replica_id, shared=bool(config.redis_url))
         self._publisher: asyncio.Task | None = None
 
     @property
@@ -72,16 +85,12 @@ class AdapterManager:
     async def start(self) -> None:
         """Check the object store, open the disk store, join the registry, match this disk's
         adapters to the catalog, and start the heartbeat."""
-        if self.object_store is not None:
-            await asyncio.to_thread(self.object_store.check)
-        elif self.catalog.shared:
-            logger.warning("--redis-url without --adapter-store-url: uploads and paths other "
-                           "replicas cannot read stay on the replica that took them (requests "
-                           "for them are forwarded there)")
-        stored_adapters = await self.tiers.open()
+        await check_store(self.object_store, self.catalog.shared)
+        stored_adapters = await self.tiers.open(self.base, self.versions_kept)
         await self.registry.start()
         self.registry.subscribe(self.catalog.on_event)
         await self.catalog.adopt(stored_adapters)
+        await self.aliases.sync()
         logger.info("%d adapter(s) in the catalog, %d on this disk (%s)", len(self.records),
                     len(stored_adapters), self.adapter_dir)
         self._publisher = asyncio.create_task(self._heartbeat())
@@ -92,17 +101,22 @@ class AdapterManager:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._publisher
         await self.registry.close()
+        await self.aliases.close()
         self.tiers.close()
 
     # ---- the request path ----------------------------------------------------------------
-    async def locate(self, model: str, principal: Principal = OPERATOR) -> Location:
+    async def locate(self, model: str, principal: Principal = OPERATOR,
+                     *, user: str | None = None) -> Location:
         """Where a request's `model` can be served: the base model, a catalog adapter (this
         replica holds it or can fetch it, or only other replicas hold it), or a Hub / s3://
         adapter --hub-allow / --s3-allow lets us fetch on first use; else 404, also for an
         adapter `principal` may not use (answered exactly as one that does not exist)."""
+        model = self.aliases.resolve(model, user, principal.may_use)  # an alias: one target
         if model == self.base_name:
             return Location(None, True)
-        adapter_id, source = on_demand(model, self.hub_allow, self.s3_allow)
+        pinned_id, pin = parse_pin(model)  # bot@3, bot@sha256:...: one version of bot
+        adapter_id, source = on_demand(pinned_id, self.hub_allow, self.s3_allow)
+        source = source if pin is None else None
         await self.catalog.refresh(adapter_id)  # the catalog's word, per request
         record = self.records.get(adapter_id)
         if record is not None and not principal.may_use(adapter_id, record.entry.owner):
@@ -111,22 +125,29 @@ class AdapterManager:
             if source is None:
                 raise APIError.model_not_found(model)
             return Location(adapter_id, True, source=source)
+        if pin is not None and (older := self.pinned.locate(record.entry, pin, model,
+                                                            self.replica_id)) is not None:
+            return older
         if record.stored is not None:
-            return Location(adapter_id, True)
+            return Location(adapter_id, True, version=record.entry.version)
         if not can_fetch(record.entry, self.object_store):  # only its holder has the bytes
             holder = record.entry.holder
-            return Location(adapter_id, False, (holder,) if holder != self.replica_id else ())
+            return Location(adapter_id, False, (holder,) if holder != self.replica_id else (),
+                            version=record.entry.version)
         if in_store(record.entry, self.object_store) and not await self.store_health.reachable():
             # the store is down: the replicas that hold it first, this one (a fetch) last
             states = await self.registry.replicas()
-            return Location(adapter_id, True, holders(states, adapter_id, self.replica_id))
-        return Location(adapter_id, True)
+            return Location(adapter_id, True, holders(states, adapter_id, self.replica_id),
+                            version=record.entry.version)
+        return Location(adapter_id, True, version=record.entry.version)
 
     async def ensure_ready(self, location: Location) -> None:
         """Make a located adapter servable here: fetched if it is new or remote, parsed into
         host memory if it is only on disk. One load per cold adapter."""
         adapter_id = location.adapter_id
         record = self.records.get(adapter_id)
+        if location.older:  # an earlier version, under its own engine name
+            return await self.pinned.ensure_version(location, self._locks)
         if record is not None and record.in_engine:
             return  # the hot path: no lock, no await
         if record is None:
@@ -145,10 +166,10 @@ class AdapterManager:
     # ---- registering ---------------------------------------------------------------------
     async def upload(self, adapter_id: str, config_raw: bytes, weights_raw: bytes,
                      replace: bool = False, owner: str | None = None) -> AdapterInfo:
-        self._check_id(adapter_id)
+        check_new_id(adapter_id, self.base_name)
         await self.catalog.refresh(adapter_id)
         async with self._locks[adapter_id]:
-            self._check_free(adapter_id, replace, conflict=409)
+            check_free(self.records, adapter_id, replace, conflict=409)
             meta = StoredMeta(UPLOAD_SOURCE, version=self._next_version(adapter_id),
                               owner=self.catalog.owner_for(adapter_id, owner))
             await self._announce(await self.tiers.put(adapter_id, config_raw, weights_raw, meta))
@@ -157,7 +178,7 @@ class AdapterManager:
     async def register(self, adapter_id: str, source: str, replace: bool = False,
                        owner: str | None = None) -> AdapterInfo:
         """A Hub (hf://ORG/REPO[@REV], ORG/REPO), s3:// or local (a server directory) source."""
-        self._check_id(adapter_id)
+        check_new_id(adapter_id, self.base_name)
         await self.catalog.refresh(adapter_id)
         async with self._locks[adapter_id]:
             await self._add(adapter_id, source, conflict=409, replace=replace, owner=owner)
@@ -169,7 +190,7 @@ class AdapterManager:
         With `source` (vLLM's load_lora_adapter), register it first; an existing id then
         needs `replace` (else 400 adapter_exists, as vLLM answers)."""
         if source is not None:
-            self._check_id(adapter_id)
+            check_new_id(adapter_id, self.base_name)
             await self.catalog.refresh(adapter_id)
             async with self._locks[adapter_id]:
                 await self._add(adapter_id, source, conflict=400, replace=replace, owner=owner)
@@ -182,7 +203,7 @@ class AdapterManager:
                    replace: bool, owner: str | None = None) -> None:
         """Fetch, validate, store, register and announce; the caller holds the id's lock."""
         if conflict is not None:
-            self._check_free(adapter_id, replace, conflict)
+            check_free(self.records, adapter_id, replace, conflict)
         owner, version = self.catalog.owner_for(adapter_id, owner), self._next_version(adapter_id)
         await self._announce(await self.tiers.fetch(adapter_id, source, version, owner))
 
@@ -195,32 +216,18 @@ class AdapterManager:
     async def _announce(self, stored: StoredAdapter) -> None:
         """Record what was just stored and put it in the catalog ("added" or "replaced"); the
         caller holds the id's lock."""
-        entry = self.catalog.entry_for(stored)
         old = self.records.get(stored.adapter_id)
+        entry = with_history(self.catalog.entry_for(stored), old.entry if old else None,
+                             self.versions_kept)  # the versions before it still kept
         self.records[stored.adapter_id] = AdapterRecord(entry, stored, in_engine=True,
                                                         pinned=old.pinned if old else False)
         await self.registry.put_adapter(entry)
-        if old is not None and old.entry.object_key != entry.object_key:
-            await self.catalog.collect(old.entry.object_key, self.object_store)
+        if old is not None:  # objects of versions no longer kept
+            await self.catalog.collect(object_keys(old.entry) - object_keys(entry),
+                                       self.object_store)
         await self.publish()
         logger.info("adapter %s v%d registered from %s%s", stored.adapter_id, stored.version,
                     stored.source, f" (object {entry.object_key})" if entry.object_key else "")
-
-    def _check_id(self, adapter_id: str) -> None:
-        validate_adapter_id(adapter_id)
-        if adapter_id == self.base_name:
-            raise APIError.bad_request(f"{adapter_id!r} is the base model's name; pick another "
-                                       "adapter id", param="adapter_id")
-
-    def _check_free(self, adapter_id: str, replace: bool, conflict: int) -> None:
-        if adapter_id in self.records and not replace:
-            if conflict == 400:
-                raise APIError.bad_request(
-                    f"adapter {adapter_id!r} is already loaded; unload it first or pass "
-                    "load_inplace=true to replace it", param="lora_name", code="adapter_exists")
-            raise AdapterExists(f"adapter {adapter_id!r} already exists (version "
-                                f"{self.records[adapter_id].entry.version}); pass replace=true "
-                                "to replace it or delete it first")
 
     # ---- residency verbs -----------------------------------------------------------------
     async def evict(self, adapter_id: str) -> AdapterInfo:
@@ -241,8 +248,9 @@ class AdapterManager:
         async with self._locks[adapter_id]:
             record = self.tiers.record(adapter_id)
             await self.tiers.remove(adapter_id)
+            await self.pinned.follow(None, adapter_id)
             await self.registry.delete_adapter(adapter_id)  # announces "deleted"
-        await self.catalog.collect(record.entry.object_key, self.object_store)
+        await self.catalog.collect(object_keys(record.entry), self.object_store)
         await self.publish()
         logger.info("adapter %s deleted", adapter_id)
 
@@ -258,11 +266,7 @@ class AdapterManager:
         await self.delete(name)
 
     def residency(self, name: str, snapshot: EngineSnapshot | None) -> str:
-        """"device" | "host" | "disk" on this replica, or "remote" (not fetched here yet)."""
-        record = self.records.get(name)
-        if record is not None and record.stored is None:
-            return "remote"
-        return snapshot.residency.get(name, "disk") if snapshot is not None else "disk"
+        return residency(self.records.get(name), name, snapshot)
 
     async def resident_on(self) -> dict[str, list[str]]:
         """adapter id -> the replicas that hold it in a device slot (from their heartbeats)."""
@@ -270,17 +274,13 @@ class AdapterManager:
 
     # ---- reading -------------------------------------------------------------------------
     async def get(self, adapter_id: str) -> AdapterInfo:
-        record = self.tiers.record(adapter_id)
-        snapshot = await self.engine.snapshot()
-        where = await self.resident_on()
-        return adapter_info(record, self.residency(adapter_id, snapshot), snapshot,
-                            where.get(adapter_id, []))
+        self.tiers.record(adapter_id)  # 404 if unknown
+        return (await self.list([adapter_id]))[0]
 
-    async def list(self) -> list[AdapterInfo]:
-        snapshot = await self.engine.snapshot()
-        where = await self.resident_on()
-        return [adapter_info(r, self.residency(name, snapshot), snapshot, where.get(name, []))
-                for name, r in sorted(self.records.items())]
+    async def list(self, names: list[str] | None = None) -> list[AdapterInfo]:
+        snapshot, where = await self.engine.snapshot(), await self.resident_on()
+        return [adapter_info(self.records[n], residency(self.records[n], n, snapshot), snapshot,
+                             where.get(n, [])) for n in names or sorted(self.records)]
 
     # ---- registry ------------------------------------------------------------------------
     async def publish(self) -> None:
@@ -293,7 +293,7 @@ class AdapterManager:
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(PUBLISH_INTERVAL_S)
-            for step in (self.publish, self.catalog.sync):
+            for step in (self.publish, self.catalog.sync, self.aliases.sync):
                 try:
                     await step()
                 except Exception:  # the engine stopping, say: the next tick tries again

@@ -1,11 +1,15 @@
 """What a request's `model` names: the base model, an adapter id, or a Hub / s3:// adapter
-fetched on first use when --hub-allow / --s3-allow say so; and where it can be served."""
+fetched on first use when --hub-allow / --s3-allow say so; where it can be served; and which
+ids a registration may take."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from adapters.errors import AdapterNotFound
+from adapters.ids import validate_adapter_id
 from adapters.sources import (
     HUB_SCHEME,
     InvalidSource,
@@ -14,6 +18,11 @@ from adapters.sources import (
     s3_adapter_id,
     s3_allowed,
 )
+from adapters.store import AdapterExists
+from gateway.errors import APIError
+
+if TYPE_CHECKING:
+    from gateway.residency.tiers import AdapterRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +35,13 @@ class Location:
     # those that hold it while the store it is fetched from does not answer (`here`)
     holders: tuple[str, ...] = ()
     source: str | None = None  # a new Hub or s3:// adapter to fetch on demand
+    version: int | None = None  # the catalog version that serves it (None: base, or not known)
+    older: bool = False  # an earlier version a request pinned (ID@N), not the id's newest
+
+    @property
+    def engine_adapter(self) -> str | None:
+        """The name the engine serves it under: the id, or ID@N for an earlier version."""
+        return f"{self.adapter_id}@{self.version}" if self.older else self.adapter_id
 
 
 def on_demand(model: str, hub_allow: list[str], s3_allow: list[str]) -> tuple[str, str | None]:
@@ -43,3 +59,24 @@ def on_demand(model: str, hub_allow: list[str], s3_allow: list[str]) -> tuple[st
     except (InvalidSource, AdapterNotFound):
         pass
     return model, None
+
+
+def check_new_id(adapter_id: str, base_name: str) -> None:
+    """An id a registration may take: a safe one (adapters.ids), not the base model's name."""
+    validate_adapter_id(adapter_id)
+    if adapter_id == base_name:
+        raise APIError.bad_request(f"{adapter_id!r} is the base model's name; pick another "
+                                   "adapter id", param="adapter_id")
+
+
+def check_free(records: Mapping[str, AdapterRecord], adapter_id: str, replace: bool,
+               conflict: int) -> None:
+    """A taken id is refused unless the caller replaces it: 409, or vLLM's 400 (`conflict`)."""
+    if adapter_id in records and not replace:
+        if conflict == 400:
+            raise APIError.bad_request(
+                f"adapter {adapter_id!r} is already loaded; unload it first or pass "
+                "load_inplace=true to replace it", param="lora_name", code="adapter_exists")
+        raise AdapterExists(f"adapter {adapter_id!r} already exists (version "
+                            f"{records[adapter_id].entry.version}); pass replace=true "
+                            "to replace it or delete it first")

@@ -16,18 +16,24 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from adapters.base_identity import BaseIdentity
 from adapters.errors import AdapterNotFound, short_name
 from adapters.format import parse_adapter
 from adapters.object_store import ObjectStore
 from adapters.registry import CatalogEntry
 from adapters.sources import parse_source, resolve_source
 from adapters.store import AdapterStore
+from adapters.store_bases import open_base_store
 from adapters.store_meta import StoredAdapter, StoredMeta
 from engine.core.client import EngineClient
 from gateway.errors import APIError
 from gateway.metrics import Metrics
 from gateway.residency.fetch import fetch_bytes
+
+if TYPE_CHECKING:  # imported only when tracing
+    from gateway.tracing import Tracing
 
 
 def not_registered(adapter_id: str) -> AdapterNotFound:
@@ -64,17 +70,20 @@ class AdapterRecord:
 class AdapterTiers:
     def __init__(self, adapter_dir: str, engine: EngineClient, metrics: Metrics,
                  *, hub_endpoint: str | None, hub_cache_dir: str | None,
-                 object_store: ObjectStore | None = None):
+                 object_store: ObjectStore | None = None, tracing: Tracing | None = None):
         self.adapter_dir, self.engine, self.metrics = adapter_dir, engine, metrics
         self.hub_endpoint, self.hub_cache_dir = hub_endpoint, hub_cache_dir
         self.object_store = object_store
+        self.tracing = tracing  # None: no spans (no --otlp-traces-endpoint)
         self.store: AdapterStore | None = None  # opened by open()
         self.records: dict[str, AdapterRecord] = {}
         self.loading: set[str] = set()  # ids being parsed into host memory right now
 
-    async def open(self) -> list[StoredAdapter]:
-        """Open the store; its adapters, for the caller to register."""
-        self.store = await asyncio.to_thread(AdapterStore, self.adapter_dir)
+    async def open(self, base: BaseIdentity, versions_kept: int = 1) -> list[StoredAdapter]:
+        """Open `base`'s store under the adapter dir; its adapters, for the caller to
+        register."""
+        self.store = await asyncio.to_thread(open_base_store, self.adapter_dir, base,
+                                             self.engine.adapter_spec, versions_kept)
         return await asyncio.to_thread(self.store.list)
 
     def close(self) -> None:
@@ -98,7 +107,7 @@ class AdapterTiers:
         files = await asyncio.to_thread(resolve_source, parsed, endpoint=self.hub_endpoint,
                                         cache_dir=self.hub_cache_dir)
         if parsed.kind != "local":
-            self._observe("disk", started)
+            self._observe("disk", started, adapter_id, version)
         return await self.put(adapter_id, files.config_raw, files.weights_raw,
                               StoredMeta(files.origin, files.revision, version=version,
                                          owner=owner),
@@ -117,7 +126,9 @@ class AdapterTiers:
                           meta.version, key, adapter.warnings, meta.owner)
         stored = await asyncio.to_thread(self.store.put, adapter_id, config_raw, weights_raw,
                                          meta, True)
+        started = time.perf_counter()
         await self.engine.add_adapter(adapter_id, stored.path, adapter)
+        self._observe("host", started, adapter_id, meta.version)
         return stored
 
     async def mirror(self, entry: CatalogEntry) -> StoredAdapter:
@@ -127,7 +138,7 @@ class AdapterTiers:
         config_raw, weights_raw = await asyncio.to_thread(
             fetch_bytes, entry, self.object_store, hub_endpoint=self.hub_endpoint,
             hub_cache_dir=self.hub_cache_dir)
-        self._observe("disk", started)
+        self._observe("disk", started, entry.adapter_id, entry.version)
         meta = StoredMeta(entry.source, entry.revision, version=entry.version,
                           object_key=entry.object_key, owner=entry.owner)
         return await self.put(entry.adapter_id, config_raw, weights_raw, meta,
@@ -147,16 +158,19 @@ class AdapterTiers:
             else:  # read and parsed by the engine, off its step loop (its loader thread)
                 started = time.perf_counter()
                 await self.engine.add_adapter(adapter_id, record.stored.path)
-                self._observe("host", started)
+                self._observe("host", started, adapter_id, record.entry.version)
             record.in_engine = True
         finally:
             self.loading.discard(adapter_id)
 
     async def to_device(self, adapter_id: str) -> None:
-        """Into a device slot if one is free (else it waits in host memory)."""
+        """Into a device slot if one is free (else it waits in host memory); the engine
+        counts and times its slot fills (a request's own fill lies in its queue span)."""
         started = time.perf_counter()
         await self.engine.to_device(adapter_id)
-        self._observe("device", started)
+        if self.tracing is not None:
+            self.tracing.adapter_load(adapter_id, self.record(adapter_id).entry.version,
+                                      "device", time.perf_counter() - started)
 
     async def pin(self, adapter_id: str, pinned: bool) -> None:
         await self.engine.pin_adapter(adapter_id, pinned)
@@ -186,13 +200,24 @@ class AdapterTiers:
             except AdapterNotFound:
                 pass  # gone already
 
+    async def supersede(self, adapter_id: str) -> None:
+        """The catalog has a newer version: this disk's copy becomes a kept earlier one. The
+        engine finishes the requests already on it (the next version replaces it there the way
+        a local replace does: engine/lora/manager.py), the next request fetches the new one."""
+        record = self.record(adapter_id)
+        record.in_engine = False
+        if record.stored is not None:
+            record.stored = None
+            await asyncio.to_thread(self.store.supersede, adapter_id)
+
     async def remove(self, adapter_id: str) -> None:
         """`forget`, and the record too."""
         await self.forget(adapter_id)
         del self.records[adapter_id]
 
-    def _observe(self, tier: str, started: float) -> None:
-        self.metrics.adapter_load_seconds.labels(tier).observe(time.perf_counter() - started)
-        if tier != "device":  # the engine counts its own device loads
-            self.metrics.tiers.loads[tier] += 1
+    def _observe(self, tier: str, started: float, adapter_id: str, version: int | None) -> None:
+        seconds = time.perf_counter() - started
+        self.metrics.observe_load(tier, seconds)
+        if self.tracing is not None:  # a span under the request (or admin call) that waited
+            self.tracing.adapter_load(adapter_id, version, tier, seconds)
 

@@ -173,3 +173,8 @@ gpu.resourceName added to both requests and limits (extended resources must matc
 {{- end }}
 {{- toYaml $res }}
 {{- end }}
+
+{{/* Name of the InferencePool (inferenceExtension.poolName, or the full name). */}}
+{{- define "lora-gateway.inferencePoolName" -}}
+{{- .Values.inferenceExtension.poolName | default (include "lora-gateway.fullname" .) }}
+{{- end }}

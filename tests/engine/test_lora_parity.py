@@ -113,6 +113,34 @@ def test_replacing_an_adapter_serves_the_new_weights(lora_world, qv_replacement)
     assert llm.engine.lora.residency("qv-r16") == "device"
 
 
+def test_a_sequence_keeps_the_version_it_started_on(lora_world, qv_replacement):
+    """qv-r16 replaced mid-answer, then the answer preempted and admitted again: every token is
+    still the old version's (PEFT's), while a request queued after the replace gets the new
+    one; once the old answer ends, its retired weights are let go."""
+    llm = lora_world.llm(lora_backend="torch", max_loras=2)
+    engine, (row, *_) = llm.engine, lora_world.rows("qv-r16")
+    old = engine.add_request(lora_world.prompts[row], GREEDY, "qv-r16")
+    outputs: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+    for _ in range(3):
+        step()
+    engine.add_adapter("qv-r16", qv_replacement.path)
+    new = engine.add_request(lora_world.prompts[row], GREEDY, "qv-r16")
+    step()
+    (seq,) = [r.seq for r in engine.requests.values() if r.seq.request_id == old]
+    engine.scheduler.running.remove(seq)  # preempted as the scheduler does when out of blocks:
+    engine.scheduler._preempt(seq)  # back to waiting, to recompute on its own version
+    while engine.has_unfinished():
+        step()
+    assert outputs[old] == lora_world.expected[row]
+    assert outputs[new] == qv_replacement.expected[0] != lora_world.expected[row]
+    assert not engine.lora.started.retired and not engine.lora.started.started
+
+
 def test_removed_adapter_cannot_be_used(lora_world):
     llm = lora_world.llm(lora_backend="torch", max_loras=2)
     llm.generate(lora_world.prompts[:1], GREEDY, adapters=["qv-r16"])

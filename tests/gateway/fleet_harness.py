@@ -65,6 +65,7 @@ class Fleet:
         self.logs: dict[str, object] = {}
         self.http = httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"})
         self.redis = redis.Redis.from_url(redis_server.url)
+        self._prefix: str | None = None  # the registry's, once a replica has joined (prefix())
 
     # ---- replicas ------------------------------------------------------------------------
     def start(self, *rids: str, empty_disk: bool = False, env_changes: dict | None = None,
@@ -126,16 +127,28 @@ class Fleet:
         self.http.close()
 
     # ---- the registry --------------------------------------------------------------------
+    def prefix(self) -> str | None:
+        """The fleet's registry prefix, loragw:<base key>: (one catalog per base model); None
+        until a replica has joined. It never changes, so it outlives a Redis restart."""
+        if self._prefix is None:
+            found = {k.decode().removesuffix("epoch") for k in self.redis.keys("loragw:*:epoch")}
+            assert len(found) <= 1, f"expected one base model's registry in Redis, found {found}"
+            self._prefix = found.pop() if found else None
+        return self._prefix
+
     def states(self) -> dict[str, ReplicaState]:
         out = {}
+        if self.prefix() is None:
+            return out  # no replica has joined yet
         for rid in list(self.urls):
-            raw = self.redis.get(f"loragw:replica:{rid}")
+            raw = self.redis.get(f"{self.prefix()}replica:{rid}")
             if raw is not None:
                 out[rid] = decode_state(raw)
         return out
 
     def catalog(self) -> set[str]:
-        return {k.decode() for k in self.redis.hkeys("loragw:catalog")}
+        prefix = self.prefix()
+        return {k.decode() for k in self.redis.hkeys(f"{prefix}catalog")} if prefix else set()
 
     @staticmethod
     def wait_for(what: str, predicate, timeout: float = 20.0) -> float:

@@ -47,13 +47,13 @@ def test_probes_and_metrics(http, base_name):
     r = http.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     text = r.text
-    for line in (f'loragw_requests_total{{adapter="{ADAPTER}",status="200"}}',
-                 'loragw_requests_total{adapter="base",status="200"}',
-                 f'loragw_completion_tokens_total{{adapter="{ADAPTER}"}}',
-                 f'loragw_prompt_tokens_total{{adapter="{ADAPTER}"}}',
-                 f'loragw_time_to_first_token_seconds_count{{adapter="{ADAPTER}"}}',
-                 f'loragw_time_per_output_token_seconds_count{{adapter="{ADAPTER}"}}',
-                 f'loragw_e2e_request_latency_seconds_count{{adapter="{ADAPTER}"}}',
+    for line in (f'loragw_requests_total{{adapter="{ADAPTER}",status="200",version="',
+                 'loragw_requests_total{adapter="base",status="200",version=""}',
+                 f'loragw_completion_tokens_total{{adapter="{ADAPTER}",version="',
+                 f'loragw_prompt_tokens_total{{adapter="{ADAPTER}",version="',
+                 f'loragw_time_to_first_token_seconds_count{{adapter="{ADAPTER}",version="',
+                 f'loragw_time_per_output_token_seconds_count{{adapter="{ADAPTER}",version="',
+                 f'loragw_e2e_request_latency_seconds_count{{adapter="{ADAPTER}",version="',
                  'loragw_http_requests_total{route="/v1/completions",status="404"}',
                  "loragw_kv_blocks_total ", "loragw_kv_blocks_used ",
                  "loragw_num_requests_running ", "loragw_num_requests_waiting ",

@@ -133,7 +133,7 @@ def snapshot(fleet: Fleet) -> tuple:
         assert response.status_code == 200, response.text
         views[rid] = {a["id"]: (a["version"], a["sha256"], a["owner"], a["pinned"])
                       for a in response.json()["data"]}
-    return fleet.redis.hgetall("loragw:catalog"), views
+    return fleet.redis.hgetall(f"{fleet.prefix()}catalog"), views
 
 
 @contextmanager
@@ -628,7 +628,7 @@ def test_tpm_admits_exactly_what_the_reservations_predict_under_64_callers(fleet
 # ---- 7. a forwarded request is counted once ---------------------------------------------
 def test_a_forwarded_request_is_served_and_counted_once(fleet):
     # acme/bot's bytes are on r1 only (no shared store): r2 forwards every request for it
-    assert fleet.redis.hget("loragw:catalog", "acme/bot") is not None
+    assert fleet.redis.hget(f"{fleet.prefix()}catalog", "acme/bot") is not None
     assert call(fleet, "r2", "GET", "/admin/adapters/acme/bot", OP).json()["holder"] == "r1"
     limited = minted(fleet, "fwd", "r1", "acme", key(fleet, "acme-admin"), role="member",
                      rpm=2, adapters=["acme/bot"])

@@ -122,6 +122,8 @@ def test_every_rendered_manifest_validates_against_the_kubernetes_schemas(value_
             if m.kind == "ServiceMonitor":
                 validate_service_monitor(m.obj)
                 continue
+            if m.kind in ("InferencePool", "InferenceObjective"):
+                continue  # CRDs: test_observability_chart.py checks them against their schemas
             try:
                 kv.validate(m.obj, version, strict=True)
             except kv.ValidationError as exc:
@@ -184,7 +186,7 @@ def test_a_disabled_pdb_renders_nothing():
 def test_optional_objects_are_off_by_default():
     kinds = render().kinds()
     for kind in ("PodDisruptionBudget", "HorizontalPodAutoscaler", "ServiceMonitor", "Ingress",
-                 "PersistentVolumeClaim"):
+                 "PersistentVolumeClaim", "InferencePool", "InferenceObjective", "ConfigMap"):
         assert kind not in kinds
 
 
@@ -426,6 +428,13 @@ def test_body_limits_and_the_upload_timeout_reach_the_server_as_its_flags():
     assert (given.max_request_mb, given.max_upload_mb, given.upload_timeout_s) == (4, 2048, 0.5)
 
 
+def test_the_metrics_adapter_cap_reaches_the_server_as_its_flag():
+    assert serve_args(gateway(render())).metrics_max_adapters == 50
+    assert serve_args(gateway(render({"metrics": {"maxAdapters": 0}}))).metrics_max_adapters == 0
+    assert serve_args(gateway(render({"metrics": {"maxAdapters": 200}}))).metrics_max_adapters \
+        == 200
+
+
 def test_large_numbers_and_numeric_tags_render_as_written():
     # YAML numbers reach templates as float64: without `int`, 1000000 would print as 1e+06.
     rendered = render({"model": {"maxModelLen": 1000000}, "image": {"tag": 7}})
@@ -452,6 +461,28 @@ def test_each_hub_allow_pattern_and_preloaded_adapter_becomes_its_own_flag():
 
 def test_no_hub_allow_by_default():
     assert flag(gateway(render()), "--hub-allow") == []
+
+
+def test_versions_kept_reaches_the_server_as_its_flag():
+    assert flag(gateway(render()), "--adapter-versions-kept") == ["3"]
+    assert serve_args(gateway(render())).adapter_versions_kept == 3
+    container = gateway(render({"adapters": {"versionsKept": 5}}))
+    assert serve_args(container).adapter_versions_kept == 5
+
+
+def test_traces_are_off_by_default_and_the_otlp_endpoint_reaches_the_server_as_its_flag():
+    assert flag(gateway(render()), "--otlp-traces-endpoint") == []
+    assert serve_args(gateway(render())).otlp_traces_endpoint is None
+    url = "http://otel-collector.observability:4318/v1/traces"
+    container = gateway(render({"tracing": {"otlpTracesEndpoint": url}}))
+    assert flag(container, "--otlp-traces-endpoint") == [url]
+    assert serve_args(container).otlp_traces_endpoint == url
+
+
+def test_values_schema_refuses_an_otlp_endpoint_that_is_not_http():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"tracing": {"otlpTracesEndpoint": "otel-collector:4317"}}, schema)
 
 
 # ---- the adapter store and s3:// adapters -------------------------------------------------------
@@ -677,6 +708,7 @@ BAD_VALUES = {
     "redis url without scheme": {"redis": {"enabled": False, "externalUrl": "shared-redis:6379"}},
     "pdb as words": {"pdb": {"enabled": True, "minAvailable": "half"}},
     "hub pattern list as string": {"adapters": {"hubAllow": "acme/*"}},
+    "no version kept": {"adapters": {"versionsKept": 0}},
     "preload without source": {"adapters": {"preload": [{"name": "sql"}]}},
     "unknown device": {"engine": {"device": "tpu"}},
     "startup probe period zero": {"probes": {"startup": {"periodSeconds": 0}}},
