@@ -49,6 +49,7 @@ class CatalogEntry:
     created_at: float = 0.0  # unix time of this version's registration
     owner: str = ""  # the tenant it belongs to; "": shared with every key (DESIGN.md, Tenants)
     base: BaseIdentity | None = None  # the base model it was made for (adapters.base_identity)
+    draft_source: str = ""  # its draft-model LoRA's source, applied on every replica (if any)
     # the earlier versions still kept (--adapter-versions-kept), newest first, each with kept=()
     kept: tuple[CatalogEntry, ...] = ()
 

@@ -111,7 +111,7 @@ class AdapterStore:
                 adapter_id, version, hashlib.sha256(weights_raw).hexdigest(), len(weights_raw),
                 meta.source, meta.revision, meta.rank, tuple(meta.targets), time.time(), target,
                 hashlib.sha256(config_raw).hexdigest(), meta.object_key, tuple(meta.warnings),
-                meta.owner, self.base,
+                meta.owner, self.base, meta.draft_source,
             )  # fmt: skip
             parent = os.path.dirname(target)
             made_parent = not os.path.isdir(parent)

@@ -32,6 +32,7 @@ class StoredMeta:
     object_key: str = ""  # where the shared object store holds the same bytes, if it does
     warnings: tuple[str, ...] = ()  # LoraAdapter.warnings (accepted, but worth a look)
     owner: str = ""  # the tenant it belongs to ("": shared)
+    draft_source: str = ""  # its draft-model LoRA's source (speculative decoding), if any
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class StoredAdapter:
     warnings: tuple[str, ...] = ()
     owner: str = ""
     base: BaseIdentity | None = None  # the base model it was validated against (None: older)
+    draft_source: str = ""
 
 
 def encode_meta(stored: StoredAdapter) -> bytes:

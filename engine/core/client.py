@@ -223,6 +223,11 @@ class EngineClient:
     async def remove_adapter(self, name: str) -> None:
         await self._call("remove_adapter", name)
 
+    async def add_draft_adapter(self, name: str, path: str) -> None:
+        """The draft-model LoRA (read from `path`) that drafts for adapter `name`'s rows;
+        AdapterError when it does not fit the draft, ValueError without a draft model."""
+        await self._call("add_draft_adapter", name, path)
+
     def shutdown(self) -> None:
         """Stop the engine loop (blocking: call it off the event loop)."""
         self.transport.shutdown()

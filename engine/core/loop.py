@@ -70,6 +70,7 @@ class EngineLoop:
         self.calls = {"to_device": engine.to_device, "pin_adapter": engine.pin_adapter,
                       "evict_adapter": engine.evict_adapter,
                       "remove_adapter": engine.remove_adapter,
+                      "add_draft_adapter": engine.add_draft_adapter,
                       "snapshot": lambda: take_snapshot(engine, self.step_errors),
                       "probe": lambda: True}
 

@@ -114,14 +114,17 @@ class Router:
 
     async def route(self, request: Request, adapter: str | None, here: bool = True,
                     holders: tuple[str, ...] = (),
-                    identity: Callable[[bytes], str] | None = None) -> Response | None:
+                    identity: Callable[[bytes], str] | None = None,
+                    extra: Mapping[str, str] | None = None) -> Response | None:
         """The forwarded response for this completion request (for `adapter`, None: the base
         model), or None to serve it here. `here`: this replica can serve it; if not, only the
         replicas in `holders` can, and a 503 says so when none of them answers. `here` with
         `holders`: they are tried first (best first, not by affinity), then this replica.
         `identity(body)`: the caller's signed identity, sent in place of its Authorization
-        (gateway/tenants/forwarding.py); a client's own identity header never travels on."""
+        (gateway/tenants/forwarding.py); a client's own identity header never travels on.
+        `extra`: headers added to a forward (an alias's drawn target)."""
         headers = {k: v for k, v in request.headers.items() if k.lower() != IDENTITY_HEADER}
+        headers |= extra or {}
         rid = request.scope.get("state", {}).get("request_id")
         if rid and "x-request-id" not in headers:
             headers["x-request-id"] = rid  # the target logs the same id

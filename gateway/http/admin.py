@@ -22,6 +22,7 @@ from gateway.http.auth import principal, require_admin_key
 from gateway.http.error_handlers import error_responses
 from gateway.http.openapi_docs import MultipartUpload
 from gateway.http.upload_body import UploadBody
+from gateway.residency.drafts import check_draft_source
 from gateway.residency.info import AdapterInfo
 from gateway.residency.manager import AdapterManager
 from gateway.residency.tiers import not_registered
@@ -44,6 +45,7 @@ class RegisterRequest(msgspec.Struct, forbid_unknown_fields=True):
     source: str
     replace: bool = False
     owner: str | None = None  # the operator's: a tenant it belongs to ("": shared)
+    draft_adapter: str | None = None  # the source of its draft-model LoRA (speculative)
 
 
 class Deleted(msgspec.Struct):
@@ -63,13 +65,15 @@ async def audit(runtime: Runtime, caller: Principal, action: str, info: AdapterI
 
 
 async def write(runtime: Runtime, request: Request, adapter_id: str, owner: str | None,
-                action: str, add, source: str | None = None) -> AdapterInfo:
-    """An upload or a registration (from `source`) of `adapter_id` (`add(owner)` does it), if
-    the caller may, audited as what it was: an add or a replace."""
+                action: str, add, source: str | None = None,
+                draft: str | None = None) -> AdapterInfo:
+    """An upload or a registration (from `source`; `draft`: its draft-model LoRA's source) of
+    `adapter_id` (`add(owner)` does it), if the caller may, audited as an add or a replace."""
     manager, caller = ready_manager(runtime), principal(request)
     owner, existed = await owner_for_write(manager, caller, adapter_id, owner)
-    if source is not None:
-        check_source(manager, caller, source)
+    check_draft_source(draft)
+    for fetched in (s for s in (source, draft) if s is not None):
+        check_source(manager, caller, fetched)
     info = await add(owner)
     await audit(runtime, caller, "adapter.replaced" if existed else action, info)
     return info
@@ -102,7 +106,8 @@ class AdminController(Controller):
                                     "exists (send replace=true to replace it)"))
     async def upload(self, request: Request[Any, Any, Any], runtime: Runtime) -> AdapterInfo:
         """multipart: `adapter_id`, `adapter_config` (file), `adapter_model` (file),
-        optional `replace`=true, optional `owner` (the operator's: a tenant; empty: shared)."""
+        optional `replace`=true, optional `owner` (the operator's: a tenant; empty: shared),
+        optional `draft_adapter` (the source of its draft-model LoRA)."""
         manager = ready_manager(runtime)
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise APIError.bad_request("upload as multipart/form-data with fields adapter_id, "
@@ -112,12 +117,14 @@ class AdminController(Controller):
         replace = _flag(_text(form, "replace", required=False) or "")
         config_raw = await _file(form, "adapter_config")
         weights_raw = await _file(form, "adapter_model")
+        draft = _text(form, "draft_adapter", required=False) or None
 
         async def add(owner: str | None) -> AdapterInfo:
-            return await manager.upload(adapter_id, config_raw, weights_raw, replace, owner)
+            return await manager.upload(adapter_id, config_raw, weights_raw, replace, owner,
+                                        draft or "")
 
         return await write(runtime, request, adapter_id, _text(form, "owner", required=False),
-                           "adapter.uploaded", add)
+                           "adapter.uploaded", add, draft=draft)
 
     @post("/register", status_code=201, responses=error_responses(
         400, 401, 403, 404, 409, 413, 422, 502, 503, e404="the source does not exist",
@@ -126,10 +133,11 @@ class AdminController(Controller):
                        runtime: Runtime) -> AdapterInfo:
         async def add(owner: str | None) -> AdapterInfo:
             return await ready_manager(runtime).register(data.adapter_id, data.source,
-                                                    data.replace, owner)
+                                                         data.replace, owner,
+                                                         data.draft_adapter or "")
 
         return await write(runtime, request, data.adapter_id, data.owner,
-                           "adapter.registered", add, data.source)
+                           "adapter.registered", add, data.source, data.draft_adapter)
 
     @post("/{target:path}", status_code=200, responses=error_responses(
         400, 401, 403, 404, 409, 422, 502, 503, e404="no such adapter, or no such action",

@@ -2,8 +2,8 @@
 
     0. who?                        the route's guard (gateway/http/auth.py) 401 / 403
     1. ready?                      Runtime.check_ready                      503
-    2. which adapter, where?       AdapterManager.locate(model, caller):   404 (also for one
-                                   an alias's target (sticky per `user`);   the caller's key
+    2. which adapter, where?       an alias's target, drawn once (sticky    404 (also for one
+                                   per `user`); AdapterManager.locate:      the caller's key
                                    a pinned version (ID@N, ID@sha256:..);   may not use, and
                                    the catalog's entry, read now; here or   a version no longer
                                    only on other replicas                   kept)
@@ -76,6 +76,7 @@ if TYPE_CHECKING:  # imported only when tracing
 
 CHECK_INLINE_MAX_TOKENS = 16_384  # longer prompts are checked on a worker thread
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+ALIAS_TARGET_HEADER = "x-loragw-alias-target"  # an alias's drawn target, on a forward
 # Steps 5-6 of one endpoint: the body -> (prompts, first choice's params, the Format of the
 # job's response; its response id is the job's).
 Prepare = Callable[[], Awaitable[tuple[list[list[int]], SamplingParams,
@@ -139,11 +140,16 @@ async def admit(request: Request, data: SamplingRequest, runtime: Runtime, kind:
     runtime.check_ready()
     state, caller = request.scope["state"], principal(request)
     state["model"] = data.model
-    location = await runtime.adapters.locate(data.model, caller, user=data.user)
+    # an alias: one target, drawn once (a forward carries the draw to the replica serving it)
+    target = runtime.adapters.aliases.resolve(data.model, data.user, caller.may_use,
+                                              chosen=request.headers.get(ALIAS_TARGET_HEADER))
+    location = await runtime.adapters.locate(target, caller)
     if span is not None:
         span.set_attributes(runtime.tracing.located(location, runtime.adapters.records))
-    forwarded = await runtime.router.route(request, location.adapter_id, location.here,
-                                           location.holders, identity(runtime, caller, request))
+    forwarded = await runtime.router.route(
+        request, location.adapter_id, location.here, location.holders,
+        identity(runtime, caller, request),
+        {ALIAS_TARGET_HEADER: target} if target != data.model else None)
     if forwarded is not None:
         state["forwarded"] = True  # answered (and counted) by the replica that served it
         return forwarded

@@ -88,7 +88,10 @@ class MultipartUpload(Operation):
             "adapter_id": part("the new adapter's id: NAME or ORG/NAME"),
             "adapter_config": part("adapter_config.json", binary=True),
             "adapter_model": part("adapter_model.safetensors", binary=True),
-            "replace": part("true to replace an adapter of this id")},
+            "replace": part("true to replace an adapter of this id"),
+            "owner": part("the operator's: the tenant it belongs to (empty: shared)"),
+            "draft_adapter": part("the source of its draft-model LoRA (speculative decoding "
+                                  "with a draft model): a directory, hf://ORG/REPO or s3://")},
             required=["adapter_id", "adapter_config", "adapter_model"])
         self.request_body = RequestBody(required=True, content={
             "multipart/form-data": OpenAPIMediaType(schema=form)})

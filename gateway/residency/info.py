@@ -32,13 +32,14 @@ class AdapterInfo(msgspec.Struct):
     owner: str = ""  # the tenant it belongs to ("": shared with every key)
     base: str = ""  # the base model it was made for: "NAME (ARCHITECTURE, base KEY)"
     versions: list[int] = []  # the versions a request may pin (ID@N), newest first
+    draft_adapter: str = ""  # the source of its draft-model LoRA (speculative decoding)
 
 
 def catalog_entry(stored: StoredAdapter, holder: str) -> CatalogEntry:
     return CatalogEntry(stored.adapter_id, stored.source, stored.revision, stored.sha256,
                         stored.rank, tuple(stored.targets), stored.num_bytes, stored.version,
                         stored.config_sha256, stored.object_key, holder, stored.created_at,
-                        stored.owner, stored.base)
+                        stored.owner, stored.base, stored.draft_source)
 
 
 def adapter_info(record: AdapterRecord, residency: str, snapshot: EngineSnapshot,
@@ -50,7 +51,7 @@ def adapter_info(record: AdapterRecord, residency: str, snapshot: EngineSnapshot
                        e.source, residency, pinned, int(e.created_at), sorted(resident_on),
                        e.object_key, e.holder, warnings, e.owner,
                        e.base.describe() if e.base is not None else "",
-                       [e.version, *(k.version for k in e.kept)])
+                       [e.version, *(k.version for k in e.kept)], e.draft_source)
 
 
 def residency(record: AdapterRecord | None, name: str, snapshot: EngineSnapshot | None) -> str:

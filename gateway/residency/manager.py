@@ -1,13 +1,12 @@
-"""The adapter residency manager: what a request's admission asks (`locate` a model name,
-`ensure_ready` here), the admin verbs (upload, register, load, evict, pin and unpin, delete,
-get, list), and this replica's side of the registry (its state, published every heartbeat).
+"""The adapter residency manager: what admission asks (`locate` a model name, `ensure_ready`
+here), the admin verbs (upload, register, load, evict, pin, unpin, delete, get, list), and this
+replica's side of the registry (its state, published every heartbeat).
 
-The tiers (remote, disk, host copies, device slots) and the moves between them are in
-gateway/residency/tiers.py, the fleet's catalog as this replica sees it in catalog.py; this
-module decides when to move, serializes the moves and announces them. One asyncio lock per
-adapter id serializes that id's changes and its first load, so concurrent requests for a cold
-adapter trigger one load while requests for other adapters keep flowing. Local sources are
-accepted from HTTP callers too (as vLLM does); admin keys guard those routes."""
+The tiers and the moves between them are in tiers.py, the fleet's catalog as this replica sees
+it in catalog.py, earlier versions in versions.py; this module decides when to move,
+serializes the moves and announces them. One asyncio lock per adapter id serializes that id's
+changes and its first load (one load per cold adapter, other adapters keep flowing). Local
+sources are accepted from HTTP callers too (as vLLM does); admin keys guard those routes."""
 
 from __future__ import annotations
 
@@ -83,8 +82,8 @@ class AdapterManager:
 
     # ---- life cycle ----------------------------------------------------------------------
     async def start(self) -> None:
-        """Check the object store, open the disk store, join the registry, match this disk's
-        adapters to the catalog, and start the heartbeat."""
+        """Check the object store, open this base's disk store, join the registry, match this
+        disk's adapters to the catalog, and start the heartbeat."""
         await check_store(self.object_store, self.catalog.shared)
         stored_adapters = await self.tiers.open(self.base, self.versions_kept)
         await self.registry.start()
@@ -165,30 +164,33 @@ class AdapterManager:
 
     # ---- registering ---------------------------------------------------------------------
     async def upload(self, adapter_id: str, config_raw: bytes, weights_raw: bytes,
-                     replace: bool = False, owner: str | None = None) -> AdapterInfo:
+                     replace: bool = False, owner: str | None = None,
+                     draft: str = "") -> AdapterInfo:
+        """`draft`: the source of its draft-model LoRA (speculative decoding), if any."""
         check_new_id(adapter_id, self.base_name)
         await self.catalog.refresh(adapter_id)
         async with self._locks[adapter_id]:
             check_free(self.records, adapter_id, replace, conflict=409)
             meta = StoredMeta(UPLOAD_SOURCE, version=self._next_version(adapter_id),
-                              owner=self.catalog.owner_for(adapter_id, owner))
+                              owner=self.catalog.owner_for(adapter_id, owner), draft_source=draft)
             await self._announce(await self.tiers.put(adapter_id, config_raw, weights_raw, meta))
         return await self.get(adapter_id)
 
     async def register(self, adapter_id: str, source: str, replace: bool = False,
-                       owner: str | None = None) -> AdapterInfo:
-        """A Hub (hf://ORG/REPO[@REV], ORG/REPO), s3:// or local (a server directory) source."""
+                       owner: str | None = None, draft: str = "") -> AdapterInfo:
+        """A Hub (hf://ORG/REPO[@REV], ORG/REPO), s3:// or local (a server directory) source;
+        `draft` as for `upload`."""
         check_new_id(adapter_id, self.base_name)
         await self.catalog.refresh(adapter_id)
         async with self._locks[adapter_id]:
-            await self._add(adapter_id, source, conflict=409, replace=replace, owner=owner)
+            await self._add(adapter_id, source, conflict=409, replace=replace, owner=owner,
+                            draft=draft)
         return await self.get(adapter_id)
 
     async def load(self, adapter_id: str, source: str | None = None,
                    replace: bool = False, owner: str | None = None) -> AdapterInfo:
-        """Bring an adapter into a device slot if one is free (else it waits in host memory).
-        With `source` (vLLM's load_lora_adapter), register it first; an existing id then
-        needs `replace` (else 400 adapter_exists, as vLLM answers)."""
+        """Into a device slot if one is free (else it waits in host memory). With `source`
+        (vLLM's load_lora_adapter) registered first: an existing id needs `replace` (else 400)."""
         if source is not None:
             check_new_id(adapter_id, self.base_name)
             await self.catalog.refresh(adapter_id)
@@ -200,12 +202,12 @@ class AdapterManager:
         return await self.get(adapter_id)
 
     async def _add(self, adapter_id: str, source: str, *, conflict: int | None,
-                   replace: bool, owner: str | None = None) -> None:
+                   replace: bool, owner: str | None = None, draft: str = "") -> None:
         """Fetch, validate, store, register and announce; the caller holds the id's lock."""
         if conflict is not None:
             check_free(self.records, adapter_id, replace, conflict)
         owner, version = self.catalog.owner_for(adapter_id, owner), self._next_version(adapter_id)
-        await self._announce(await self.tiers.fetch(adapter_id, source, version, owner))
+        await self._announce(await self.tiers.fetch(adapter_id, source, version, owner, draft))
 
     def _next_version(self, adapter_id: str) -> int:
         """One past the catalog's version and any this disk ever stored."""
@@ -214,8 +216,7 @@ class AdapterManager:
                    record.entry.version + 1 if record else 1)
 
     async def _announce(self, stored: StoredAdapter) -> None:
-        """Record what was just stored and put it in the catalog ("added" or "replaced"); the
-        caller holds the id's lock."""
+        """Record what was just stored, in the catalog too (the caller holds the id's lock)."""
         old = self.records.get(stored.adapter_id)
         entry = with_history(self.catalog.entry_for(stored), old.entry if old else None,
                              self.versions_kept)  # the versions before it still kept
@@ -284,8 +285,7 @@ class AdapterManager:
 
     # ---- registry ------------------------------------------------------------------------
     async def publish(self) -> None:
-        """This replica's residency (slots, and what it holds beyond them), loads in flight,
-        free slots and queue depth."""
+        """This replica's residency (slots and beyond), loads in flight, slots, queue depth."""
         snap = await self.engine.snapshot()
         await self.registry.publish_state(replica_state(
             self.replica_id, self.url, snap, self.records, self.tiers.loading))

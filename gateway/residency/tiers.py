@@ -30,6 +30,7 @@ from adapters.store_meta import StoredAdapter, StoredMeta
 from engine.core.client import EngineClient
 from gateway.errors import APIError
 from gateway.metrics import Metrics
+from gateway.residency.drafts import attach_draft
 from gateway.residency.fetch import fetch_bytes
 
 if TYPE_CHECKING:  # imported only when tracing
@@ -98,7 +99,7 @@ class AdapterTiers:
 
     # ---- onto disk (and into the engine) -----------------------------------------------------
     async def fetch(self, adapter_id: str, source: str, version: int,
-                    owner: str = "") -> StoredAdapter:
+                    owner: str = "", draft_source: str = "") -> StoredAdapter:
         """A local, Hub or s3:// source, fetched, validated and stored; see `put`. Only a path's
         bytes are written through to the object store (the others' sources serve any
         replica)."""
@@ -110,20 +111,24 @@ class AdapterTiers:
             self._observe("disk", started, adapter_id, version)
         return await self.put(adapter_id, files.config_raw, files.weights_raw,
                               StoredMeta(files.origin, files.revision, version=version,
-                                         owner=owner),
+                                         owner=owner, draft_source=draft_source),
                               write_through=parsed.kind == "local")
 
     async def put(self, adapter_id: str, config_raw: bytes, weights_raw: bytes,
                   meta: StoredMeta, write_through: bool = True) -> StoredAdapter:
-        """Validate against the base model, write through to the object store (if there is one
-        and `write_through`), store `meta.version` here, register it in the engine."""
+        """Validate against the base model (and its draft LoRA against the draft model, which
+        then drafts for it), write through to the object store (if there is one and
+        `write_through`), store `meta.version` here, register it in the engine."""
         adapter = await asyncio.to_thread(parse_adapter, config_raw, weights_raw,
                                           self.engine.adapter_spec)
+        if meta.draft_source:
+            await self._attach_draft(adapter_id, meta.draft_source)
         key = meta.object_key
         if write_through and self.object_store is not None:
             key = await asyncio.to_thread(self.object_store.put, config_raw, weights_raw)
         meta = StoredMeta(meta.source, meta.revision, adapter.max_rank, adapter.targets,
-                          meta.version, key, adapter.warnings, meta.owner)
+                          meta.version, key, adapter.warnings, meta.owner,
+                          draft_source=meta.draft_source)
         stored = await asyncio.to_thread(self.store.put, adapter_id, config_raw, weights_raw,
                                          meta, True)
         started = time.perf_counter()
@@ -140,7 +145,8 @@ class AdapterTiers:
             hub_cache_dir=self.hub_cache_dir)
         self._observe("disk", started, entry.adapter_id, entry.version)
         meta = StoredMeta(entry.source, entry.revision, version=entry.version,
-                          object_key=entry.object_key, owner=entry.owner)
+                          object_key=entry.object_key, owner=entry.owner,
+                          draft_source=entry.draft_source)
         return await self.put(entry.adapter_id, config_raw, weights_raw, meta,
                               write_through=False)
 
@@ -159,6 +165,8 @@ class AdapterTiers:
                 started = time.perf_counter()
                 await self.engine.add_adapter(adapter_id, record.stored.path)
                 self._observe("host", started, adapter_id, record.entry.version)
+                if record.stored.draft_source:
+                    await self._attach_draft(adapter_id, record.stored.draft_source)
             record.in_engine = True
         finally:
             self.loading.discard(adapter_id)
@@ -214,6 +222,10 @@ class AdapterTiers:
         """`forget`, and the record too."""
         await self.forget(adapter_id)
         del self.records[adapter_id]
+
+    async def _attach_draft(self, adapter_id: str, source: str) -> None:
+        await attach_draft(self.engine, self.store.root, adapter_id, source,
+                           hub_endpoint=self.hub_endpoint, hub_cache_dir=self.hub_cache_dir)
 
     def _observe(self, tier: str, started: float, adapter_id: str, version: int | None) -> None:
         seconds = time.perf_counter() - started

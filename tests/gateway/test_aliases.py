@@ -288,6 +288,30 @@ def follow(fleet, rid: str, model: str, expected: str) -> float:
                           timeout=10)
 
 
+def test_a_forward_serves_the_target_its_replica_drew(fleet, adapter_dirs):
+    """No shared store: lora-2 stays on r1 and lora-3 on r2, so a replica that draws the other's
+    target forwards the request there with its draw, and the holder serves that target (drawn
+    again there, half the requests would name an adapter it cannot fetch)."""
+    for rid, name in (("r1", "lora-2"), ("r2", "lora-3")):
+        assert fleet.upload(rid, name, adapter_dirs[name]).status_code == 201
+    for rid in ("r1", "r2"):
+        fleet.wait_for(f"{rid} to list both", lambda rid=rid: {"lora-2", "lora-3"}
+                       <= set(fleet.models(rid)))
+    assert fleet.http.put(fleet.urls["r1"] + "/admin/aliases/split",
+                          json=targets(lora_2=1, lora_3=1)).status_code == 200
+    fleet.wait_for("r2 to read the alias", lambda: fleet.http.get(
+        fleet.urls["r2"] + "/admin/aliases/split").status_code == 200)
+    holder, seen = {"lora-2": "r1", "lora-3": "r2"}, set()
+    for i in range(16):
+        response = fleet.complete(("r1", "r2")[i % 2], "split")  # no user; the router decides
+        assert response.status_code == 200, response.text
+        served = response.headers["x-adapter-version"].split("@")[0]
+        assert holder[served] == response.headers["x-served-by"], response.headers
+        seen.add(served)
+    assert seen == {"lora-2", "lora-3"}
+    assert fleet.http.delete(fleet.urls["r2"] + "/admin/aliases/split").status_code == 200
+
+
 def test_two_replicas_follow_a_flip_and_a_rollback_within_a_heartbeat(fleet, adapter_dirs):
     for name in ("lora-0", "lora-1"):
         r = fleet.register("r1", name, adapter_dirs[name])  # a path both replicas read

@@ -78,3 +78,70 @@ def test_outputs_equal_the_engine_without_speculation(spec_server, offline):
     rate = float(re.search(r'^loragw_spec_decode_acceptance_rate\{adapter="base"\} (\S+)$', text,
                            re.M).group(1))
     assert rate == pytest.approx(accepted["base"] / drafted["base"])
+
+
+# ---- per-adapter drafters through the admin API --------------------------------------------
+@pytest.fixture(scope="module")
+def draft_server(server_config, model_dir, tmp_path_factory):
+    """Drafting with a draft model: the demo model itself, so an adapter whose draft LoRA is
+    its own weights has every draft accepted, and one without drafts from the plain base."""
+    spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 3}
+    config = ServerConfig(**{**server_config.__dict__, "adapter": (),
+                             "adapter_dir": str(tmp_path_factory.mktemp("draft-store")),
+                             "speculative_config": json.dumps(spec)})
+    with BackgroundServer(create_app(config)) as background:
+        background.wait_ready()
+        yield background
+
+
+def acceptance(text: str) -> dict[str, float]:
+    return {m[0]: float(m[1]) for m in re.findall(
+        r'^loragw_spec_decode_acceptance_rate\{adapter="([^"]+)"\} (\S+)$', text, re.M)}
+
+
+def test_a_draft_adapter_registered_or_uploaded_drafts_for_its_adapter(draft_server, offline,
+                                                                      adapter_dirs):
+    from engine import SamplingParams
+
+    lora1, lora2 = adapter_dirs["lora-1"], adapter_dirs["lora-2"]
+    with httpx.Client(base_url=draft_server.url, timeout=120) as http:
+        r = http.post("/admin/adapters/register", json={
+            "adapter_id": "drafted", "source": lora1, "draft_adapter": lora1})
+        assert r.status_code == 201 and r.json()["draft_adapter"] == lora1, r.text
+        assert http.post("/admin/adapters/register", json={
+            "adapter_id": "plain", "source": lora1}).status_code == 201
+        with open(f"{lora2}/adapter_config.json", "rb") as c, \
+                open(f"{lora2}/adapter_model.safetensors", "rb") as w:
+            r = http.post("/admin/adapters", data={"adapter_id": "uploaded",
+                                                   "draft_adapter": lora2},
+                          files={"adapter_config": ("adapter_config.json", c.read()),
+                                 "adapter_model": ("adapter_model.safetensors", w.read())})
+        assert r.status_code == 201 and r.json()["draft_adapter"] == lora2, r.text
+        want = offline.generate([PROMPT] * 2, SamplingParams(max_tokens=24, temperature=0.0,
+                                                             ignore_eos=True),
+                                ["lora-1", "lora-2"])
+        for model, reference in (("drafted", want[0]), ("plain", want[0]),
+                                 ("uploaded", want[1])):
+            body = {"model": model, "prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+                    "ignore_eos": True}
+            out = http.post("/v1/completions", json=body)
+            assert out.json()["choices"][0]["text"] == reference.text, (model, out.text)
+        rates = acceptance(http.get("/metrics").text)
+    # its own weights as its drafter: every draft kept; the plain draft misses some
+    assert rates["drafted"] == rates["uploaded"] == 1.0, rates
+    assert rates["plain"] < 1.0, rates
+
+
+def test_a_bad_draft_adapter_changes_nothing(draft_server, spec_server, adapter_dirs, tmp_path):
+    lora1 = adapter_dirs["lora-1"]
+    with httpx.Client(base_url=draft_server.url, timeout=60) as http:
+        for draft, status in ((str(tmp_path / "missing"), 404), ("s3://", 400)):
+            r = http.post("/admin/adapters/register", json={
+                "adapter_id": "bad-draft", "source": lora1, "draft_adapter": draft})
+            assert r.status_code == status, r.text
+            assert http.get("/admin/adapters/bad-draft").status_code == 404
+    with httpx.Client(base_url=spec_server.url, timeout=60) as http:  # ngram: no draft model
+        r = http.post("/admin/adapters/register", json={
+            "adapter_id": "no-draft-model", "source": lora1, "draft_adapter": lora1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "draft_adapter", r.text
+        assert http.get("/admin/adapters/no-draft-model").status_code == 404
