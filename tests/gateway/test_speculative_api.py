@@ -1,7 +1,8 @@
 """Speculative decoding as an OpenAI client sees it: `loragw serve --speculative-config` gives
 the same greedy text as the offline engine without speculation, per adapter and streamed;
 `"speculative": false` opts a request out; /metrics counts drafted and accepted tokens per
-adapter; usage is unchanged."""
+adapter; usage is unchanged; a draft LoRA registered beside its adapter (`draft_adapter`) drafts
+for it, on every replica."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import re
 import httpx
 import openai
 import pytest
+from fleet_harness import load_fixture_module, running_fleet
 
 from gateway.config import ServerConfig
 from gateway.flags import add_options
@@ -145,3 +147,25 @@ def test_a_bad_draft_adapter_changes_nothing(draft_server, spec_server, adapter_
             "adapter_id": "no-draft-model", "source": lora1, "draft_adapter": lora1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "draft_adapter", r.text
         assert http.get("/admin/adapters/no-draft-model").status_code == 404
+
+
+def test_every_replica_loads_the_drafter_with_its_adapter(model_dir, adapter_dirs,
+                                                          tmp_path_factory):
+    """Two replicas, one redis-server, one S3 store: an adapter registered on r1 with its
+    draft LoRA is fetched by r2 on first use together with that drafter (every draft kept)."""
+    s3 = load_fixture_module("s3_server").shared_server()
+    spec = {"method": "draft_model", "model": model_dir, "num_speculative_tokens": 3}
+    lora1 = adapter_dirs["lora-1"]
+    with running_fleet(tmp_path_factory.mktemp("draft-fleet"), model_dir, "r1", "r2", s3=s3,
+                       store_url=f"s3://{s3.create_bucket()}/adapters",
+                       extra=("--speculative-config", json.dumps(spec))) as fleet:
+        r = fleet.http.post(
+            fleet.urls["r1"] + "/admin/adapters/register",
+            json={"adapter_id": "drafted", "source": lora1, "draft_adapter": lora1})
+        assert r.status_code == 201, r.text
+        fleet.wait_for("r2 to list it", lambda: "drafted" in fleet.models("r2"), timeout=3)
+        assert fleet.admin("r2")["drafted"]["draft_adapter"] == lora1
+        assert fleet.complete("r2", "drafted", marker="test", max_tokens=24,
+                              ignore_eos=True).status_code == 200
+        rates = acceptance(fleet.http.get(fleet.urls["r2"] + "/metrics").text)
+    assert rates["drafted"] == 1.0, rates
