@@ -13,8 +13,7 @@ Two ways to add the LoRA delta on a CPU, each fast for one traffic shape:
   which copies each token's A and B rows, then one bmm.)
 
 So a prefill chunk (a long contiguous run of one slot's tokens) runs the loop, and every other
-slot goes into one bag group, unless it would be alone there. `use_per_slot_loop` is that
-rule. Measured per layer of the 25M Llama in benchmarks/bench_lora_cpu.py (all seven targets,
+slot goes into one bag group, a lone slot too. `use_per_slot_loop` is that rule. Measured per layer of the 25M Llama in benchmarks/bench_lora_cpu.py (all seven targets,
 rank 16, one thread; loop us / bags us), k slots of c tokens each:
     decode rows (interleaved):   k=32 c=1 3787/437   k=2 c=1 250/156   k=2 c=128 2436/1777
     one slot:                    k=1 c=1 128/145     k=1 c=128 640/886
@@ -40,9 +39,11 @@ from kernels.meta import LoRAMeta
 # A slot whose tokens in the step are one contiguous run of at least this many (a prefill
 # chunk) runs the per-slot loop: one GEMM per slice beats a bag per token from about here.
 LOOP_MIN_RUN = 48
-# A bag group of fewer slots than this runs the per-slot loop instead (one slot of one token:
-# loop 128 us, bags 145 us; two: 250 vs 156).
-GATHER_MIN_SLOTS = 2
+# A bag group of fewer slots than this runs the per-slot loop instead. One: since the bags run
+# in C (kernels/cpu_lora.py) a lone slot's few tokens are cheaper as a bag too (q/k/v, gate/up
+# and down of the bench Llama, one slot, 2 threads, us per layer, loop / bags: 1 token 223 / 112,
+# 5 tokens 239 / 144, 16 tokens 542 / 336, 47 tokens 638 / 600; 1 thread, 1 token 415 / 193).
+GATHER_MIN_SLOTS = 1
 
 
 def use_per_slot_loop(num_tokens: int, contiguous: bool, num_small_slots: int) -> bool:

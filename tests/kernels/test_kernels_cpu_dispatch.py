@@ -23,7 +23,8 @@ def test_rule_loops_prefill_chunks_and_groups_the_rest():
     assert not use_per_slot_loop(LOOP_MIN_RUN - 1, contiguous=True, num_small_slots=2)
     assert not use_per_slot_loop(512, contiguous=False, num_small_slots=2)  # popular, decoding
     assert not use_per_slot_loop(1, contiguous=True, num_small_slots=32)   # distinct adapters
-    assert use_per_slot_loop(1, contiguous=True, num_small_slots=GATHER_MIN_SLOTS - 1)  # alone
+    assert not use_per_slot_loop(1, contiguous=True, num_small_slots=1)  # alone: a bag too
+    assert GATHER_MIN_SLOTS == 1
 
 
 def test_plan_loops_a_prefill_chunk_and_groups_the_decode_rows():
@@ -50,7 +51,7 @@ def test_plan_is_built_once_per_step():
     assert step_plan(other) is not step_plan(meta)
     plan = step_plan(meta)
     make_lora_meta(torch.tensor([3, 3, 3]), num_slots=4, out=meta)  # refilled in place
-    assert step_plan(meta) is not plan and step_plan(meta).loop[0].slot == 3
+    assert step_plan(meta) is not plan and step_plan(meta).gather.slot_list == (3,)
 
 
 CASES = covering_cases({"popularity": POPULARITIES, "rank": RANKS, "dtype": DTYPES}, seed=3)
