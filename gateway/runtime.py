@@ -220,7 +220,7 @@ class Runtime:
     async def unload_adapter(self, name: str) -> None:
         """Unload `name`, first ending its in-flight requests with finish_reason "abort"."""
         self.check_ready()
-        self.adapters.check_loaded(name)
+        self.adapters.tiers.record(name)  # 404 if unknown
         for job in list(self.jobs):
             if job.adapter == name:
                 job.abort()

@@ -41,6 +41,5 @@ class OpsController(Controller):
         """Prometheus text format; engine gauges are read live at each scrape."""
         metrics, snapshot = runtime.metrics, await runtime.snapshot()
         adapters = runtime.adapters
-        metrics.scraped(snapshot, {} if adapters is None else {
-            name: adapters.residency(name, snapshot) for name in adapters.records})
+        metrics.scraped(snapshot, {} if adapters is None else adapters.residencies(snapshot))
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -33,7 +33,7 @@ from adapters.store_meta import StoredAdapter
 from gateway.residency.fetch import UPLOAD_SOURCE
 from gateway.residency.info import catalog_entry
 from gateway.residency.tiers import AdapterRecord, AdapterTiers
-from gateway.residency.versions import PinnedVersions
+from gateway.residency.versions import PinnedVersions, object_keys
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +167,15 @@ class FleetCatalog:
         for adapter_id in [a for a in self.records if a not in entries]:
             async with self.locks[adapter_id]:
                 await self._drop_unlisted(adapter_id)
+
+    async def announced(self, old: CatalogEntry | None, new: CatalogEntry,
+                        store: ObjectStore | None) -> None:
+        """After this replica replaced `old` by `new`: its earlier versions no longer kept
+        leave the engine and the disk, and their objects the store. The caller holds the
+        id's lock."""
+        await self.pinned.follow(new, new.adapter_id)
+        if old is not None:
+            await self.collect(object_keys(old) - object_keys(new), store)
 
     async def collect(self, keys: set[str], store: ObjectStore | None) -> None:
         """Delete the object-store pairs at `keys` that no catalog entry (nor a version one

@@ -223,9 +223,7 @@ class AdapterManager:
         self.records[stored.adapter_id] = AdapterRecord(entry, stored, in_engine=True,
                                                         pinned=old.pinned if old else False)
         await self.registry.put_adapter(entry)
-        if old is not None:  # objects of versions no longer kept
-            await self.catalog.collect(object_keys(old.entry) - object_keys(entry),
-                                       self.object_store)
+        await self.catalog.announced(old.entry if old else None, entry, self.object_store)
         await self.publish()
         logger.info("adapter %s v%d registered from %s%s", stored.adapter_id, stored.version,
                     stored.source, f" (object {entry.object_key})" if entry.object_key else "")
@@ -259,15 +257,17 @@ class AdapterManager:
     def list_models(self) -> list[AdapterRecord]:
         return list(self.records.values())
 
-    def check_loaded(self, name: str) -> None:
-        self.tiers.record(name)
-
     async def unload(self, name: str) -> None:
         """vLLM's unload: forgets the adapter for good (memory, the stored copy, the catalog)."""
         await self.delete(name)
 
     def residency(self, name: str, snapshot: EngineSnapshot | None) -> str:
         return residency(self.records.get(name), name, snapshot)
+
+    def residencies(self, snapshot: EngineSnapshot | None) -> dict[str, str]:
+        """Every adapter's tier here, and each earlier version held for pins (as `ID@N`)."""
+        return ({n: residency(None, n, snapshot) for n in self.pinned.in_engine}
+                | {name: self.residency(name, snapshot) for name in self.records})
 
     async def resident_on(self) -> dict[str, list[str]]:
         """adapter id -> the replicas that hold it in a device slot (from their heartbeats)."""

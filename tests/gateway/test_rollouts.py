@@ -18,6 +18,7 @@ import os
 import pytest
 from conftest import write_random_adapter
 from fleet_harness import load_fixture_module, running_fleet
+from prometheus_client.parser import text_string_to_metric_families
 
 from adapters.registry import CatalogEntry
 from engine import LLM, SamplingParams
@@ -83,6 +84,13 @@ def served(fleet, rid: str, model: str) -> tuple[str, str]:
 def objects(fleet) -> set[str]:
     listed = fleet.s3.client().list_objects_v2(Bucket=fleet.bucket, Prefix="adapters/")
     return {o["Key"] for o in listed.get("Contents", [])}
+
+
+def held(fleet, rid: str) -> set[str]:
+    """The adapters and earlier versions `rid` reports in loragw_adapter_residency."""
+    text = fleet.http.get(fleet.urls[rid] + "/metrics").text
+    return {s.labels["adapter"] for family in text_string_to_metric_families(text)
+            if family.name == "loragw_adapter_residency" for s in family.samples}
 
 
 def sha256(folder: str) -> str:
@@ -159,6 +167,7 @@ def test_an_earlier_version_stays_servable_everywhere(fleet, versions, expected)
 
 def test_versions_beyond_the_limit_leave_the_store(fleet, versions, expected):
     before = objects(fleet)
+    assert all("bot@1" in held(fleet, rid) for rid in ("r1", "r2"))  # served for pins above
     assert fleet.upload("r1", "bot", versions[3], replace=True).status_code == 201
     for rid in ("r1", "r2"):
         fleet.wait_for(f"{rid} to see v3", lambda rid=rid: fleet.models(rid)["bot"]["version"]
@@ -169,6 +178,8 @@ def test_versions_beyond_the_limit_leave_the_store(fleet, versions, expected):
         assert gone.status_code == 404, gone.text
         message = gone.json()["error"]["message"]
         assert "bot@3, bot@2" in message and "--adapter-versions-kept" in message
+        # the engine copy of v1 is gone, on the replica that replaced as on the one that followed
+        assert "bot@1" not in held(fleet, rid), rid
     info = fleet.http.get(fleet.urls["r2"] + "/admin/adapters/bot").json()
     assert (info["version"], info["versions"]) == (3, [3, 2])
     # v1's pair left the S3 store (content-addressed: v2's and v3's stay)
