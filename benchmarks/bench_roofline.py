@@ -12,9 +12,10 @@ Machine limits (torch's own threads, all cores):
 The model is the random bench Llama (hidden 512, 8 layers, the demo tokenizer's vocabulary), 32
 requests of 32-token prompts decoding --tokens greedy tokens each, with no adapter and with 32
 distinct rank-16 adapters on all seven projections (request i on adapter i). Rows (CONFIGS):
-the float32 step as it was before each change (F.linear and oneDNN's packed GEMM, with the
-torch attention and embedding-bag LoRA paths), the float32 default now (oneDNN, the C decode
-attention and LoRA kernels), and bfloat16 where the CPU has it. A decode step's roofline time is max(FLOPs / peak, bytes /
+the float32 step with torch's paths throughout (F.linear, the torch attention, embedding-bag
+LoRA, torch's norms and rotary), the default as it was before the C norm and rotary kernels,
+the float32 default now (oneDNN, the C decode attention, LoRA, norm and rotary kernels), and
+bfloat16 where the CPU has it. A decode step's roofline time is max(FLOPs / peak, bytes /
 bandwidth): FLOPs = 2 x batch x (projection + lm_head parameters, and each row's adapter's),
 bytes = the weights once (and each distinct adapter once) and every row's K and V in every
 layer at the run's mean decode context (prompt + half the new tokens). The profile times one batch-32 run
@@ -50,11 +51,11 @@ from kernels import cpu_linear, cpu_lora  # noqa: E402
 BATCH, PROMPT_LEN, ADAPTERS, RANK = 32, 32, 32, 16
 # (row, LLM options, the C LoRA kernel on): the CPU step as it was before each change, and now
 CONFIGS = [
-    ("float32: F.linear, torch attention, embedding bags", dict(
-        linear_backend="torch", attention_backend="torch"), False),
-    ("float32: oneDNN, torch attention, embedding bags", dict(
-        linear_backend="onednn", attention_backend="torch"), False),
-    ("float32: oneDNN, C attention, C LoRA (the default)", dict(linear_backend="auto"), True),
+    ("float32: F.linear, torch attention, embedding bags, torch norms and rotary", dict(
+        linear_backend="torch", attention_backend="torch", elementwise_backend="torch"), False),
+    ("float32: oneDNN, C attention, C LoRA, torch norms and rotary", dict(
+        elementwise_backend="torch"), True),
+    ("float32: oneDNN, C attention, C LoRA, C norms and rotary (the default)", dict(), True),
     ("bfloat16: oneDNN, torch attention, embedding bags (the default)", dict(dtype="bfloat16"),
      True),
 ]

@@ -9,6 +9,9 @@ and read by every layer from the forward context, as the callables themselves.
     linear     dense projections (and lm_head): "torch" (F.linear) or "onednn" (kernels/
                cpu_linear.py: weights packed once at load; the CPU's auto once it passes its
                start-up check).
+    elementwise  residual add + RMSNorm and rotary (engine/layers/norm.py, rotary.py): "torch"
+               (its ops) or "cpu" (kernels/cpu_fused.py, C, float32: the CPU's auto once it
+               passes its start-up check).
     quant      a quantized base's projections: "torch" (kernels/quant.py, dequantize then GEMM:
                the CPU path, and CUDA's for FP8 before sm_89) or "triton" (kernels/quant_triton.py,
                dequantizing in the GEMM's tiles: CUDA). None: the base is not quantized.
@@ -33,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import LoRAKernels, cpu_attention, cpu_linear, lora_kernels
+from kernels import LoRAKernels, cpu_attention, cpu_fused, cpu_linear, lora_kernels
 from kernels.quant import dequant_linear
 
 logger = logging.getLogger(__name__)
@@ -45,6 +48,7 @@ class Backends:
     attention: str = "torch"
     quant: str | None = None
     linear: str = "torch"
+    elementwise: str = "torch"
     # what the layers call, resolved here once from the names: the LoRA kernels, the decode
     # attention kernel (None: the torch path of engine/layers/attention.py) and a quantized
     # projection's GEMM: quant_linear(x [T, I], QuantWeight, bias) -> [T, O]
@@ -167,12 +171,25 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) 
     return checked(name, "onednn", cpu_linear.self_check(dtype), "oneDNN's packed GEMM", "F.linear")
 
 
+def resolve_elementwise_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    if name == "torch":
+        return name
+    if device.type != "cpu" or dtype != torch.float32:
+        if name == "cpu":
+            raise ValueError(f'elementwise_backend="cpu" needs a float32 CPU engine; this is '
+                             f"{device.type} {dtype}")
+        return "torch"
+    return checked(name, "cpu", cpu_fused.self_check(), "the CPU norm and rotary kernels",
+                   "torch's ops")
+
+
 def resolve_backends(lora: str, attention: str, device: torch.device, dtype: torch.dtype,
                      shape: AttentionShape, quant: str | None = None,
-                     linear: str = "torch") -> Backends:
-    """The engine's Backends from Config.lora_backend, attention_backend and linear_backend,
-    and the kind of a quantized base's weights."""
+                     linear: str = "torch", elementwise: str = "torch") -> Backends:
+    """The engine's Backends from Config.lora_backend, attention_backend, linear_backend and
+    elementwise_backend, and the kind of a quantized base's weights."""
     return Backends(resolve_lora_backend(lora, device),
                     resolve_attention_backend(attention, device, dtype, shape),
                     resolve_quant_backend(quant, device),
-                    resolve_linear_backend(linear, device, dtype))
+                    resolve_linear_backend(linear, device, dtype),
+                    resolve_elementwise_backend(elementwise, device, dtype))

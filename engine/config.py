@@ -31,6 +31,7 @@ DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "triton")  # LoRA kernels (engine/backends.py)
 ATTENTION_BACKENDS = (*BACKENDS, "cpu")  # decode attention (engine/backends.py)
 LINEAR_BACKENDS = ("auto", "torch", "onednn")  # dense projections (engine/backends.py)
+ELEMENTWISE_BACKENDS = ("auto", "torch", "cpu")  # norms and rotary (engine/backends.py)
 
 
 def option(default: Any, help: str, **meta: Any) -> Any:
@@ -89,6 +90,10 @@ class EngineOptions:
                                  "weights packed once at load, when torch has oneDNN and it "
                                  "passes its start-up check; torch's elsewhere), torch or onednn",
                                  choices=LINEAR_BACKENDS)
+    elementwise_backend: str = option("auto", "residual add + RMSNorm and rotary: auto (on a "
+                                      "float32 CPU engine the C kernels, once they pass their "
+                                      "start-up check; torch's ops elsewhere), torch or cpu",
+                                      choices=ELEMENTWISE_BACKENDS)
     # Counted in steps, not seconds, so it bounds the wait in forward passes whatever the
     # hardware and is deterministic in tests. None turns aging off (0 on the command line).
     lora_starvation_steps: int | None = option(
@@ -125,7 +130,7 @@ class EngineOptions:
     def __post_init__(self) -> None:
         n = self.option_name
         for name in ("device", "dtype", "lora_backend", "attention_backend", "linear_backend",
-                     "quantization"):
+                     "elementwise_backend", "quantization"):
             choices = ENGINE_FIELDS[name].metadata["choices"]
             if getattr(self, name) not in choices:
                 raise ValueError(f"{n(name)} must be one of {', '.join(choices)}; got "

@@ -72,3 +72,9 @@ def forward_context(ctx: ForwardContext):
 def get_forward_context() -> ForwardContext:
     assert _current is not None, "layers run only inside forward_context(...)"
     return _current
+
+
+def elementwise_in_c() -> bool:
+    """Whether this step's norms and rotary run in C (Backends.elementwise); False outside a
+    step (a layer called on its own runs torch's ops)."""
+    return _current is not None and _current.backends.elementwise == "cpu"

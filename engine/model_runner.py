@@ -63,7 +63,8 @@ class ModelRunner:
         self.kv_window = kv_window(self.model.attention_layers())
         self.backends = resolve_backends(
             config.lora_backend, config.attention_backend, self.device, self.dtype,
-            self.heads, quant_kind(self.model), config.linear_backend)
+            self.heads, quant_kind(self.model), config.linear_backend,
+            config.elementwise_backend)
         if self.backends.linear == "onednn":  # before the log line: weight bytes as held
             self.model.prepack(every=config.linear_backend == "onednn")
         self.max_blocks = -(-config.max_model_len // self.block_size)  # of one sequence

@@ -103,8 +103,8 @@ class DecoderLayer(Layer):
         self.mlp = MLP(args, shard)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add(x, self.self_attn(rope, self.input_layernorm(x)))
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):

@@ -46,7 +46,8 @@ class DraftProposer:
             num_kv_blocks=num_kv_blocks, enable_prefix_caching=False,
             max_loras=target.max_loras, max_lora_rank=target.max_lora_rank,
             lora_backend=target.lora_backend, attention_backend=target.attention_backend,
-            linear_backend=target.linear_backend, enforce_eager=True, quantization="auto")
+            linear_backend=target.linear_backend,
+            elementwise_backend=target.elementwise_backend, enforce_eager=True, quantization="auto")
         self.runner = ModelRunner(self.config)
         if self.runner.args.vocab_size != vocab_size:
             raise ValueError(f"the draft model's vocabulary ({self.runner.args.vocab_size} "
