@@ -39,7 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import machine, save_random, write_adapters, write_json  # noqa: E402
+from benchmarks.common import layer_of, machine, save_random, write_adapters, write_json  # noqa: E402
 from benchmarks.spec_driver import drive  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.spec.ngram import lookup  # noqa: E402
@@ -80,7 +80,7 @@ def build_draft(model: str, out_dir: str, layers: int = 2) -> str:
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f)
     tensors = load_file(os.path.join(model, "model.safetensors"))
-    save_file({k: v for k, v in tensors.items() if _layer(k) < layers},
+    save_file({k: v for k, v in tensors.items() if layer_of(k) < layers},
               os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
@@ -94,19 +94,13 @@ def draft_adapters(adapters: list[str], out_root: str, layers: int = 2) -> dict[
         target = os.path.join(out_root, f"draft{i:02d}")
         os.makedirs(target, exist_ok=True)
         tensors = load_file(os.path.join(path, "adapter_model.safetensors"))
-        save_file({k: v for k, v in tensors.items() if _layer(k) < layers},
+        save_file({k: v for k, v in tensors.items() if layer_of(k) < layers},
                   os.path.join(target, "adapter_model.safetensors"))
         with open(os.path.join(path, "adapter_config.json")) as f, \
                 open(os.path.join(target, "adapter_config.json"), "w") as g:
             g.write(f.read())
         out[f"a{i}"] = target
     return out
-
-
-def _layer(key: str) -> int:
-    """The decoder layer a tensor name belongs to (-1 for none)."""
-    parts = key.split(".")
-    return int(parts[parts.index("layers") + 1]) if "layers" in parts else -1
 
 
 def workloads(model: str, adapters: list[str], tokens: int) -> dict[str, tuple]:

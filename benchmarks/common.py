@@ -25,6 +25,12 @@ def build_random_llama(out_dir: str, hidden: int = 512, layers: int = 8, heads: 
     return save_random(out_dir, seed, lambda: LlamaForCausalLM(config))
 
 
+def layer_of(key: str) -> int:
+    """The decoder layer a checkpoint or adapter tensor name belongs to (-1 for none)."""
+    parts = key.split(".")
+    return int(parts[parts.index("layers") + 1]) if "layers" in parts else -1
+
+
 def save_random(out_dir: str, seed: int, make) -> str:
     """The Hugging Face model `make()` builds, its matrices redrawn from N(0, 0.05), saved into
     out_dir once (reused when there)."""

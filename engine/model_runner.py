@@ -79,12 +79,14 @@ class ModelRunner:
         off = graphs_off_reason(self.device, config.enforce_eager, self.backends)
         self.graphs = DecodeGraphs(graph_buckets(config.max_num_seqs)) if off is None else None
         logger.info("weights: %.1f MiB%s; KV cache: %d blocks of %d tokens (%.1f MiB); LoRA on "
-                    "%s, decode attention on %s, projections on %s; decode %s",
+                    "%s, decode attention on %s, projections on %s, norms and rotary on %s; "
+                    "decode %s",
                     self.model.weight_bytes() / 2**20,
                     f" ({config.quant.method}, GEMM on {self.backends.quant})"
                     if config.quant else "", self.num_kv_blocks, self.block_size,
                     self.kv_cache_bytes / 2**20, self.backends.lora, self.backends.attention,
-                    self.backends.linear, f"eager ({off})" if off else "in CUDA graphs")
+                    self.backends.linear, self.backends.elementwise,
+                    f"eager ({off})" if off else "in CUDA graphs")
         if self.graphs is not None:
             self.capture_graphs()
 
