@@ -3,7 +3,7 @@ copying workload and on random prompts, with 0 and 16 adapters, speculation off 
 prompt lookup (ngram), and vLLM's CPU build with its ngram method on the same requests.
 
     python benchmarks/bench_spec.py [--vllm-python V/bin/python] [--tokens 96] [--k 4]
-                                    [--json spec.json]
+                                    [--trained-draft STEPS] [--json spec.json]
 
 The model: the bench Llama's shape (25M, 8 layers, hidden 512, vocab 8192) with random weights
 and its attention output projections scaled by 1/200, so that greedy decoding often falls back
@@ -18,8 +18,11 @@ Modes: off; ngram (k = --k, prompt_lookup_min 1, max 3, the default disable_by_b
 at concurrency 16 also "ngram, rule lifted" (disable_by_batch_size 64), which shows what the
 rule saves; draft (method draft_model: the model's first 2 of 8 layers, its norm and head, as
 the draft) and, with adapters, "draft + drafters" (each adapter's layers 0-1 as its draft
-LoRA). Random weights give a draft that agrees with its target only by chance, so the draft
-rows measure the machinery's cost at the acceptance they get, not a trained drafter's gain.
+LoRA). Random weights give a draft that agrees with its target only by chance, so these draft
+rows measure the machinery's cost at the acceptance they get; with --trained-draft STEPS the
+draft is first distilled on the target's greedy outputs (STEPS of training) and each adapter's
+draft LoRA on that adapter's (STEPS / 8), as benchmarks/train_drafter.py does, so the rows
+show what trained drafters gain.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import layer_of, machine, save_random, write_adapters, write_json  # noqa: E402
 from benchmarks.spec_driver import drive  # noqa: E402
+from benchmarks.train_drafter import distil_draft, distil_drafters  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.spec.ngram import lookup  # noqa: E402
 from engine.speculative_config import DEFAULT_DISABLE_BY_BATCH_SIZE  # noqa: E402
@@ -228,6 +232,9 @@ def main() -> None:
                     help="o_proj scale: lower copies more (0.002: answers repeat the prompt "
                          "verbatim)")
     ap.add_argument("--modes", nargs="*", help="only these of ours (default: all)")
+    ap.add_argument("--trained-draft", type=int, metavar="STEPS",
+                    help="distil the draft (STEPS of training) and each adapter's draft LoRA "
+                         "on the target's outputs first (benchmarks/train_drafter.py)")
     ap.add_argument("--json")
     args = ap.parse_args()
     root = tempfile.gettempdir()
@@ -238,6 +245,10 @@ def main() -> None:
 
     hf_config = AutoConfig.from_pretrained(model)
     draft = build_draft(model, model + "-draft2")
+    if args.trained_draft:
+        print("trained draft:", distil_draft(model, draft, model + "-draft2-trained",
+                                             args.trained_draft), flush=True)
+        draft = model + "-draft2-trained"
     print(f"machine: {machine()}; default disable_by_batch_size "
           f"{DEFAULT_DISABLE_BY_BATCH_SIZE}; o_proj scale {args.attention_scale:g}")
     results, hit_rates = {}, {}
@@ -246,7 +257,14 @@ def main() -> None:
                                   TARGETS, count, seed=3) if count else []
         loads = workloads(model, adapters, args.tokens)
         hit_rates[count] = loads["copying"][2]
-        drafters = draft_adapters(adapters, os.path.join(root, "loragw-bench-spec-drafters"))
+        if not args.trained_draft:
+            drafters = draft_adapters(adapters, os.path.join(root, "loragw-bench-spec-drafters"))
+        elif adapters:
+            drafters, records = distil_drafters(model, draft, adapters,
+                                                model + "-drafters-trained", args.trained_draft // 8)
+            print("trained drafters:", records, flush=True)
+        else:
+            drafters = {}
         run_ours(model, adapters, loads, args.tokens, args.k, results, count, draft, drafters,
                  args.modes)
         if args.vllm_python:

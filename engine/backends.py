@@ -165,8 +165,9 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) 
         return name
     if not cpu_linear.supported(device, dtype):
         if name == "onednn":
-            raise ValueError(f'linear_backend="onednn" needs the CPU, float32 or bfloat16 and '
-                             f"a torch with oneDNN; this is {device.type} {dtype}")
+            raise ValueError(f'linear_backend="onednn" needs the CPU, float32 (or bfloat16 on a '
+                             f"CPU with AVX-512 or AVX-NE-CONVERT) and a torch with oneDNN; "
+                             f"this is {device.type} {dtype}")
         return "torch"
     return checked(name, "onednn", cpu_linear.self_check(dtype), "oneDNN's packed GEMM", "F.linear")
 

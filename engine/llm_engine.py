@@ -64,9 +64,8 @@ class LLMEngine:
                                     frozenset(self.eos_token_ids), blocks.num_blocks,
                                     blocks.block_size, blocks.window, blocks.max_chunk)
         self.sampler = Sampler(config.seed, self.eos_token_ids)
-        spec = config.speculative
-        self.speculator = (Speculator(spec, config, blocks.num_blocks, self.vocab_size)
-                           if spec is not None else None)
+        self.speculator = (None if config.speculative is None else Speculator(
+            config.speculative, config, blocks.num_blocks, self.vocab_size))
         self.requests: dict[str, RequestState] = {}
         self.closed = False
         self._grammars: GrammarCompiler | None = None  # built by the first guided request
@@ -142,7 +141,7 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        self.scheduler.finish(request.seq, "abort")
+        self._finish(request.seq, "abort")
         out = request.output([], [], "")
         self._aborted.append(out)
         return out
@@ -223,13 +222,18 @@ class LLMEngine:
             taken = request.take(new.token_ids, new.logprobs, self.eos_token_ids,
                                  self.config.max_model_len)
             if taken.finish_reason is not None:
-                self.scheduler.finish(seq, taken.finish_reason)
+                self._finish(seq, taken.finish_reason)
                 del self.requests[seq.request_id]
             elif seq.spec_tokens:
                 self.block_manager.settle_verified(seq, new.num_accepted)
             seq.spec_tokens = []
             outputs.append(request.output(taken.tokens, taken.logprobs, taken.text))
         return outputs
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)  # frees its KV blocks and adapter slot
+        if self.speculator is not None:
+            self.speculator.forget(seq)  # and the proposer's copy
 
     def _sample(self, step, sampling: list[Sequence], masks) -> list[Verified]:
         """Each sampling sequence's new tokens: one sampled, or its kept drafts and one more."""
@@ -267,10 +271,8 @@ class LLMEngine:
         k + 1 each (Speculator.sample splits them)."""
         if self._grammars is None:
             return None  # no request has ever been guided
-        plain = [seq for seq in sampling if not seq.spec_tokens]
-        drafted = [seq for seq in sampling if seq.spec_tokens]
         states, row = [], 0
-        for seq in plain + drafted:
+        for seq in sorted(sampling, key=lambda s: bool(s.spec_tokens)):  # plain, then drafted
             guided = self.requests[seq.request_id].guided
             if guided is not None:
                 states.append((row, guided, seq.spec_tokens))

@@ -46,11 +46,10 @@ class RequestState:
             if logprobs is not None:
                 seq.logprobs.append(logprobs[i])
             # an ending EOS / stop token stays out of the text unless include_stop_str_in_output
-            show = (not ends_on_token(seq, token, eos_token_ids)
-                    or seq.params.include_stop_str_in_output)
-            if detok is not None and show:
+            ends = ends_on_token(seq, token, eos_token_ids)
+            if detok is not None and (not ends or seq.params.include_stop_str_in_output):
                 texts.append(detok.step([token]))
-            reason, self.stop_reason = finish_reason(seq, token, eos_token_ids, detok,
+            reason, self.stop_reason = finish_reason(seq, token, ends, eos_token_ids, detok,
                                                      self.guided, max_model_len)
             if reason is not None:
                 if detok is not None:

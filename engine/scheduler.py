@@ -94,7 +94,7 @@ class ScheduledBatch:
         yield a token."""
         seq = self.seqs[i]
         return (seq.num_computed_tokens + self.num_new_tokens[i]
-                == seq.num_tokens + len(seq.spec_tokens))
+                == len(seq.token_ids) + len(seq.spec_tokens))
 
     def logit_range(self, i: int) -> range:
         """Which of row i's new tokens (offsets into them) need logits this step: its last if it
@@ -176,7 +176,7 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            remaining = len(seq.token_ids) - seq.num_computed_tokens
             prefilling = remaining > 1  # a prompt (or a preempted sequence's recompute)
             # a decoding row also computes its drafts (speculative decoding), as the budget allows
             wanted = remaining + (0 if prefilling else len(seq.spec_tokens))

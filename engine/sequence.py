@@ -71,8 +71,11 @@ class Sequence:
     # Proposed next tokens this step verifies (speculative decoding, engine/spec): set by the
     # proposer, cut to the step's budget by the scheduler, cleared once verified
     spec_tokens: list[int] = field(default_factory=list)
+    # len(prompt_token_ids), which never change: read by every row of every step
+    num_prompt_tokens: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if not self.request_id:
@@ -95,10 +98,6 @@ class Sequence:
             self.block_hashes.clear()
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
@@ -108,7 +107,7 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        return self.num_tokens - self.num_prompt_tokens
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -17,19 +17,20 @@ def ends_on_token(seq: Sequence, token: int, eos_token_ids: set[int]) -> bool:
             and seq.num_output_tokens > params.min_tokens)
 
 
-def finish_reason(seq: Sequence, token: int, eos_token_ids: set[int],
+def finish_reason(seq: Sequence, token: int, ends: bool, eos_token_ids: set[int],
                   detokenizer: IncrementalDetokenizer | None, guided: GuidedState | None,
                   max_model_len: int) -> tuple[str | None, str | int | None]:
     """(finish reason or None while it goes on, stop reason: the stop token or string that
-    ended it, None otherwise) after `token`."""
+    ended it, None otherwise) after `token`; `ends`: ends_on_token's answer for it."""
     params = seq.params
-    if ends_on_token(seq, token, eos_token_ids):
+    if ends:
         eos = not params.ignore_eos and token in eos_token_ids
         return "stop", None if eos else token
     if detokenizer is not None and detokenizer.stop_reason is not None:
         return "stop", detokenizer.stop_reason
     if guided is not None and guided.done:
         return "stop", None  # the grammar accepted a stop token: the output is complete
-    if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
+    num_tokens = len(seq.token_ids)
+    if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= max_model_len:
         return "length", None
     return None, None

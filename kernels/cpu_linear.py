@@ -27,8 +27,11 @@ def worth_packing(out_features: int, in_features: int) -> bool:
 
 
 def supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+    """oneDNN's bfloat16 GEMM needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; float32 any x86."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16
+                                      and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def pack(weight: torch.Tensor, batch_hint: int = PACK_BATCH_HINT) -> torch.Tensor:

@@ -137,14 +137,17 @@ class BlockManager:
         False, changing nothing (but handing back blocks before its window), when the free
         blocks do not cover it. Every running sequence
         takes this path every step, most often needing no block at all."""
-        self._drop_out_of_window(seq)  # first, so that the blocks it frees can serve the step
-        missing = self.blocks_for(num_tokens) - len(seq.block_table)
+        if self.window is not None:  # first, so that the blocks it frees can serve the step
+            self._drop_out_of_window(seq)
+        missing = -(-num_tokens // self.block_size) - len(seq.block_table)
         if missing > 0:
             if missing > self.num_free_blocks:
                 return False
             for _ in range(missing):
                 seq.block_table.append(self._take().block_id)
-        if self.enable_prefix_caching:
+        # (a decode step fills a block once every block_size steps: the test saves the call)
+        if self.enable_prefix_caching and (num_tokens // self.block_size
+                                           > seq.num_computed_tokens // self.block_size):
             self._register_filled(seq, num_tokens)
         return True
 

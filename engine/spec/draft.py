@@ -82,7 +82,6 @@ class DraftProposer:
         """Up to ks[j] drafts for seqs[j] and, for a sampled row, q: [len(drafts), V]. A
         sequence whose unseen tokens exceed the step's budget catches up a chunk at a time and
         drafts once it has caught up."""
-        self._prune({s.seq_id for s in seqs})
         rows, budget = [], self.budget  # (j, shadow, tokens it computes in the first forward)
         for j, seq in enumerate(seqs):
             shadow = self._shadow(seq)
@@ -151,7 +150,15 @@ class DraftProposer:
         self.synced[seq.seq_id] = len(theirs)
         return shadow
 
-    def _prune(self, alive: set[int]) -> None:
+    def forget(self, seq_id: int) -> None:
+        """Drop a finished or aborted request's shadow and its draft K/V."""
+        if seq_id in self.shadows:
+            self._drop(seq_id)
+
+    def forget_all_but(self, alive: set[int]) -> None:
+        """Drop the shadows (and draft K/V) of finished, aborted and preempted requests. A
+        running request that drafts nothing this step (backing off, opted out, the batch rule)
+        keeps its shadow: dropping it would recompute its whole context at its next draft."""
         for seq_id in [i for i in self.shadows if i not in alive]:
             self._drop(seq_id)
 

@@ -67,6 +67,10 @@ class NgramProposer:
             history = self.histories[seq.seq_id] = TokenHistory(seq.token_ids)
         return lookup(history.sync(seq.token_ids), self.min_n, self.max_n, k)
 
+    def forget(self, seq_id: int) -> None:
+        """Drop a finished or aborted request's copy."""
+        self.histories.pop(seq_id, None)
+
     def forget_all_but(self, alive: set[int]) -> None:
         """Drop the copies of finished, aborted and preempted requests."""
         if len(self.histories) > len(alive):

@@ -89,8 +89,9 @@ class Speculator:
                   seq.params.max_tokens - seq.num_output_tokens - 1) for seq in decoding]
         wanted = [(seq, k) for seq, k in zip(decoding, ks)
                   if k > 0 and seq.params.speculative and not self._backing_off(seq)]
+        proposer = self.ngram if self.ngram is not None else self.draft
+        proposer.forget_all_but({s.seq_id for s in running})
         if self.ngram is not None:
-            self.ngram.forget_all_but({s.seq_id for s in running})
             for seq, k in wanted:
                 seq.spec_tokens = self.ngram.propose(seq, k)
             return
@@ -99,6 +100,11 @@ class Speculator:
             seq.spec_tokens = drafts
             if q is not None:
                 self.draft_probs[seq.seq_id] = q
+
+    def forget(self, seq: Sequence) -> None:
+        """A request finished or was aborted: drop what the proposer kept of it."""
+        (self.ngram if self.ngram is not None else self.draft).forget(seq.seq_id)
+        self.backoff.pop(seq.seq_id, None)
 
     def _backing_off(self, seq: Sequence) -> bool:
         state = self.backoff.get(seq.seq_id)

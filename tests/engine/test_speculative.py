@@ -326,6 +326,34 @@ def test_draft_model_greedy_equals_decoding_without_speculation(checkpoint, tiny
         assert kept < drafted
 
 
+def test_the_draft_never_recomputes_a_running_requests_context(checkpoint, tiny_draft):
+    """A running request that drafts nothing for a while (the batch rule here; backing off
+    too) keeps its draft K/V: later draft forwards compute only tokens the draft has not seen
+    and the drafts it must redo, never the context again."""
+    k = 3
+    config = {"method": "draft_model", "num_speculative_tokens": k, "model": tiny_draft,
+              "disable_by_batch_size": 2}  # 4 running: nobody drafts until 2 have finished
+    ps = [p * 3 for p in prompts(4)]
+    with make_llm(checkpoint, speculative_config=config) as spec:
+        proposer = spec.engine.speculator.draft
+        seen: dict[int, int] = {}  # the request (by its prompt list) -> positions computed
+        redone = []
+        forward = proposer._forward
+
+        def counting(shadows, num_new):
+            for shadow, n in zip(shadows, num_new):
+                start, key = shadow.num_computed_tokens, id(shadow.prompt_token_ids)
+                redone.append(max(0, min(seen.get(key, 0), start + n) - start))
+                seen[key] = max(seen.get(key, 0), start + n)
+            return forward(shadows, num_new)
+
+        proposer._forward = counting
+        lengths = [6, 12, 30, 30]  # two finish early, then the other two draft
+        spec.generate(ps, [SamplingParams(max_tokens=m, temperature=0.0) for m in lengths])
+        assert proposer.shadows == {} and proposer.blocks.num_used_blocks == 0
+    assert len(seen) == 2 and max(redone) <= k - 1, redone
+
+
 def test_draft_model_sampling_is_seeded_and_refuses_another_vocabulary(checkpoint, tiny_draft,
                                                                        demo_model):
     config = {"method": "draft_model", "num_speculative_tokens": 3, "model": tiny_draft}

@@ -22,6 +22,11 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # of the output's large
 @pytest.mark.parametrize("shape", [(64, 48), (1376, 512), (512, 1376)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_is_the_product(dtype, rows, shape, bias):
+    if not cpu_linear.supported(CPU, dtype):  # bfloat16 on a CPU without AVX-512: F.linear serves
+        assert backends.resolve_linear_backend("auto", CPU, dtype) == "torch"
+        with pytest.raises(ValueError, match="AVX-512"):
+            backends.resolve_linear_backend("onednn", CPU, dtype)
+        return
     g = torch.Generator().manual_seed(rows)
     out_features, in_features = shape
     w = torch.randn(out_features, in_features, generator=g) / in_features**0.5
