@@ -1,7 +1,7 @@
 """The host's share of a decode step at a large batch: what the engine does around the forward
 pass, per phase, at --batch rows (default 128) of the bench Llama.
 
-    python benchmarks/bench_host.py [--batch 128] [--steps 60] [--adapters 0]
+    python benchmarks/bench_host.py [--batch 128] [--steps 60] [--adapters 0] [--no-text]
 
 Phases, medians over --steps decode-only steps (after a warm-up):
     schedule   Scheduler.schedule (admission, KV blocks, budgets)
@@ -10,7 +10,7 @@ Phases, medians over --steps decode-only steps (after a warm-up):
     sample     the sampler (greedy here), including its host copy of the tokens
     outputs    the rest of the step: appending tokens, detokenizing, stop checks, outputs
 host = schedule + prepare + sample + outputs. Requests ask for text (a detokenizer each), as
-served requests do.
+served requests do; --no-text drops their detokenizers, which prices detokenizing by difference.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--adapters", type=int, default=0, help="distinct adapters over the rows")
+    ap.add_argument("--no-text", action="store_true", help="token ids only: no detokenizing")
     ap.add_argument("--root", default=tempfile.gettempdir())
     args = ap.parse_args()
     from transformers import AutoConfig
@@ -59,6 +60,9 @@ def main() -> None:
     for i in range(args.batch):
         prompt = torch.randint(10, hf.vocab_size, (32,), generator=g).tolist()
         engine.add_request(prompt, params, adapter=names[i % len(names)] if names else None)
+    if args.no_text:
+        for request in engine.requests.values():
+            request.detokenizer = None
     while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.num_waiting:
         engine.step()  # every prompt prefilled: what follows is decode only
     for _ in range(5):

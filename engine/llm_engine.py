@@ -203,7 +203,7 @@ class LLMEngine:
             return []
         try:
             lora = self.lora.prepare(batch)  # None when no row has an adapter
-            sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+            sampling = batch.sampling_seqs()
             masks = self._fill_masks(sampling)  # on the mask thread, during the forward pass
             step = self.runner.run(plan_step(batch, lora))  # the logit rows' logits [L, V]
         except BaseException:
@@ -216,18 +216,18 @@ class LLMEngine:
         record_prompt_logprobs(step, batch)
         if not sampling:
             return []
-        outputs = []
+        outputs, max_model_len = [], self.config.max_model_len
         for seq, new in zip(sampling, self._sample(step, sampling, masks)):
-            request = self.requests[seq.request_id]
-            taken = request.take(new.token_ids, new.logprobs, self.eos_token_ids,
-                                 self.config.max_model_len)
-            if taken.finish_reason is not None:
-                self._finish(seq, taken.finish_reason)
+            out = self.requests[seq.request_id].advance(new.token_ids, new.logprobs,
+                                                        self.eos_token_ids, max_model_len)
+            if out.finished:
+                self._finish(seq, out.finish_reason)
                 del self.requests[seq.request_id]
             elif seq.spec_tokens:
                 self.block_manager.settle_verified(seq, new.num_accepted)
-            seq.spec_tokens = []
-            outputs.append(request.output(taken.tokens, taken.logprobs, taken.text))
+            if seq.spec_tokens:
+                seq.spec_tokens = []
+            outputs.append(out)
         return outputs
 
     def _finish(self, seq: Sequence, reason: str) -> None:

@@ -15,14 +15,6 @@ from engine.structured import GuidedState
 
 
 @dataclass(slots=True)
-class Taken:
-    tokens: list[int]  # the step's tokens the request kept
-    logprobs: list[TokenLogprob]
-    text: str
-    finish_reason: str | None  # set when the request ended on one of them
-
-
-@dataclass(slots=True)
 class RequestState:
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None
@@ -30,41 +22,50 @@ class RequestState:
     guided: GuidedState | None = None  # structured output's matcher, if params.guided
     sent_prompt_logprobs: bool = False  # its first output carried them
 
-    def take(self, tokens: list[int], logprobs: list[TokenLogprob] | None,
-             eos_token_ids: frozenset[int], max_model_len: int) -> Taken:
-        """Append the step's tokens up to the first that ends the request."""
-        seq, detok = self.seq, self.detokenizer
-        if seq.first_token_at is None and tokens:
+    def advance(self, tokens: list[int], logprobs: list[TokenLogprob] | None,
+                eos_token_ids: frozenset[int], max_model_len: int) -> RequestOutput:
+        """Append the step's tokens up to the first that ends the request; the step's output
+        (`finished` when one ended it: the engine then retires the sequence)."""
+        seq, detok, guided = self.seq, self.detokenizer, self.guided
+        if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
-        kept, texts = [], []
-        reason = None
+        text, reason, kept = "", None, len(tokens)
         for i, token in enumerate(tokens):
             seq.token_ids.append(token)
-            kept.append(token)
-            if self.guided is not None:
-                self.guided.advance(token)  # the matcher accepts it on the mask thread
-            if logprobs is not None:
-                seq.logprobs.append(logprobs[i])
+            if guided is not None:
+                guided.advance(token)  # the matcher accepts it on the mask thread
             # an ending EOS / stop token stays out of the text unless include_stop_str_in_output
             ends = ends_on_token(seq, token, eos_token_ids)
             if detok is not None and (not ends or seq.params.include_stop_str_in_output):
-                texts.append(detok.step([token]))
+                text += detok.step([token])
             reason, self.stop_reason = finish_reason(seq, token, ends, eos_token_ids, detok,
-                                                     self.guided, max_model_len)
+                                                     guided, max_model_len)
             if reason is not None:
                 if detok is not None:
-                    texts.append(detok.flush())  # never releases a matched stop string
+                    text += detok.flush()  # never releases a matched stop string
+                kept = i + 1
                 break
-        return Taken(kept, logprobs[:len(kept)] if logprobs is not None else [], "".join(texts),
-                     reason)
+        if kept < len(tokens):
+            tokens = tokens[:kept]
+        if logprobs is None:
+            logprobs = []
+        else:
+            logprobs = logprobs[:kept]
+            seq.logprobs.extend(logprobs)
+        return self.output(tokens, logprobs, text, reason)
 
-    def output(self, tokens: list[int], logprobs: list[TokenLogprob], text: str) -> RequestOutput:
+    def output(self, tokens: list[int], logprobs: list[TokenLogprob], text: str,
+               reason: str | None = None) -> RequestOutput:
+        """The output of a step that added `tokens` and ended the request for `reason` (None:
+        it goes on, or had ended already: an abort)."""
         seq = self.seq
+        reason = reason or seq.finish_reason
         prompt = None
         if seq.prompt_logprobs is not None and not self.sent_prompt_logprobs:
             prompt, self.sent_prompt_logprobs = seq.prompt_logprobs, True  # the first output
-        times = (RequestTimes(seq.arrival, seq.scheduled_at, seq.first_token_at,
-                              time.monotonic(), seq.device_load) if seq.is_finished else None)
-        return RequestOutput(seq.request_id, tokens, text, logprobs, seq.is_finished,
-                             seq.finish_reason, self.stop_reason, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.num_cached_tokens or 0, prompt, times)
+        times = (None if reason is None else RequestTimes(
+            seq.arrival, seq.scheduled_at, seq.first_token_at, time.monotonic(), seq.device_load))
+        num_prompt = seq.num_prompt_tokens
+        return RequestOutput(seq.request_id, tokens, text, logprobs, reason is not None, reason,
+                             self.stop_reason, num_prompt, len(seq.token_ids) - num_prompt,
+                             seq.num_cached_tokens or 0, prompt, times)

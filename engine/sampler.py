@@ -35,15 +35,11 @@ class SamplerOutput:
     logprobs: list[TokenLogprob | None]  # per row; None unless that row asked for logprobs
 
 
-def needs_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-
-
 def needs_token_edits(seq: Sequence) -> bool:
     """Whether this step edits the row's logits for allowed_token_ids, logit_bias or min_tokens."""
     p = seq.params
-    return (p.allowed_token_ids is not None or p.logit_bias is not None
-            or seq.num_output_tokens < p.min_tokens)
+    return p.edits_logits and (p.allowed_token_ids is not None or p.logit_bias is not None
+                               or seq.num_output_tokens < p.min_tokens)
 
 
 class Sampler:
@@ -89,11 +85,11 @@ class Sampler:
         owned = mask is not None  # logits is our own copy: never edit the caller's tensor
         if mask is not None:
             logits = mask.apply(logits)  # a masked copy; unconstrained rows keep their values
-        edited = [i for i, s in enumerate(seqs) if needs_token_edits(s)]
+        edited = [i for i, s in enumerate(seqs) if s.params.edits_logits and needs_token_edits(s)]
         if edited:
             logits, owned = (logits if owned else logits.clone()), True
             apply_token_edits(logits, edited, seqs, self.eos_token_ids)
-        penalized = [i for i, p in enumerate(params) if needs_penalties(p)]
+        penalized = [i for i, p in enumerate(params) if p.penalized]
         if penalized:
             logits = logits if owned else logits.clone()
             logits[penalized] = apply_penalties(logits[penalized], [seqs[i] for i in penalized])

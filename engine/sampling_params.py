@@ -118,6 +118,14 @@ class SamplingParams:
                 _is_token_id(t) for t in self.allowed_token_ids):
             raise InvalidParam("allowed_token_ids",
                                "allowed_token_ids must be non-negative integers")
+        # What the sampler asks of every row of every step, decided once: nothing changes a
+        # request's params after this (the engine's own changes go through dataclasses.replace).
+        self.greedy = self.temperature == 0.0 or self.top_k == 1
+        self.penalized = (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                          or self.presence_penalty != 0.0)
+        # allowed_token_ids or logit_bias, or EOS and stop tokens masked until min_tokens
+        self.edits_logits = (self.allowed_token_ids is not None or self.logit_bias is not None
+                             or self.min_tokens > 0)
 
     def check_token_ids(self, vocab_size: int) -> None:
         """InvalidParam naming the first logit_bias key or allowed token id that is not a token
@@ -129,7 +137,3 @@ class SamplingParams:
                     what = f"key {token}" if param == "logit_bias" else f"token id {token}"
                     raise InvalidParam(param, f"{param} {what} is not a token of this model "
                                        f"(token ids are 0 to {vocab_size - 1})")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1

@@ -7,20 +7,19 @@ the longest run of its full blocks already in the prefix cache (same tokens, sam
 version) and computes only the rest. A prompt larger than the budget is prefilled in chunks
 across steps. While any sequence decodes, a step's prompt tokens are capped further, at
 `max_prefill_decoding`: a step's time grows with its prefill tokens, and every decoding stream
-waits for the whole step, so the cap bounds a running stream's worst gap between two tokens
-(a burst of long prompts is spread over several steps instead of stalling every stream for one
-long step). With nothing decoding there is nothing to delay, and the full budget applies.
+waits for the whole step, so the cap bounds a running stream's worst gap between two tokens.
+With nothing decoding there is nothing to delay, and the full budget applies.
 
-When KV blocks run out, the most recently admitted running sequence is preempted: its blocks are freed and it is recomputed later from its tokens (sharing again
-whatever of its blocks is still cached).
+When KV blocks run out, the most recently admitted running sequence is preempted: its blocks
+are freed and it is recomputed later from its tokens (sharing what of them is still cached).
 
 Adapter slots and aging. A waiting sequence whose adapter has no slot is skipped and the ones
 behind it go ahead, so a busy resident adapter could keep its slot forever. Every step a
 sequence is skipped for want of a slot counts against it; once the longest-waiting one has
 waited `lora_starvation_steps` steps, the slot policy names one resident adapter (the slot that
 will go idle soonest; one holding a full-module slot when the waiting adapter needs one) which
-then admits no new sequences until that slot has drained and been handed over. Running sequences are never preempted or moved for this; requests without an
-adapter and adapters in the other slots are admitted as before, in arrival order.
+then admits no new sequences until that slot has drained and been handed over. Running
+sequences are never preempted or moved for this; the rest are admitted in arrival order.
 """
 
 from __future__ import annotations
@@ -108,6 +107,11 @@ class ScheduledBatch:
                 start = min(start, first - seq.num_computed_tokens)
         return range(start, n)
 
+    def sampling_seqs(self) -> list[Sequence]:
+        """The sequences that sample this step, in batch order (each samples once at most)."""
+        every = len(self.logit_rows.sampling) == len(self.seqs)
+        return list(self.seqs) if every else [s for i, s in enumerate(self.seqs) if self.samples(i)]
+
     @property
     def logit_rows(self) -> LogitRows:
         """Every row's logit_range, as rows of the step's flat token batch; made once per step
@@ -142,8 +146,7 @@ class Scheduler:
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int,
                  block_manager: BlockManager, slots: SlotPolicy | None = None,
                  max_prefill_decoding: int | None = None):
-        """max_prefill_decoding: prompt tokens per step while a sequence decodes (None: the
-        whole budget)."""
+        """max_prefill_decoding: prompt tokens a step while one decodes (None: the budget)."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_decoding = max_prefill_decoding or max_num_batched_tokens
@@ -171,7 +174,7 @@ class Scheduler:
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
         running = list(self.running)
-        decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in running)
+        decoding = any(len(s.token_ids) - s.num_computed_tokens == 1 for s in running)
         prefill_budget = self.max_prefill_decoding if decoding else budget
         i = 0
         while i < len(running) and budget > 0:
@@ -185,7 +188,8 @@ class Scheduler:
                 seq.spec_tokens = []
                 i += 1
                 continue
-            seq.spec_tokens = seq.spec_tokens[:num_new - remaining] if not prefilling else []
+            if seq.spec_tokens:  # (no new list for the rows without drafts: most, every step)
+                seq.spec_tokens = seq.spec_tokens[:num_new - remaining] if not prefilling else []
             while not self.block_manager.grow(seq, seq.num_computed_tokens + num_new):
                 victim = running.pop()
                 self._preempt(victim)

@@ -11,6 +11,10 @@ Decode buffers, N = max_num_seqs rows, W = blocks of a max_model_len sequence:
     ids64   [3, N] int64: token id, position, KV slot of each row
     ids32   [N + N * W] int32: context length of each row, then the block tables, packed as
             [rows, width] (width: the step's longest table, or W under a graph)
+The tables are kept in a host grid [N, W] whose rows are rewritten only when they changed since
+the step before (a new block every block_size steps, another sequence in the row), and packed
+from it by one array copy: converting every row's whole table from Python each step was most of
+a large batch's input preparation.
 Rows past a step's own (graph padding) decode one dummy token into the padding block, a KV
 block the block manager never hands out, so they never touch a sequence's cache.
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -38,7 +43,7 @@ class DecodeViews:
     positions: Tensor  # [rows] int64
     slot_mapping: Tensor  # [rows] int64
     context_lens: Tensor  # [rows] int32: tokens in cache after this step
-    block_tables: Tensor  # [rows, width] int32, padded with 0 (never read)
+    block_tables: Tensor  # [rows, width] int32, stale past a row's own blocks (never read)
     real: int
 
 
@@ -112,6 +117,8 @@ class DecodeBuffers:
         self.host64 = torch.zeros(3, max_rows, dtype=torch.int64, pin_memory=pinned)
         self.host32 = torch.zeros(max_rows * (1 + max_blocks), dtype=torch.int32, pin_memory=pinned)
         self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
+        self.grid = np.zeros((max_rows, max_blocks), dtype=np.int32)  # each row's table
+        self.written: list[list[int]] = [[] for _ in range(max_rows)]  # each row's, as in grid
         same = device.type == "cpu"
         self.dev64 = self.host64 if same else torch.zeros_like(self.host64, device=device)
         self.dev32 = self.host32 if same else torch.zeros_like(self.host32, device=device)
@@ -122,25 +129,28 @@ class DecodeBuffers:
         real, size, N = len(plans), self.block_size, self.max_rows
         assert real <= rows <= N, f"{real} sequences in a step of {rows} rows (at most {N})"
         tables = [plan.block_table for plan in plans]
-        width = width or max(len(t) for t in tables)
-        ids, positions, slots, lens, flat = [], [], [], [], []
-        for plan, table in zip(plans, tables):
-            pos = plan.start
-            ids.append(plan.new_tokens[0])
-            positions.append(pos)
-            slots.append(table[pos // size] * size + pos % size)
-            lens.append(pos + 1)
-            flat += table
-            flat += [0] * (width - len(table))
-        pad = rows - real
-        ids += [0] * pad
-        positions += [0] * pad
-        slots += [self.pad_block * size] * pad
-        lens += [1] * pad
-        flat += ([self.pad_block] + [0] * (width - 1)) * pad
-        self.np64[0, :rows], self.np64[1, :rows], self.np64[2, :rows] = ids, positions, slots
-        self.np32[:rows] = lens
-        self.np32[N:N + rows * width] = flat
+        width = width or max(map(len, tables))
+        grid, written = self.grid, self.written
+        for i, table in enumerate(tables):
+            if table != written[i]:  # a new block, or another sequence (a list compare: cheap)
+                grid[i, :len(table)] = table
+                written[i] = table.copy()
+        for i in range(real, rows):  # graph padding: the padding block
+            if written[i] != [self.pad_block]:
+                grid[i, 0], written[i] = self.pad_block, [self.pad_block]
+        # (comprehensions and whole-array arithmetic: this runs for every row of every step)
+        positions = [plan.start for plan in plans]
+        np64 = self.np64
+        np64[0, :real] = [plan.new_tokens[0] for plan in plans]
+        np64[1, :real] = positions
+        np64[2, :real] = [table[pos // size] for table, pos in zip(tables, positions)]
+        np64[2, :real] *= size
+        np64[2, :real] += np64[1, :real] % size  # slot = block * size + position % size
+        self.np32[:real] = np64[1, :real] + 1  # context lengths
+        np64[:2, real:rows] = 0
+        np64[2, real:rows] = self.pad_block * size
+        self.np32[real:rows] = 1
+        self.np32[N:N + rows * width].reshape(rows, width)[:] = grid[:rows, :width]
         if self.dev64 is not self.host64:
             self.dev64[:, :rows].copy_(self.host64[:, :rows], non_blocking=True)
             self.dev32[:N + rows * width].copy_(self.host32[:N + rows * width], non_blocking=True)

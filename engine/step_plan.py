@@ -14,7 +14,7 @@ from engine.scheduler import LogitRows, ScheduledBatch
 from engine.sequence import Sequence
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per row per step, and a frozen one costs 3x to make
 class RowPlan:
     start: int  # the sequence's computed tokens: the position of its first new token
     new_tokens: list[int]  # the tokens it computes this step (one for a decode row; a

@@ -254,8 +254,8 @@ def probe_problems(root: Path = ROOT) -> Iterator[str]:
 # engine ("" is engine/__init__): a module imports modules of its own layer or lower ones only.
 ENGINE_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("nouns", ("sampling_params", "structured", "sequence", "tokenizer", "detokenizer",
-               "decode_stream", "stopping", "request_state", "backends", "lora_step",
-               "forward_context", "speculative_config")),
+               "decode_stream", "token_bytes", "stopping", "request_state", "backends",
+               "lora_step", "forward_context", "speculative_config")),
     ("distributed", ("distributed",)),  # shard and group primitives, below the layers
     ("layers", ("layers", "quant")),  # quant: the quantized layout the layers hold
     ("models", ("models", "loader")),

@@ -114,7 +114,7 @@ class DraftProposer:
         batch = ScheduledBatch([shadows[i] for i in order], [num_new[i] for i in order],
                                num_decode=sum(n == 1 for n in num_new))
         step = self.runner.run(plan_step(batch, self.lora.prepare(batch)))
-        sampling = [seq for i, seq in enumerate(batch.seqs) if batch.samples(i)]
+        sampling = batch.sampling_seqs()
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
         return {seq.seq_id: step.logits[row] for seq, row in zip(sampling, step.sampling)}

@@ -1,5 +1,6 @@
-"""The detokenizer's Rust DecodeStream path against its Python window path: the same deltas,
-flushed tail, stop reason and text, token for token, over the decoder families LLMs ship.
+"""The detokenizer's token-bytes path (byte-level tokenizers) and Rust DecodeStream path
+against its Python window path: the same deltas, flushed tail, stop reason and text, token for
+token, over the decoder families LLMs ship.
 
 Tokenizers are built here (no downloads): byte-level BPE (GPT-2, Llama 3, Qwen, Mistral's
 tekken), and byte-fallback SentencePiece-style BPE with Llama's decoder (Llama 2, Mistral v0.1,
@@ -25,6 +26,7 @@ from demo.model import build_tokenizer
 from engine.decode_stream import DecodeStream, renders_stably
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
+from engine.token_bytes import table_for, token_bytes
 from engine.tokenizer import load_tokenizer
 
 LINES = ["hello world, hello there", "the stop word is STOP here", "héllo wörld wide web",
@@ -86,29 +88,33 @@ def demo_tokenizer(tmp) -> PreTrainedTokenizerFast:
 needs_stream = pytest.mark.skipif(DecodeStream is None, reason="tokenizers < 0.22: no "
                                   "DecodeStream(ids=...), the window path serves every tokenizer")
 
-# family -> (builder, whether DecodeStream serves it)
+# family -> (builder, whether DecodeStream serves it, whether the token-bytes path does)
 FAMILIES = {
-    "byte-level": (lambda tmp: byte_level_bpe(), True),
-    "qwen-demo": (demo_tokenizer, True),
-    "llama": (lambda tmp: byte_fallback_bpe(decoders.Sequence(LLAMA_DECODER)), True),
-    "gemma": (lambda tmp: byte_fallback_bpe(decoders.Sequence(LLAMA_DECODER[:3])), True),
+    "byte-level": (lambda tmp: byte_level_bpe(), True, True),
+    "qwen-demo": (demo_tokenizer, True, True),
+    "llama": (lambda tmp: byte_fallback_bpe(decoders.Sequence(LLAMA_DECODER)), True, False),
+    "gemma": (lambda tmp: byte_fallback_bpe(decoders.Sequence(LLAMA_DECODER[:3])), True, False),
     "metaspace": (lambda tmp: byte_fallback_bpe(
         decoders.Metaspace(prepend_scheme="first"),
-        pre_tokenizers.Metaspace(prepend_scheme="first")), True),
-    "word-piece": (lambda tmp: word_piece(), False),
+        pre_tokenizers.Metaspace(prepend_scheme="first")), True, False),
+    "word-piece": (lambda tmp: word_piece(), False, False),
 }
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
-    build, streams = FAMILIES[request.param]
-    return build(tmp_path_factory.mktemp(request.param)), streams
+    build, streams, bytes_path = FAMILIES[request.param]
+    return build(tmp_path_factory.mktemp(request.param)), streams, bytes_path
 
 
-def run(tok, prompt, chunks, params, stream: bool):
-    """(deltas, flushed tail, stop reason, text, detokenizer) on one path."""
-    window_only = patch("engine.detokenizer.can_stream", return_value=False)
-    with contextlib.nullcontext() if stream else window_only:
+def run(tok, prompt, chunks, params, stream: bool, table: bool = False):
+    """(deltas, flushed tail, stop reason, text, detokenizer) on one path: the token-bytes
+    path (`table`, where the tokenizer has one), DecodeStream (`stream`) or the window."""
+    with contextlib.ExitStack() as paths:
+        if not table:
+            paths.enter_context(patch("engine.detokenizer.table_for", return_value=None))
+        if not stream:
+            paths.enter_context(patch("engine.detokenizer.can_stream", return_value=False))
         detok = IncrementalDetokenizer(tok, prompt, params)
     deltas = [detok.step(chunk) for chunk in chunks]
     return deltas, detok.flush(), detok.stop_reason, detok.text, detok
@@ -143,23 +149,30 @@ def random_case(tok, rng: random.Random):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_stream_path_matches_window_path(family, seed):
-    tok, streams = family
+def test_stream_and_bytes_paths_match_window_path(family, seed):
+    tok, streams, bytes_path = family
     rng = random.Random(seed)
+    tabled = 0
     for _ in range(150):
         prompt, chunks, params = random_case(tok, rng)
         *fast, detok = run(tok, prompt, chunks, params, stream=True)
         *window, _ = run(tok, prompt, chunks, params, stream=False)
+        *table, by_table = run(tok, prompt, chunks, params, stream=False, table=True)
         assert fast == window, (prompt, chunks, params)
+        assert table == window, (prompt, chunks, params)
         assert detok.streamable is (streams and DecodeStream is not None)
+        tabled += by_table.table is not None
+    # random prompts end inside a character often (those start elsewhere): most cases still
+    assert tabled >= 75 if bytes_path else tabled == 0
 
 
 @needs_stream
 @pytest.mark.parametrize("text", TEXTS)
 def test_stream_path_keeps_encoded_text_whole(family, text):
-    tok, streams = family
+    tok, streams, _ = family
     ids = tok.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tok, [], SamplingParams())
+    with patch("engine.detokenizer.table_for", return_value=None):
+        detok = IncrementalDetokenizer(tok, [], SamplingParams())
     deltas = [detok.step([i]) for i in ids]
     assert (detok.stream is not None) is streams  # never had to leave it
     assert "".join(deltas) + detok.flush() == tok.backend_tokenizer.decode(ids)
@@ -218,3 +231,27 @@ def test_tokenizer_without_a_decoder_keeps_the_window_path():
     detok = IncrementalDetokenizer(PreTrainedTokenizerFast(tokenizer_object=tok), [],
                                    SamplingParams())
     assert detok.stream is None and detok.step([0, 1]) + detok.flush() == "a b"
+
+
+def test_the_bytes_path_serves_only_where_it_reproduces_decode():
+    tok = byte_level_bpe()
+    wrong = {tok.convert_ids_to_tokens(tok.encode("e", add_special_tokens=False)[0])}
+    with patch("engine.token_bytes.token_bytes",
+               side_effect=lambda t: b"?" if t in wrong else token_bytes(t)):
+        assert table_for(tok.backend_tokenizer) is None  # its check caught the wrong byte
+        detok = IncrementalDetokenizer(tok, [], SamplingParams())
+    assert detok.table is None and detok.stream is not None  # DecodeStream serves instead
+    fresh = byte_level_bpe()
+    assert table_for(fresh.backend_tokenizer) is not None
+
+
+def test_ids_past_the_tokenizer_render_nothing_on_every_path():
+    """A padded embedding (Qwen's 151936 rows for 151665 tokens) can sample an id the
+    tokenizer lacks: its decode skips it, and so does each path."""
+    tok = byte_level_bpe()
+    ids = tok.encode("hello world", add_special_tokens=False)
+    ids = ids[:2] + [len(tok) + 7] + ids[2:]
+    paths = [run(tok, [], [[i] for i in ids], SamplingParams(), stream=s, table=t)[:2]
+             for s, t in ((False, False), (True, False), (False, True))]
+    assert paths[0] == paths[1] == paths[2]
+    assert "".join(paths[0][0]) + paths[0][1] == "hello world"
