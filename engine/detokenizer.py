@@ -11,9 +11,9 @@ The `tokenizers` library runs this same algorithm in Rust (`decoders.DecodeStrea
 engine/decode_stream.py for where it gives the same text): one call per token instead of two
 decodes from Python, half the cost. Where it might not, the window is decoded here. A
 byte-level tokenizer needs neither: the same rule over each token's bytes (engine/token_bytes.py)
-costs a lookup for most tokens. `prefix_offset` / `read_offset` move the same on every path, so
-`flush`, and a switch between them in the middle of a stream, find the window where the other
-left it.
+costs a lookup for most tokens, and keeps only the bytes of an unfinished character.
+`prefix_offset` / `read_offset` move the same on the other two paths, so `flush`, and a switch
+between them in the middle of a stream, find the window where the other left it.
 """
 
 from __future__ import annotations
@@ -90,7 +90,9 @@ class IncrementalDetokenizer:
         """At finish: release held-back text, including any incomplete bytes as U+FFFD."""
         if self.stop_reason is not None:
             return ""
-        if self.read_offset < len(self.tokens):  # some tokens are held
+        if self.table is not None:
+            self.pending += self.held.decode("utf-8", "replace")
+        elif self.read_offset < len(self.tokens):  # some tokens are held
             prefix_text, new_text = self._window()
             self.pending += new_text[len(prefix_text):]
         self.prefix_offset = self.read_offset = len(self.tokens)
@@ -115,10 +117,13 @@ class IncrementalDetokenizer:
     def _advance(self, token_id: int) -> str | None:
         """Move the new stable text into `pending` and slide the window past it; returns that
         text (None while the token is held)."""
-        self.tokens.append(token_id)
-        if self.table is not None:
+        if self.table is not None:  # its held bytes are all its state: no window to slide
             new_text = self._table_step(token_id)
-        elif self.stream is None:
+            if new_text is not None:
+                self.pending += new_text
+            return new_text
+        self.tokens.append(token_id)
+        if self.stream is None:
             new_text = self._window_step()
         else:
             try:
