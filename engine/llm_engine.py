@@ -40,7 +40,7 @@ class LLMEngine:
     def __init__(self, config: Config):
         self.config = config
         started = time.perf_counter()
-        self.tokenizer = try_load_tokenizer(config.model)
+        self.tokenizer = try_load_tokenizer(config.model, detokenizing=True)
         sink = None
         if config.tensor_parallel_size > 1:
             from engine.parallel.runner import ParallelRunner  # spawns the other ranks
