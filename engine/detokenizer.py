@@ -58,7 +58,7 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
         # A byte-level tokenizer's token bytes (engine/token_bytes.py): the fastest path, where
         # the prompt tail ends on a whole character (else its bytes would join the output's).
-        self.table = table_for(self.backend) if self.backend is not None else None
+        self.table = table_for(self.backend)
         if self.table is not None and render(self.table, context, self.skip_special_tokens) \
                 .endswith(REPLACEMENT_CHAR):
             self.table = None

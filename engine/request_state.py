@@ -65,7 +65,6 @@ class RequestState:
             prompt, self.sent_prompt_logprobs = seq.prompt_logprobs, True  # the first output
         times = (None if reason is None else RequestTimes(
             seq.arrival, seq.scheduled_at, seq.first_token_at, time.monotonic(), seq.device_load))
-        num_prompt = seq.num_prompt_tokens
         return RequestOutput(seq.request_id, tokens, text, logprobs, reason is not None, reason,
-                             self.stop_reason, num_prompt, len(seq.token_ids) - num_prompt,
+                             self.stop_reason, seq.num_prompt_tokens, seq.num_output_tokens,
                              seq.num_cached_tokens or 0, prompt, times)

@@ -38,8 +38,8 @@ class SamplerOutput:
 def needs_token_edits(seq: Sequence) -> bool:
     """Whether this step edits the row's logits for allowed_token_ids, logit_bias or min_tokens."""
     p = seq.params
-    return p.edits_logits and (p.allowed_token_ids is not None or p.logit_bias is not None
-                               or seq.num_output_tokens < p.min_tokens)
+    return (p.allowed_token_ids is not None or p.logit_bias is not None
+            or seq.num_output_tokens < p.min_tokens)
 
 
 class Sampler:
@@ -85,6 +85,7 @@ class Sampler:
         owned = mask is not None  # logits is our own copy: never edit the caller's tensor
         if mask is not None:
             logits = mask.apply(logits)  # a masked copy; unconstrained rows keep their values
+        # (edits_logits first: most rows edit nothing, and then the call is saved)
         edited = [i for i, s in enumerate(seqs) if s.params.edits_logits and needs_token_edits(s)]
         if edited:
             logits, owned = (logits if owned else logits.clone()), True

@@ -93,7 +93,7 @@ class ScheduledBatch:
         yield a token."""
         seq = self.seqs[i]
         return (seq.num_computed_tokens + self.num_new_tokens[i]
-                == len(seq.token_ids) + len(seq.spec_tokens))
+                == seq.num_tokens + len(seq.spec_tokens))
 
     def logit_range(self, i: int) -> range:
         """Which of row i's new tokens (offsets into them) need logits this step: its last if it
@@ -174,12 +174,12 @@ class Scheduler:
         scheduled: list[tuple[Sequence, int]] = []
         preempted = False
         running = list(self.running)
-        decoding = any(len(s.token_ids) - s.num_computed_tokens == 1 for s in running)
+        decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in running)
         prefill_budget = self.max_prefill_decoding if decoding else budget
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            remaining = len(seq.token_ids) - seq.num_computed_tokens
+            remaining = seq.num_tokens - seq.num_computed_tokens
             prefilling = remaining > 1  # a prompt (or a preempted sequence's recompute)
             # a decoding row also computes its drafts (speculative decoding), as the budget allows
             wanted = remaining + (0 if prefilling else len(seq.spec_tokens))

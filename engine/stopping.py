@@ -30,7 +30,6 @@ def finish_reason(seq: Sequence, token: int, ends: bool, eos_token_ids: set[int]
         return "stop", detokenizer.stop_reason
     if guided is not None and guided.done:
         return "stop", None  # the grammar accepted a stop token: the output is complete
-    num_tokens = len(seq.token_ids)
-    if num_tokens - seq.num_prompt_tokens >= params.max_tokens or num_tokens >= max_model_len:
+    if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
         return "length", None
     return None, None

@@ -6,7 +6,7 @@ the text of a run of tokens is its bytes concatenated, decoded as UTF-8 with U+F
 not (Rust's from_utf8_lossy). The detokenizer's window rule, "emit the new text once it is longer
 and does not end in U+FFFD", then needs no decode of a window: a step's text is the bytes it
 holds plus the token's, decoded, and most tokens are whole characters whose text is looked up.
-At batch 128 that is ~0.5 us a row where DecodeStream's step took ~3.
+At batch 128 that is ~1.2 us a row in the engine where DecodeStream's step took ~3.4.
 
 Whether a tokenizer's decode is this byte model is checked, not assumed (`table_for` compares
 the model's text with the tokenizer's own decode over random runs of ids, special tokens
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+import weakref
 from dataclasses import dataclass
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -63,20 +64,21 @@ def render(table: TokenBytes, ids: list[int], skip_special_tokens: bool) -> str:
     return data.decode("utf-8", "replace")
 
 
-_TABLES: dict[int, tuple[object, TokenBytes | None]] = {}  # id(backend) -> (backend, table)
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backend -> its table
 
 
 def table_for(backend) -> TokenBytes | None:
-    """The byte table of a tokenizers.Tokenizer whose decode it reproduces, else None (made
-    once per tokenizer: ~0.4 s for a 150k vocabulary, at the engine's start)."""
-    held = _TABLES.get(id(backend))
-    if held is None or held[0] is not backend:
-        held = _TABLES[id(backend)] = (backend, _build(backend))
-    return held[1]
+    """The byte table of a tokenizers.Tokenizer (or None) whose decode it reproduces, else None
+    (made once per tokenizer: ~0.4 s for a 150k vocabulary, at the engine's start)."""
+    if backend is None:
+        return None
+    if backend not in _TABLES:
+        _TABLES[backend] = _build(backend)
+    return _TABLES[backend]
 
 
 def _build(backend) -> TokenBytes | None:
-    if backend is None or getattr(backend, "decoder", None) is None:
+    if backend.decoder is None:
         return None
     try:
         decoder = json.loads(backend.decoder.__getstate__())

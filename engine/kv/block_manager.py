@@ -139,7 +139,7 @@ class BlockManager:
         takes this path every step, most often needing no block at all."""
         if self.window is not None:  # first, so that the blocks it frees can serve the step
             self._drop_out_of_window(seq)
-        missing = -(-num_tokens // self.block_size) - len(seq.block_table)
+        missing = self.blocks_for(num_tokens) - len(seq.block_table)
         if missing > 0:
             if missing > self.num_free_blocks:
                 return False

@@ -75,8 +75,9 @@ class Speculator:
         sequences that allow it propose, and none when more than disable_by_batch_size
         decode (the rule: RESULTS.md)."""
         running = list(running)
-        if len(self.backoff) > len(running):  # finished requests' states
-            alive = {s.seq_id for s in running}
+        alive = {s.seq_id for s in running}
+        self._proposer.forget_all_but(alive)  # preempted requests' copies (and any left over)
+        if len(self.backoff) > len(alive):
             self.backoff = {i: b for i, b in self.backoff.items() if i in alive}
         decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         for seq in running:
@@ -89,8 +90,6 @@ class Speculator:
                   seq.params.max_tokens - seq.num_output_tokens - 1) for seq in decoding]
         wanted = [(seq, k) for seq, k in zip(decoding, ks)
                   if k > 0 and seq.params.speculative and not self._backing_off(seq)]
-        proposer = self.ngram if self.ngram is not None else self.draft
-        proposer.forget_all_but({s.seq_id for s in running})
         if self.ngram is not None:
             for seq, k in wanted:
                 seq.spec_tokens = self.ngram.propose(seq, k)
@@ -103,8 +102,12 @@ class Speculator:
 
     def forget(self, seq: Sequence) -> None:
         """A request finished or was aborted: drop what the proposer kept of it."""
-        (self.ngram if self.ngram is not None else self.draft).forget(seq.seq_id)
+        self._proposer.forget(seq.seq_id)
         self.backoff.pop(seq.seq_id, None)
+
+    @property
+    def _proposer(self):
+        return self.ngram if self.ngram is not None else self.draft
 
     def _backing_off(self, seq: Sequence) -> bool:
         state = self.backoff.get(seq.seq_id)
