@@ -11,7 +11,8 @@ The `tokenizers` library runs this same algorithm in Rust (`decoders.DecodeStrea
 engine/decode_stream.py for where it gives the same text): one call per token instead of two
 decodes from Python, half the cost. Where it might not, the window is decoded here. A
 byte-level tokenizer needs neither: the same rule over each token's bytes (engine/token_bytes.py)
-costs a lookup for most tokens, and keeps only the bytes of an unfinished character.
+costs a lookup for most tokens, and keeps only the bytes of an unfinished character (and the
+window's prefix while that may end inside one, as a prompt cut inside a character does).
 `prefix_offset` / `read_offset` move the same on the other two paths, so `flush`, and a switch
 between them in the middle of a stream, find the window where the other left it.
 """
@@ -24,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.decode_stream import REPLACEMENT_CHAR, can_stream, open_decode_stream
 from engine.sampling_params import SamplingParams
-from engine.token_bytes import render, table_for
+from engine.token_bytes import bytes_of, table_for
 
 # How many prompt tokens seed the first window, as vLLM does.
 PROMPT_CONTEXT_TOKENS = 5
@@ -54,17 +55,22 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(context)
         self.pending = ""  # stable text not emitted yet (what may begin a stop string)
-        self.emitted: list[str] = []  # the deltas returned, joined now and then (`text`)
         self.stop_reason: str | None = None
-        # A byte-level tokenizer's token bytes (engine/token_bytes.py): the fastest path, where
-        # the prompt tail ends on a whole character (else its bytes would join the output's).
+        # A byte-level tokenizer's token bytes (engine/token_bytes.py): the fastest path.
         self.table = table_for(self.backend)
-        if self.table is not None and render(self.table, context, self.skip_special_tokens) \
-                .endswith(REPLACEMENT_CHAR):
-            self.table = None
         self.held = b""  # the table path's bytes not yet emitted (an unfinished character)
+        # The table path's window prefix (the bytes of tokens[prefix_offset:read_offset]) where
+        # it may end inside a character: the window rule then decodes it with what follows. Else
+        # b"": text after a whole character decodes the same without it.
+        self.prefix = b""
+        if self.table is not None:
+            context_bytes = bytes_of(self.table, context, self.skip_special_tokens)
+            if _may_end_inside(context_bytes):
+                self.prefix = context_bytes
         self.skipped = (self.table.special if self.table and self.skip_special_tokens
                         else frozenset())
+        # where the table path looks a token's text up (None off that path)
+        self.texts = self.table.texts(self.skip_special_tokens) if self.table else None
         # Rust's copy of the window, or None while the window is decoded from here.
         self.streamable = self.table is None and can_stream(self.backend)
         self.stream = None
@@ -77,11 +83,16 @@ class IncrementalDetokenizer:
             return ""
         self.num_tokens += len(new_token_ids)
         if not self.stop and len(new_token_ids) == 1:  # a decode step's token, nothing held back
-            new_text = self._advance(new_token_ids[0])
+            token_id, texts = new_token_ids[0], self.texts
+            if texts is not None and not self.held and not self.prefix and token_id < len(texts):
+                new_text = texts[token_id]  # a whole character or more: the common case
+                if new_text is not None:
+                    return new_text
+            new_text = self._advance(token_id)
             if new_text is None:
                 return ""
             self.pending = ""  # = _emit's delta, without its search
-            return self._emitting(new_text)
+            return new_text
         for token_id in new_token_ids:
             self._advance(token_id)
         return self._emit(final=False)
@@ -91,12 +102,12 @@ class IncrementalDetokenizer:
         if self.stop_reason is not None:
             return ""
         if self.table is not None:
-            self.pending += self.held.decode("utf-8", "replace")
+            self.pending += _after(self.prefix, self.held)
         elif self.read_offset < len(self.tokens):  # some tokens are held
             prefix_text, new_text = self._window()
             self.pending += new_text[len(prefix_text):]
         self.prefix_offset = self.read_offset = len(self.tokens)
-        self.stream, self.held = None, b""  # their window is not this one now
+        self.stream, self.held, self.prefix = None, b"", b""  # their window is not this one now
         return self._emit(final=True)
 
     def _decode(self, ids: list[int]) -> str:
@@ -148,21 +159,22 @@ class IncrementalDetokenizer:
                                          self.skip_special_tokens)
 
     def _table_step(self, token_id: int) -> str | None:
-        """The window rule in the byte model: the held bytes and the token's, decoded; held
-        while that is empty or ends in U+FFFD. (An id past the tokenizer's, as a padded
-        vocabulary samples, renders nothing, as its decode gives.)"""
+        """The window rule in the byte model: the text the held bytes and the token's add to
+        the prefix's; held while that is empty or ends in U+FFFD. (An id past the tokenizer's,
+        as a padded vocabulary samples, renders nothing, as its decode gives.)"""
         table = self.table
         known = token_id < len(table.bytes) and token_id not in self.skipped
-        if not self.held and known:
+        if not self.held and not self.prefix and known:
             text = table.text[token_id]  # a whole character or more: the common case
             if text is not None:
                 return text
         data = self.held + table.bytes[token_id] if known else self.held
-        text = data.decode("utf-8", "replace")
+        text = _after(self.prefix, data)
         if not text or text.endswith(REPLACEMENT_CHAR):
             self.held = data
             return None
-        self.held = b""
+        # the window slides past the emitted tokens: they are its prefix now
+        self.held, self.prefix = b"", data if _may_end_inside(data) else b""
         return text
 
     def _window_step(self) -> str | None:
@@ -174,23 +186,12 @@ class IncrementalDetokenizer:
             return None
         return new_text[len(prefix_text):]
 
-    @property
-    def text(self) -> str:
-        """Everything emitted so far."""
-        return "".join(self.emitted)
-
-    def _emitting(self, delta: str) -> str:
-        self.emitted.append(delta)
-        if len(self.emitted) >= 256:  # (a long output's text without one copy per token)
-            self.emitted = ["".join(self.emitted)]
-        return delta
-
     def _emit(self, final: bool) -> str:
         """Cut at the first stop string, else emit all but a possible stop-string beginning."""
         pending = self.pending
         if not self.stop or self.num_tokens <= self.min_tokens:  # no stop string to look for
             self.pending = ""
-            return self._emitting(pending)
+            return pending
         # Every stop string that could still match starts in `pending`, because anything that
         # might begin one has been held back.
         hit = self._find_stop()
@@ -201,7 +202,7 @@ class IncrementalDetokenizer:
         else:
             end = len(pending) if final else len(pending) - self._stop_prefix_len()
         self.pending = pending[end:]
-        return self._emitting(pending[:end])
+        return pending[:end]
 
     def _find_stop(self) -> tuple[int, str] | None:
         """(index, stop string) of the earliest stop string in `pending`, if any."""
@@ -224,3 +225,20 @@ class IncrementalDetokenizer:
                     break
                 i = tail.find(s[0], i + 1)
         return best
+
+
+def _after(prefix: bytes, data: bytes) -> str:
+    """The window rule's new text: what `data` adds to the text of `prefix` (the characters
+    past the prefix's own text; less than all of data's where data completes the prefix's last
+    character, as decoding the window gives)."""
+    if not prefix:
+        return data.decode("utf-8", "replace")
+    shown = len(prefix.decode("utf-8", "replace"))
+    return (prefix + data).decode("utf-8", "replace")[shown:]
+
+
+def _may_end_inside(data: bytes) -> bool:
+    """Whether `data` may end inside a character, so that what follows it decodes differently
+    with it than alone (an unfinished character decodes to a final U+FFFD; a final U+FFFD of
+    another cause is kept too, which is only slower)."""
+    return data.decode("utf-8", "replace").endswith(REPLACEMENT_CHAR)

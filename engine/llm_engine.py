@@ -28,8 +28,9 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import EngineRequest, Prompt, RequestOutput, Sequence, SequenceStatus
 from engine.spec.speculator import Speculator
-from engine.spec.verify import Verified, sample_plain
+from engine.spec.verify import NewTokens, sample_plain
 from engine.step_plan import plan_step
+from engine.stopping import StopRule
 from engine.structured import GrammarCompiler, GuidedState
 from engine.tokenizer import eos_token_ids, tokenize, try_load_tokenizer
 
@@ -133,7 +134,9 @@ class LLMEngine:
         self.scheduler.add(seq)
         detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
                  if self.tokenizer is not None else None)
-        self.requests[seq.request_id] = RequestState(seq, detok, guided=guided)
+        stop = StopRule.of(params, len(prompt_ids), self.limits.eos_token_ids,
+                           self.config.max_model_len)
+        self.requests[seq.request_id] = RequestState(seq, detok, stop, guided=guided)
         return seq.request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -209,22 +212,18 @@ class LLMEngine:
         except BaseException:
             self.block_manager.rollback()  # blocks registered for this step hold no K/V
             raise
-        self.block_manager.commit()
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            if not seq.spec_tokens:  # a drafted row's count waits for its verification
-                self.block_manager.mark_computed(seq, num_new)
+        self.block_manager.commit(batch.seqs, batch.num_new_tokens)
         record_prompt_logprobs(step, batch)
         if not sampling:
             return []
-        outputs, max_model_len = [], self.config.max_model_len
-        for seq, new in zip(sampling, self._sample(step, sampling, masks)):
-            out = self.requests[seq.request_id].advance(new.token_ids, new.logprobs,
-                                                        self.eos_token_ids, max_model_len)
+        outputs, requests = [], self.requests
+        for seq, tokens, logprobs in zip(sampling, *self._sample(step, sampling, masks)):
+            out = requests[seq.request_id].advance(tokens, logprobs)
             if out.finished:
                 self._finish(seq, out.finish_reason)
-                del self.requests[seq.request_id]
-            elif seq.spec_tokens:
-                self.block_manager.settle_verified(seq, new.num_accepted)
+                del requests[seq.request_id]
+            elif seq.spec_tokens:  # its kept drafts: all its new tokens but the last
+                self.block_manager.settle_verified(seq, len(tokens) - 1)
             if seq.spec_tokens:
                 seq.spec_tokens = []
             outputs.append(out)
@@ -235,7 +234,7 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.forget(seq)  # and the proposer's copy
 
-    def _sample(self, step, sampling: list[Sequence], masks) -> list[Verified]:
+    def _sample(self, step, sampling: list[Sequence], masks) -> NewTokens:
         """Each sampling sequence's new tokens: one sampled, or its kept drafts and one more."""
         mask = masks.result() if masks else None
         if self.speculator is not None:

@@ -24,9 +24,9 @@ from engine.forward_context import AttentionMetadata, ForwardContext, forward_co
 from engine.host_memory import keep_freed_memory
 from engine.loader import load_model
 from engine.lora_step import LoRAStep
-from engine.scheduler import PromptRows
+from engine.scheduled_batch import PromptRows
 from engine.step_inputs import DecodeBuffers, DecodeViews, StepInputs, decode_metadata
-from engine.step_plan import RowPlan, StepPlan
+from engine.step_plan import StepPlan
 from kernels import LoRAMeta
 
 logger = logging.getLogger(__name__)
@@ -140,35 +140,33 @@ class ModelRunner:
         logits = plan.logit_rows
         if plan.decode_only:
             return self._prepare_decode(plan)
-        input_ids, positions, slots = [], [], []
-        prefill_starts, prefill_lens, prefill_ctx, prefill_tables = [], [], [], []
-        # single-query attention rows: the decode rows, then each token of a row verifying drafts
-        # (a few tokens on a long context: the decode kernel per token beats a prefill's gather)
-        queries = plan.rows[:plan.num_decode] + [
-            RowPlan(row.start + i, [token], row.block_table)
-            for row in plan.rows[plan.num_decode:plan.num_decode + plan.num_drafted]
-            for i, token in enumerate(row.new_tokens)]
-        for i, row in enumerate(plan.rows):
-            start, end = row.start, row.start + len(row.new_tokens)
-            if i >= plan.num_decode + plan.num_drafted:
-                prefill_starts.append(len(input_ids))
-                prefill_lens.append(end - start)
-                prefill_ctx.append(end)
-                prefill_tables.append(torch.tensor(row.block_table, dtype=torch.long,
-                                                   device=self.device))
-            input_ids.extend(row.new_tokens)
-            positions.extend(range(start, end))
-            table = row.block_table
-            slots.extend(table[p // self.block_size] * self.block_size + p % self.block_size
-                         for p in range(start, end))
-        rows = torch.tensor([input_ids, positions, slots], dtype=torch.long, device=self.device)
+        positions, slots, size = [], [], self.block_size
+        for start, n, table in zip(plan.starts, plan.num_new, plan.block_tables):
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // size] * size + p % size for p in range(start, start + n))
+        # Single-query attention rows: the decode rows, then each token of a row verifying
+        # drafts (a few tokens on a long context: the decode kernel per token beats a prefill's
+        # gather): the step's first `queries` tokens. Prefill chunks follow them.
+        single = plan.num_decode + plan.num_drafted
+        queries = sum(plan.num_new[:single])
+        prefill_starts, offset = [], queries
+        for n in plan.num_new[single:]:
+            prefill_starts.append(offset)
+            offset += n
+        rows = torch.tensor([plan.tokens, positions, slots], dtype=torch.long,
+                            device=self.device)
         attn = AttentionMetadata(
-            slot_mapping=rows[2], num_decode_tokens=len(queries), decode_block_tables=None,
+            slot_mapping=rows[2], num_decode_tokens=queries, decode_block_tables=None,
             decode_context_lens=None, decode_block_ids=None, decode_mask=None,
-            prefill_query_starts=prefill_starts, prefill_query_lens=prefill_lens,
-            prefill_context_lens=prefill_ctx, prefill_block_tables=prefill_tables)
+            prefill_query_starts=prefill_starts, prefill_query_lens=plan.num_new[single:],
+            prefill_context_lens=[s + n for s, n in zip(plan.starts[single:],
+                                                        plan.num_new[single:])],
+            prefill_block_tables=[torch.tensor(t, dtype=torch.long, device=self.device)
+                                  for t in plan.block_tables[single:]])
         if queries:  # the single-query rows' addressing, in the decode buffers
-            views = self.decode_buffers.fill(queries, len(queries))
+            tables = [t for t, n in zip(plan.block_tables[:single], plan.num_new) for _ in range(n)]
+            views = self.decode_buffers.fill(positions[:queries], plan.tokens[:queries], tables,
+                                             queries)
             meta = decode_metadata(views, self.backends.attention, self.block_size,
                                    self.kv_token_bytes)
             attn.decode_block_tables, attn.decode_context_lens = meta.decode_block_tables, meta.decode_context_lens
@@ -179,10 +177,10 @@ class ModelRunner:
 
     def _prepare_decode(self, plan: StepPlan) -> StepInputs:
         """A decode-only step, in the decode buffers (padded to its graph's rows)."""
-        real = len(plan.rows)
+        real = len(plan.starts)
         key = self.graphs.key_for(real, plan.lora) if self.graphs is not None else None
         rows, width = (key.rows, self.max_blocks) if key else (real, None)
-        views = self.decode_buffers.fill(plan.rows, rows, width)
+        views = self.decode_buffers.fill(plan.starts, plan.tokens, plan.block_tables, rows, width)
         lora = None
         if plan.lora is not None:
             lora = LoRAStep.build(plan.lora, self.device, pad_to=rows,
@@ -229,7 +227,7 @@ class ModelRunner:
         """The decode graphs without LoRA, largest first (the smaller reuse its memory)."""
         started = time.perf_counter()
         for rows in reversed(self.graphs.buckets):
-            views = self.decode_buffers.fill([], rows, self.max_blocks)  # padding rows only
+            views = self.decode_buffers.fill([], [], [], rows, self.max_blocks)  # padding only
             self.graphs.capture(GraphKey(rows, False), lambda v=views: self._decode_forward(v, None))
         logger.info("captured %d decode graphs (1 to %d rows) in %.1f s",
                     len(self.graphs.buckets), self.graphs.buckets[-1],

@@ -20,7 +20,7 @@ from engine.sequence import TokenLogprob
 
 if TYPE_CHECKING:
     from engine.model_runner import StepLogits
-    from engine.scheduler import ScheduledBatch
+    from engine.scheduled_batch import ScheduledBatch
 
 ROWS_PER_SLICE = 256
 

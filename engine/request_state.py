@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sequence import RequestOutput, RequestTimes, Sequence, TokenLogprob
-from engine.stopping import ends_on_token, finish_reason
+from engine.stopping import StopRule
 from engine.structured import GuidedState
 
 
@@ -18,32 +18,41 @@ from engine.structured import GuidedState
 class RequestState:
     seq: Sequence
     detokenizer: IncrementalDetokenizer | None
+    stop: StopRule
     stop_reason: str | int | None = None
     guided: GuidedState | None = None  # structured output's matcher, if params.guided
     sent_prompt_logprobs: bool = False  # its first output carried them
 
-    def advance(self, tokens: list[int], logprobs: list[TokenLogprob] | None,
-                eos_token_ids: frozenset[int], max_model_len: int) -> RequestOutput:
+    def advance(self, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
         """Append the step's tokens up to the first that ends the request; the step's output
         (`finished` when one ended it: the engine then retires the sequence)."""
-        seq, detok, guided = self.seq, self.detokenizer, self.guided
+        seq, detok, guided, rule = self.seq, self.detokenizer, self.guided, self.stop
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
-        text, reason, kept = "", None, len(tokens)
-        for i, token in enumerate(tokens):
-            seq.token_ids.append(token)
+        token_ids = seq.token_ids
+        text, reason, kept = "", None, 0
+        for token in tokens:
+            token_ids.append(token)
+            kept += 1
             if guided is not None:
                 guided.advance(token)  # the matcher accepts it on the mask thread
             # an ending EOS / stop token stays out of the text unless include_stop_str_in_output
-            ends = ends_on_token(seq, token, eos_token_ids)
-            if detok is not None and (not ends or seq.params.include_stop_str_in_output):
-                text += detok.step([token])
-            reason, self.stop_reason = finish_reason(seq, token, ends, eos_token_ids, detok,
-                                                     guided, max_model_len)
+            if token in rule.stop_ids and len(token_ids) > rule.min_total:
+                if detok is not None and rule.include_stop:
+                    text += detok.step([token])
+                reason, self.stop_reason = "stop", rule.stop_reason(token)
+            else:
+                if detok is not None:
+                    text += detok.step([token])
+                    if detok.stop_reason is not None:
+                        reason, self.stop_reason = "stop", detok.stop_reason
+                if reason is None and guided is not None and guided.done:
+                    reason = "stop"  # the grammar accepted a stop token: the output is complete
+                if reason is None and len(token_ids) >= rule.max_total:
+                    reason = "length"
             if reason is not None:
                 if detok is not None:
                     text += detok.flush()  # never releases a matched stop string
-                kept = i + 1
                 break
         if kept < len(tokens):
             tokens = tokens[:kept]
@@ -66,5 +75,6 @@ class RequestState:
         times = (None if reason is None else RequestTimes(
             seq.arrival, seq.scheduled_at, seq.first_token_at, time.monotonic(), seq.device_load))
         return RequestOutput(seq.request_id, tokens, text, logprobs, reason is not None, reason,
-                             self.stop_reason, seq.num_prompt_tokens, seq.num_output_tokens,
+                             self.stop_reason, seq.num_prompt_tokens,
+                             len(seq.token_ids) - seq.num_prompt_tokens,
                              seq.num_cached_tokens or 0, prompt, times)

@@ -50,12 +50,19 @@ class Sampler:
         # so CUDA noise is drawn on the GPU instead of being copied over every step.
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    @torch.inference_mode()
     def __call__(self, logits: Tensor, seqs: list[Sequence],
                  mask: TokenMask | None = None) -> SamplerOutput:
         """logits: [B, V] float32, row b belongs to seqs[b]. Returns one token per row.
         `mask` (structured output) removes disallowed tokens of its rows, after raw logprobs."""
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), (logits.shape, len(seqs))
+        if mask is None and all(s.params.plain for s in seqs):  # the common batch: one argmax
+            tokens = argmax_rows(logits).tolist()
+            return SamplerOutput(tokens, [None] * len(tokens))
+        return self._sample_rows(logits, seqs, mask)
+
+    @torch.inference_mode()
+    def _sample_rows(self, logits: Tensor, seqs: list[Sequence],
+                     mask: TokenMask | None) -> SamplerOutput:
         params = [s.params for s in seqs]
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         # Logprobs are of the raw model distribution, so take them before anything edits logits.

@@ -126,6 +126,9 @@ class SamplingParams:
         # allowed_token_ids or logit_bias, or EOS and stop tokens masked until min_tokens
         self.edits_logits = (self.allowed_token_ids is not None or self.logit_bias is not None
                              or self.min_tokens > 0)
+        # greedy with nothing to edit or report: a batch of such rows is one argmax
+        self.plain = (self.greedy and not self.penalized and not self.edits_logits
+                      and self.logprobs is None)
 
     def check_token_ids(self, vocab_size: int) -> None:
         """InvalidParam naming the first logit_bias key or allowed token id that is not a token

@@ -27,10 +27,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.kv.block_manager import BlockManager
+from engine.scheduled_batch import ScheduledBatch
 from engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -49,97 +49,6 @@ class SlotPolicy(Protocol):
     def drain_for(self, waited: int, adapter: str) -> str | None:
         """The resident adapter that should admit no new sequences, so that its slot drains for
         a sequence of `adapter` refused a slot in `waited` steps; None while no slot need drain."""
-
-
-@dataclass(frozen=True, slots=True)
-class PromptRows:
-    """Logit rows of one sequence that give prompt logprobs: rows [first, first + count) of
-    the step's logits hold positions [position, position + count), each the logprob of the
-    prompt token after it."""
-
-    batch_row: int  # the sequence's index in the batch
-    first: int
-    position: int
-    count: int
-
-
-@dataclass(frozen=True, slots=True)
-class LogitRows:
-    """Which rows of the step's flat token batch become logits, and what each is for."""
-
-    rows: list[int]  # token rows of the step (decode rows first), in batch order
-    sampling: list[int]  # indices into `rows` that sample, one per sampling sequence
-    prompt: list[PromptRows]
-
-
-@dataclass(slots=True)
-class ScheduledBatch:
-    # decode rows first, then rows verifying drafts, then prefill rows
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new_tokens: list[int] = field(default_factory=list)
-    num_decode: int = 0  # leading rows with exactly one new token
-    num_drafted: int = 0  # the rows after them that verify drafts (speculative decoding)
-    _logit_rows: LogitRows | None = None
-
-    def __len__(self) -> int:
-        return len(self.seqs)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    def samples(self, i: int) -> bool:
-        """Row i reaches the end of its tokens (and drafts) this step, so its last logits
-        yield a token."""
-        seq = self.seqs[i]
-        return (seq.num_computed_tokens + self.num_new_tokens[i]
-                == seq.num_tokens + len(seq.spec_tokens))
-
-    def logit_range(self, i: int) -> range:
-        """Which of row i's new tokens (offsets into them) need logits this step: its last if it
-        samples (with drafts, its last token's and every draft's); from the first prompt token still lacking a logprob, if it asked for prompt
-        logprobs (the hidden state at position p gives the logprob of token p + 1)."""
-        seq, n = self.seqs[i], self.num_new_tokens[i]
-        start = n - 1 - len(seq.spec_tokens) if self.samples(i) else n
-        if seq.needs_prompt_logprobs:
-            first = max(seq.num_computed_tokens, len(seq.prompt_logprobs) - 1)
-            if first < min(seq.num_computed_tokens + n, seq.num_prompt_tokens - 1):
-                start = min(start, first - seq.num_computed_tokens)
-        return range(start, n)
-
-    def sampling_seqs(self) -> list[Sequence]:
-        """The sequences that sample this step, in batch order (each samples once at most)."""
-        every = len(self.logit_rows.sampling) == len(self.seqs)
-        return list(self.seqs) if every else [s for i, s in enumerate(self.seqs) if self.samples(i)]
-
-    @property
-    def logit_rows(self) -> LogitRows:
-        """Every row's logit_range, as rows of the step's flat token batch; made once per step
-        (the LoRA pool picks lm_head's slots by it, the model runner its logits)."""
-        if self._logit_rows is None:
-            self._logit_rows = self._find_logit_rows()
-        return self._logit_rows
-
-    def _find_logit_rows(self) -> LogitRows:
-        seqs = self.seqs
-        if self.num_decode == len(seqs) and not any(
-                s.needs_prompt_logprobs or s.num_computed_tokens + 1 != s.num_tokens for s in seqs):
-            every = list(range(len(seqs)))  # decoding: every row samples, nothing else
-            return LogitRows(every, every, [])
-        rows, sampling, prompt = [], [], []
-        row = 0
-        for i, (seq, num_new) in enumerate(zip(seqs, self.num_new_tokens)):
-            wanted = self.logit_range(i)
-            if wanted:
-                if seq.needs_prompt_logprobs:  # every wanted row but a sampling one
-                    count = len(wanted) - self.samples(i)
-                    prompt.append(PromptRows(i, len(rows),
-                                             seq.num_computed_tokens + wanted.start, count))
-                rows.extend(row + o for o in wanted)
-                if self.samples(i):
-                    sampling.append(len(rows) - 1)
-            row += num_new
-        return LogitRows(rows, sampling, prompt)
 
 
 class Scheduler:
@@ -171,35 +80,37 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
-        scheduled: list[tuple[Sequence, int]] = []
+        decode: list[Sequence] = []  # rows of one new token
+        chunks: list[tuple[Sequence, int]] = []  # rows verifying drafts, prompt chunks
         preempted = False
         running = list(self.running)
         decoding = any(s.num_tokens - s.num_computed_tokens == 1 for s in running)
         prefill_budget = self.max_prefill_decoding if decoding else budget
+        grow = self.block_manager.grow
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             remaining = seq.num_tokens - seq.num_computed_tokens
-            prefilling = remaining > 1  # a prompt (or a preempted sequence's recompute)
-            # a decoding row also computes its drafts (speculative decoding), as the budget allows
-            wanted = remaining + (0 if prefilling else len(seq.spec_tokens))
-            num_new = min(wanted, budget, prefill_budget if prefilling else wanted)
+            # a prompt (or a preempted sequence's recompute), or drafts to verify
+            chunked = remaining != 1 or seq.spec_tokens
+            num_new = self._chunk(seq, remaining, budget, prefill_budget) if chunked else 1
             if num_new == 0:  # no prefill budget left this step: it waits for the next
-                seq.spec_tokens = []
                 i += 1
                 continue
-            if seq.spec_tokens:  # (no new list for the rows without drafts: most, every step)
-                seq.spec_tokens = seq.spec_tokens[:num_new - remaining] if not prefilling else []
-            while not self.block_manager.grow(seq, seq.num_computed_tokens + num_new):
+            while not grow(seq, seq.num_computed_tokens + num_new):
                 victim = running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             else:
-                scheduled.append((seq, num_new))
+                if num_new == 1:
+                    decode.append(seq)
+                else:
+                    chunks.append((seq, num_new))
                 budget -= num_new
-                prefill_budget -= num_new if prefilling else 0
+                if remaining > 1:
+                    prefill_budget -= num_new
                 i += 1
         self.running = deque(running)
 
@@ -226,11 +137,26 @@ class Scheduler:
             if seq.scheduled_at is None:  # its queueing ends here (a preempted one's did)
                 seq.scheduled_at = time.monotonic()
             self.running.append(seq)
-            scheduled.append((seq, num_new))
+            if num_new == 1:
+                decode.append(seq)
+            else:
+                chunks.append((seq, num_new))
             budget -= num_new
             prefill_budget -= num_new
         self.waiting.extendleft(reversed(skipped))
-        return self._order(scheduled)
+        return self._order(decode, chunks)
+
+    @staticmethod
+    def _chunk(seq: Sequence, remaining: int, budget: int, prefill_budget: int) -> int:
+        """The tokens a running row that is not a plain decode computes this step: the next
+        chunk of its prompt as the budgets allow, or its last token and as many of its drafts
+        as the budget allows (the rest are dropped). 0: none this step (drafts dropped)."""
+        prefilling = remaining > 1
+        wanted = remaining + (0 if prefilling else len(seq.spec_tokens))
+        num_new = min(wanted, budget, prefill_budget if prefilling else wanted)
+        if seq.spec_tokens:
+            seq.spec_tokens = [] if prefilling or not num_new else seq.spec_tokens[:num_new - 1]
+        return num_new
 
     def _age(self) -> None:
         """Pick this step's draining adapter from the longest wait for a slot (see above)."""
@@ -257,12 +183,13 @@ class Scheduler:
         return seq.adapter != self.draining and self.slots.acquire(seq)
 
     @staticmethod
-    def _order(scheduled: list[tuple[Sequence, int]]) -> ScheduledBatch:
+    def _order(decode: list[Sequence], chunks: list[tuple[Sequence, int]]) -> ScheduledBatch:
         """Decode rows (one new token) first, then rows verifying drafts, then the rest, each
         in scheduling order."""
-        decode = [s for s, n in scheduled if n == 1]
-        drafted = [(s, n) for s, n in scheduled if n != 1 and s.spec_tokens]
-        rest = drafted + [(s, n) for s, n in scheduled if n != 1 and not s.spec_tokens]
+        if not chunks:  # a decode step: the common one
+            return ScheduledBatch(decode, [1] * len(decode), num_decode=len(decode))
+        drafted = [(s, n) for s, n in chunks if s.spec_tokens]
+        rest = drafted + [(s, n) for s, n in chunks if not s.spec_tokens]
         return ScheduledBatch(decode + [s for s, _ in rest], [1] * len(decode) + [n for _, n in rest],
                               num_decode=len(decode), num_drafted=len(drafted))
 

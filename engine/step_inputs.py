@@ -30,8 +30,7 @@ from torch import Tensor
 from engine.cuda_graphs import GraphKey
 from engine.forward_context import AttentionMetadata, DecodeChunk
 from engine.lora_step import LoRAStep
-from engine.scheduler import LogitRows
-from engine.step_plan import RowPlan
+from engine.scheduled_batch import LogitRows
 
 
 @dataclass(slots=True)
@@ -119,16 +118,21 @@ class DecodeBuffers:
         self.np64, self.np32 = self.host64.numpy(), self.host32.numpy()
         self.grid = np.zeros((max_rows, max_blocks), dtype=np.int32)  # each row's table
         self.written: list[list[int]] = [[] for _ in range(max_rows)]  # each row's, as in grid
+        self.row_ids = np.arange(max_rows)
+        # (rows, width) -> the device views of a step of that shape (a slice of a tensor costs
+        # microseconds, and these are the same tensors every step)
+        self.views: dict[tuple[int, int], tuple[Tensor, ...]] = {}
         same = device.type == "cpu"
         self.dev64 = self.host64 if same else torch.zeros_like(self.host64, device=device)
         self.dev32 = self.host32 if same else torch.zeros_like(self.host32, device=device)
 
-    def fill(self, plans: list[RowPlan], rows: int, width: int | None = None) -> DecodeViews:
-        """Write the decode rows `plans` (one new token each), padded to `rows` rows, with
-        block tables `width` wide (default: the longest table). Returns the device views."""
-        real, size, N = len(plans), self.block_size, self.max_rows
+    def fill(self, positions: list[int], tokens: list[int], tables: list[list[int]], rows: int,
+             width: int | None = None) -> DecodeViews:
+        """Write single-query rows (a token at a position, with its sequence's block table),
+        padded to `rows` rows, with block tables `width` wide (default: the longest table).
+        Returns the device views."""
+        real, size, N = len(positions), self.block_size, self.max_rows
         assert real <= rows <= N, f"{real} sequences in a step of {rows} rows (at most {N})"
-        tables = [plan.block_table for plan in plans]
         width = width or max(map(len, tables))
         grid, written = self.grid, self.written
         for i, table in enumerate(tables):
@@ -139,13 +143,11 @@ class DecodeBuffers:
             if written[i] != [self.pad_block]:
                 grid[i, 0], written[i] = self.pad_block, [self.pad_block]
         # (comprehensions and whole-array arithmetic: this runs for every row of every step)
-        positions = [plan.start for plan in plans]
         np64 = self.np64
-        np64[0, :real] = [plan.new_tokens[0] for plan in plans]
+        np64[0, :real] = tokens
         np64[1, :real] = positions
-        np64[2, :real] = [table[pos // size] for table, pos in zip(tables, positions)]
-        np64[2, :real] *= size
-        np64[2, :real] += np64[1, :real] % size  # slot = block * size + position % size
+        blocks = grid[self.row_ids[:real], np64[1, :real] // size]  # each row's block
+        np64[2, :real] = blocks * size + np64[1, :real] % size  # its slot
         self.np32[:real] = np64[1, :real] + 1  # context lengths
         np64[:2, real:rows] = 0
         np64[2, real:rows] = self.pad_block * size
@@ -154,6 +156,9 @@ class DecodeBuffers:
         if self.dev64 is not self.host64:
             self.dev64[:, :rows].copy_(self.host64[:, :rows], non_blocking=True)
             self.dev32[:N + rows * width].copy_(self.host32[:N + rows * width], non_blocking=True)
-        return DecodeViews(self.dev64[0, :rows], self.dev64[1, :rows], self.dev64[2, :rows],
-                           self.dev32[:rows], self.dev32[N:N + rows * width].view(rows, width),
-                           real)
+        views = self.views.get((rows, width))
+        if views is None:
+            views = self.views[rows, width] = (
+                self.dev64[0, :rows], self.dev64[1, :rows], self.dev64[2, :rows],
+                self.dev32[:rows], self.dev32[N:N + rows * width].view(rows, width))
+        return DecodeViews(*views, real)

@@ -1,35 +1,37 @@
 """When a request ends, and why: an EOS or stop token, a stop string, a grammar that is done,
-max_tokens or the context window (vLLM's finish reasons "stop" and "length")."""
+max_tokens or the context window (vLLM's finish reasons "stop" and "length").
+
+Decided once per request, when it is queued (`StopRule.of`), as sets and token counts: every
+row of every step asks (RequestState.advance), so a check is a set lookup and two integer
+compares."""
 
 from __future__ import annotations
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sequence import Sequence
-from engine.structured import GuidedState
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
 
 
-def ends_on_token(seq: Sequence, token: int, eos_token_ids: set[int]) -> bool:
-    """Whether `token`, just appended to `seq`, is an EOS or stop token that ends it (the
-    sampler masks them until min_tokens outputs, so that check is only a safeguard)."""
-    params = seq.params
-    return (((not params.ignore_eos and token in eos_token_ids)
-             or token in params.stop_token_ids)
-            and seq.num_output_tokens > params.min_tokens)
+@dataclass(frozen=True, slots=True)
+class StopRule:
+    stop_ids: frozenset[int]  # tokens that end it: EOS (unless ignore_eos) and stop_token_ids
+    eos_ids: frozenset[int]  # those of them that are EOS (an EOS ending has no stop reason)
+    # a stop token ends it only once it has more than min_tokens outputs: more than this many
+    # tokens in all (the sampler masks them until then, so this is only a safeguard)
+    min_total: int
+    max_total: int  # tokens in all at which it ends for length (max_tokens or the window)
+    include_stop: bool  # include_stop_str_in_output: an ending token's text stays in
 
+    @classmethod
+    def of(cls, params: SamplingParams, num_prompt_tokens: int, eos_token_ids: frozenset[int],
+           max_model_len: int) -> StopRule:
+        """params.max_tokens must be set (the engine fills it in for requests without one)."""
+        eos = frozenset() if params.ignore_eos else eos_token_ids
+        return cls(eos | frozenset(params.stop_token_ids), eos,
+                   num_prompt_tokens + params.min_tokens,
+                   min(num_prompt_tokens + params.max_tokens, max_model_len),
+                   params.include_stop_str_in_output)
 
-def finish_reason(seq: Sequence, token: int, ends: bool, eos_token_ids: set[int],
-                  detokenizer: IncrementalDetokenizer | None, guided: GuidedState | None,
-                  max_model_len: int) -> tuple[str | None, str | int | None]:
-    """(finish reason or None while it goes on, stop reason: the stop token or string that
-    ended it, None otherwise) after `token`; `ends`: ends_on_token's answer for it."""
-    params = seq.params
-    if ends:
-        eos = not params.ignore_eos and token in eos_token_ids
-        return "stop", None if eos else token
-    if detokenizer is not None and detokenizer.stop_reason is not None:
-        return "stop", detokenizer.stop_reason
-    if guided is not None and guided.done:
-        return "stop", None  # the grammar accepted a stop token: the output is complete
-    if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
-        return "length", None
-    return None, None
+    def stop_reason(self, token: int) -> int | None:
+        """The stop reason of an ending on `token`: the stop token, None for an EOS."""
+        return None if token in self.eos_ids else token

@@ -46,6 +46,11 @@ class TokenBytes:
     bytes: list[bytes]  # by token id: what it renders
     text: list[str | None]  # its text where that is a whole, non-empty text (else None)
     special: frozenset[int]  # special tokens: nothing when skip_special_tokens
+    text_skipping: list[str | None]  # `text` with the special tokens None
+
+    def texts(self, skip_special_tokens: bool) -> list[str | None]:
+        """What a token's text is looked up in, with or without skip_special_tokens."""
+        return self.text_skipping if skip_special_tokens else self.text
 
 
 def token_bytes(token: str) -> bytes:
@@ -57,11 +62,15 @@ def token_bytes(token: str) -> bytes:
         return token.encode()
 
 
+def bytes_of(table: TokenBytes, ids: list[int], skip_special_tokens: bool) -> bytes:
+    """What `ids` render in the byte model, before decoding."""
+    skipped = table.special if skip_special_tokens else frozenset()
+    return b"".join(table.bytes[i] for i in ids if i not in skipped)
+
+
 def render(table: TokenBytes, ids: list[int], skip_special_tokens: bool) -> str:
     """The text of `ids` in the byte model."""
-    skipped = table.special if skip_special_tokens else frozenset()
-    data = b"".join(table.bytes[i] for i in ids if i not in skipped)
-    return data.decode("utf-8", "replace")
+    return bytes_of(table, ids, skip_special_tokens).decode("utf-8", "replace")
 
 
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backend -> its table
@@ -98,7 +107,8 @@ def _build(backend) -> TokenBytes | None:
         s = data.decode("utf-8", "replace")
         if s and not s.endswith(REPLACEMENT_CHAR):
             text[i] = s
-    table = TokenBytes(rendered, text, special)
+    skipping = [None if i in special else t for i, t in enumerate(text)]
+    table = TokenBytes(rendered, text, special, skipping)
     return table if _agrees(backend, table) else None
 
 

@@ -260,7 +260,7 @@ ENGINE_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("layers", ("layers", "quant")),  # quant: the quantized layout the layers hold
     ("models", ("models", "loader")),
     ("config", ("config",)),  # reads config.json into the models' description
-    ("kv", ("kv", "request_checks", "scheduler", "step_plan")),
+    ("kv", ("kv", "request_checks", "scheduled_batch", "scheduler", "step_plan")),
     ("lora", ("lora",)),
     ("runner", ("model_runner", "cuda_graphs", "step_inputs", "prompt_logprobs", "sampler",
                 "host_memory")),

@@ -207,10 +207,6 @@ class BlockManager:
         block.ref_count = 1
         return block
 
-    def mark_computed(self, seq: Sequence, num_new: int) -> None:
-        """A step wrote the K/V of `seq`'s next `num_new` tokens."""
-        seq.num_computed_tokens += num_new
-
     def settle_verified(self, seq: Sequence, num_kept: int) -> None:
         """A step that verified `seq`'s drafts kept the K/V of its last token and `num_kept`
         drafts, now in seq.token_ids: the blocks they filled join the prefix cache, and the
@@ -228,9 +224,13 @@ class BlockManager:
         while len(seq.block_table) > self.blocks_for(num_tokens):
             self._release(seq.block_table.pop())
 
-    def commit(self) -> None:
-        """The step ran: the blocks it registered hold their K/V now."""
+    def commit(self, seqs: list[Sequence], num_new: list[int]) -> None:
+        """The step ran: the blocks it registered hold their K/V now, and so does each row's
+        cache for its new tokens (a row verifying drafts: once verified, `settle_verified`)."""
         self.registered_this_step.clear()
+        for seq, n in zip(seqs, num_new):
+            if not seq.spec_tokens:
+                seq.num_computed_tokens += n
 
     def rollback(self) -> None:
         """The step failed: forget the blocks it registered (their K/V were never written);

@@ -27,7 +27,7 @@ from engine.lora.state import LoRAStats, RegisteredAdapter, Slot, host_copy
 from engine.lora.versions import StartedVersions
 from engine.lora_step import LoRARows
 from engine.models.llama import LlamaForCausalLM
-from engine.scheduler import ScheduledBatch
+from engine.scheduled_batch import ScheduledBatch
 from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)

@@ -38,7 +38,7 @@ from engine.lora.expert_slots import ExpertSlots
 from engine.lora.full_modules import FullModuleSlots
 from engine.lora_step import LoRARows
 from engine.models.llama import LlamaForCausalLM
-from engine.scheduler import ScheduledBatch
+from engine.scheduled_batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 

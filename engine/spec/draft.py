@@ -29,7 +29,7 @@ from engine.kv.block_manager import BlockManager
 from engine.lora.manager import LoRAManager
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler, argmax_rows, draw
-from engine.scheduler import ScheduledBatch
+from engine.scheduled_batch import ScheduledBatch
 from engine.sequence import Sequence, SequenceStatus
 from engine.step_plan import plan_step
 

@@ -26,9 +26,9 @@ from torch import Tensor
 
 from engine.config import Config
 from engine.sampler import Sampler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, TokenLogprob
 from engine.spec.ngram import NgramProposer
-from engine.spec.verify import Verified, sample_plain, verify
+from engine.spec.verify import NewTokens, sample_plain, verify
 from engine.speculative_config import SpeculativeConfig
 from engine.structured import TokenMask
 
@@ -124,20 +124,21 @@ class Speculator:
         state[0], state[1] = state[1], min(2 * state[1], MAX_BACKOFF_STEPS)
 
     def sample(self, sampler: Sampler, step: StepLogits, seqs: list[Sequence],
-               mask: TokenMask | None) -> list[Verified]:
-        """One Verified per sampling sequence (in order): plain rows sampled as always, drafted
+               mask: TokenMask | None) -> NewTokens:
+        """Each sampling sequence's new tokens (in order): plain rows sampled as always, drafted
         rows verified. `mask` rows: the plain rows, then every drafted row's k + 1."""
         logits = step.logits
         plain = [j for j, s in enumerate(seqs) if not s.spec_tokens]
         drafted = [j for j, s in enumerate(seqs) if s.spec_tokens]
         plain_mask, drafted_mask = mask.split(len(plain)) if mask is not None else (None, None)
-        results: list[Verified | None] = [None] * len(seqs)
+        tokens: list[list[int]] = [[] for _ in seqs]
+        logprobs: list[list[TokenLogprob] | None] = [None] * len(seqs)
         if plain:
             rows = [step.sampling[j] for j in plain]
             picked = logits if len(rows) == logits.shape[0] else logits[torch.tensor(rows)]
-            for j, v in zip(plain, sample_plain(sampler, picked, [seqs[j] for j in plain],
-                                                plain_mask), strict=True):
-                results[j] = v
+            for j, new, lps in zip(plain, *sample_plain(sampler, picked, [seqs[j] for j in plain],
+                                                         plain_mask), strict=True):
+                tokens[j], logprobs[j] = new, lps
         if drafted:
             rows = [r for j in drafted
                     for r in range(step.sampling[j] - len(seqs[j].spec_tokens),
@@ -146,13 +147,13 @@ class Speculator:
                               [seqs[j].spec_tokens for j in drafted],
                               [self._q(seqs[j]) for j in drafted], mask=drafted_mask)
             for j, v in zip(drafted, verified, strict=True):
-                results[j] = v
+                tokens[j], logprobs[j] = v.token_ids, v.logprobs
                 counts = self.counts.setdefault(seqs[j].adapter, SpecCounts())
                 counts.drafts += 1
                 counts.draft_tokens += len(seqs[j].spec_tokens)
                 counts.accepted_tokens += v.num_accepted
                 self._record(seqs[j], v.num_accepted)
-        return results
+        return tokens, logprobs
 
     def _q(self, seq: Sequence) -> Tensor | None:
         """The draft distribution of seq's drafts (as many as the scheduler kept), None for a

@@ -60,12 +60,19 @@ class Verified:
     num_accepted: int  # drafts kept
 
 
+# A step's new tokens, per sampling sequence: its tokens, and their logprobs (None unless the
+# request asked for them)
+NewTokens = tuple[list[list[int]], list[list[TokenLogprob] | None]]
+
+
 def sample_plain(sampler: Sampler, logits: Tensor, seqs: list[Sequence],
-                 mask: TokenMask | None) -> list[Verified]:
+                 mask: TokenMask | None) -> NewTokens:
     """Rows without drafts: one sampled token each (logits: [len(seqs), V])."""
     out = sampler(logits, seqs, mask)
-    return [Verified([token], None if logprob is None else [logprob], 0)
-            for token, logprob in zip(out.token_ids, out.logprobs, strict=True)]
+    logprobs = out.logprobs
+    return ([[token] for token in out.token_ids],
+            logprobs if logprobs.count(None) == len(logprobs)  # (none asked: most steps)
+            else [None if logprob is None else [logprob] for logprob in logprobs])
 
 
 @torch.inference_mode()

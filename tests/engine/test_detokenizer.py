@@ -76,7 +76,6 @@ def stream(tok, chunks: list[list[int]], prompt: list[int] = (), **params):
     deltas = []
     for chunk in chunks:
         deltas.append(detok.step(chunk))
-        assert detok.text == "".join(deltas)
     return deltas, detok.flush(), detok
 
 
@@ -136,7 +135,7 @@ def test_stop_string_is_never_leaked(tok, stop, include, name, seed):
     index = STOP_TEXT.index(stop)
     expected = STOP_TEXT[:index + len(stop)] if include else STOP_TEXT[:index]
     assert detok.stop_reason == stop
-    assert "".join(deltas) + tail == detok.text == expected
+    assert "".join(deltas) + tail == expected
     assert tail == ""  # flush never releases a matched stop string
     if not include:
         # No prefix of the stream ever showed any part of the stop string.
@@ -154,14 +153,14 @@ def test_steps_after_a_stop_emit_nothing(tok):
 
 
 def test_earliest_stop_string_wins(tok):
-    _, _, detok = stream(tok, [encode(tok, "new text and more")], stop=["more", "text"])
-    assert detok.stop_reason == "text" and detok.text == "new "
+    deltas, tail, detok = stream(tok, [encode(tok, "new text and more")], stop=["more", "text"])
+    assert detok.stop_reason == "text" and "".join(deltas) + tail == "new "
 
 
 @pytest.mark.parametrize("stops", [["wor", "w"], ["w", "wor"]])
 def test_stop_strings_at_one_index_the_first_listed_wins(tok, stops):
-    _, _, detok = stream(tok, [encode(tok, "hello world")], stop=stops)
-    assert detok.stop_reason == stops[0] and detok.text == "hello "
+    deltas, tail, detok = stream(tok, [encode(tok, "hello world")], stop=stops)
+    assert detok.stop_reason == stops[0] and "".join(deltas) + tail == "hello "
 
 
 def test_possible_stop_beginning_is_held_then_released(tok):
@@ -170,7 +169,7 @@ def test_possible_stop_beginning_is_held_then_released(tok):
     assert detok.step(encode(tok, "ds")) == "words"
     assert detok.step(encode(tok, " wo")) == " "
     assert detok.flush() == "wo"  # finished for another reason: nothing is held forever
-    assert detok.stop_reason is None and detok.text == "hello words wo"
+    assert detok.stop_reason is None
 
 
 def test_min_tokens_holds_off_stop_strings(tok):
@@ -179,7 +178,8 @@ def test_min_tokens_holds_off_stop_strings(tok):
     deltas, tail, detok = stream(tok, [[i] for i in ids], stop=["hello"],
                                  min_tokens=len(first))
     assert "".join(deltas[:len(first)]) == "hello world,"  # nothing held back meanwhile
-    assert detok.stop_reason == "hello" and detok.text == "hello world, " and tail == ""
+    assert detok.stop_reason == "hello" and "".join(deltas) + tail == "hello world, "
+    assert tail == ""
 
 
 def test_text_shown_within_min_tokens_is_never_held_back_later():

@@ -26,7 +26,7 @@ def admit(bm: BlockManager, seq: Sequence, key=None) -> int:
     assert bm.can_allocate(seq, seq.num_tokens, cached)
     bm.allocate(seq, seq.num_tokens, cached)
     matched = seq.num_computed_tokens
-    bm.mark_computed(seq, seq.num_tokens - matched)
+    bm.commit([seq], [seq.num_tokens - matched])
     return matched
 
 
@@ -135,7 +135,7 @@ def test_decode_fills_and_registers_blocks():
     for token in (6, 7):  # two decode steps fill the second block
         a.token_ids.append(token)
         bm.allocate(a, a.num_tokens)
-        bm.mark_computed(a, 1)
+        bm.commit([a], [1])
     assert len(bm.cache) == 2
     assert admit(bm, seq_of(range(9))) == 8
 
