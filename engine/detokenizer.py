@@ -82,20 +82,29 @@ class IncrementalDetokenizer:
         if self.stop_reason is not None:
             return ""
         self.num_tokens += len(new_token_ids)
-        if not self.stop and len(new_token_ids) == 1:  # a decode step's token, nothing held back
-            token_id, texts = new_token_ids[0], self.texts
-            if texts is not None and not self.held and not self.prefix and token_id < len(texts):
-                new_text = texts[token_id]  # a whole character or more: the common case
-                if new_text is not None:
-                    return new_text
-            new_text = self._advance(token_id)
-            if new_text is None:
-                return ""
-            self.pending = ""  # = _emit's delta, without its search
-            return new_text
         for token_id in new_token_ids:
             self._advance(token_id)
         return self._emit(final=False)
+
+    def step_token(self, token_id: int) -> str:
+        """`step([token_id])`, as a decode step calls it: without a stop string to look for,
+        most tokens' text is a lookup (the bytes path) and nothing is held back."""
+        if self.stop_reason is not None:
+            return ""
+        self.num_tokens += 1
+        if self.stop:
+            self._advance(token_id)
+            return self._emit(final=False)
+        texts = self.texts
+        if texts is not None and not self.held and not self.prefix and token_id < len(texts):
+            new_text = texts[token_id]  # a whole character or more: the common case
+            if new_text is not None:
+                return new_text
+        new_text = self._advance(token_id)
+        if new_text is None:
+            return ""
+        self.pending = ""  # = _emit's delta, without its search
+        return new_text
 
     def flush(self) -> str:
         """At finish: release held-back text, including any incomplete bytes as U+FFFD."""

@@ -219,13 +219,13 @@ class LLMEngine:
         outputs, requests = [], self.requests
         for seq, tokens, logprobs in zip(sampling, *self._sample(step, sampling, masks)):
             out = requests[seq.request_id].advance(tokens, logprobs)
+            if seq.spec_tokens:  # verified: its kept drafts are all its new tokens but the last
+                if not out.finished:
+                    self.block_manager.settle_verified(seq, len(tokens) - 1)
+                seq.spec_tokens = []
             if out.finished:
                 self._finish(seq, out.finish_reason)
                 del requests[seq.request_id]
-            elif seq.spec_tokens:  # its kept drafts: all its new tokens but the last
-                self.block_manager.settle_verified(seq, len(tokens) - 1)
-            if seq.spec_tokens:
-                seq.spec_tokens = []
             outputs.append(out)
         return outputs
 

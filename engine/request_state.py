@@ -39,11 +39,11 @@ class RequestState:
             # an ending EOS / stop token stays out of the text unless include_stop_str_in_output
             if token in rule.stop_ids and len(token_ids) > rule.min_total:
                 if detok is not None and rule.include_stop:
-                    text += detok.step([token])
+                    text += detok.step_token(token)
                 reason, self.stop_reason = "stop", rule.stop_reason(token)
             else:
                 if detok is not None:
-                    text += detok.step([token])
+                    text += detok.step_token(token)
                     if detok.stop_reason is not None:
                         reason, self.stop_reason = "stop", detok.stop_reason
                 if reason is None and guided is not None and guided.done:

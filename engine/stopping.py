@@ -27,7 +27,9 @@ class StopRule:
            max_model_len: int) -> StopRule:
         """params.max_tokens must be set (the engine fills it in for requests without one)."""
         eos = frozenset() if params.ignore_eos else eos_token_ids
-        return cls(eos | frozenset(params.stop_token_ids), eos,
+        # (most requests share one set, which every row of a step then finds in cache)
+        stop = eos | frozenset(params.stop_token_ids) if params.stop_token_ids else eos
+        return cls(stop, eos,
                    num_prompt_tokens + params.min_tokens,
                    min(num_prompt_tokens + params.max_tokens, max_model_len),
                    params.include_stop_str_in_output)

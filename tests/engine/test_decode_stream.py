@@ -116,7 +116,8 @@ def run(tok, prompt, chunks, params, stream: bool, table: bool = False):
         if not stream:
             paths.enter_context(patch("engine.detokenizer.can_stream", return_value=False))
         detok = IncrementalDetokenizer(tok, prompt, params)
-    deltas = [detok.step(chunk) for chunk in chunks]
+    # (a one-token chunk as a decode step gives it)
+    deltas = [detok.step_token(c[0]) if len(c) == 1 else detok.step(c) for c in chunks]
     tail = detok.flush()
     return deltas, tail, detok.stop_reason, "".join(deltas) + tail, detok
 

@@ -75,7 +75,8 @@ def stream(tok, chunks: list[list[int]], prompt: list[int] = (), **params):
     detok = IncrementalDetokenizer(tok, list(prompt), SamplingParams(**params))
     deltas = []
     for chunk in chunks:
-        deltas.append(detok.step(chunk))
+        # (a one-token chunk as a decode step gives it)
+        deltas.append(detok.step_token(chunk[0]) if len(chunk) == 1 else detok.step(chunk))
     return deltas, detok.flush(), detok
 
 
