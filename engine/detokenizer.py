@@ -171,12 +171,13 @@ class IncrementalDetokenizer:
         """The window rule in the byte model: the text the held bytes and the token's add to
         the prefix's; held while that is empty or ends in U+FFFD. (An id past the tokenizer's,
         as a padded vocabulary samples, renders nothing, as its decode gives.)"""
-        table = self.table
-        known = token_id < len(table.bytes) and token_id not in self.skipped
-        if not self.held and not self.prefix and known:
-            text = table.text[token_id]  # a whole character or more: the common case
+        texts = self.texts  # (step_token looks up the same, inline, for a decode step's token)
+        if not self.held and not self.prefix and token_id < len(texts):
+            text = texts[token_id]  # a whole character or more: the common case
             if text is not None:
                 return text
+        table = self.table
+        known = token_id < len(table.bytes) and token_id not in self.skipped
         data = self.held + table.bytes[token_id] if known else self.held
         text = _after(self.prefix, data)
         if not text or text.endswith(REPLACEMENT_CHAR):

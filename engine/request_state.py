@@ -30,10 +30,9 @@ class RequestState:
         if seq.first_token_at is None:
             seq.first_token_at = time.monotonic()
         token_ids = seq.token_ids
-        text, reason, kept = "", None, 0
-        for token in tokens:
+        text, reason, kept = "", None, len(tokens)
+        for i, token in enumerate(tokens):
             token_ids.append(token)
-            kept += 1
             if guided is not None:
                 guided.advance(token)  # the matcher accepts it on the mask thread
             # an ending EOS / stop token stays out of the text unless include_stop_str_in_output
@@ -53,6 +52,7 @@ class RequestState:
             if reason is not None:
                 if detok is not None:
                     text += detok.flush()  # never releases a matched stop string
+                kept = i + 1
                 break
         if kept < len(tokens):
             tokens = tokens[:kept]
