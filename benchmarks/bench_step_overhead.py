@@ -4,8 +4,10 @@ Python and small-op cost a GPU would wait on. Batch 1/32/128, without adapters a
 distinct adapters (every row its own).
 
     python benchmarks/bench_step_overhead.py [--steps 40] [--batches 1,32,128] [--out FILE]
-        [--device cuda]   (on a GPU: eager, then with CUDA graphs; sample then includes the
-                           wait for the device, its one synchronisation per step)
+        [--device cuda]   (on a GPU: eager, with CUDA graphs, and with graphs and
+                           --async-scheduling; sample then includes the wait for the device,
+                           its one synchronisation per step, which async scheduling moves to
+                           "rest": the read of the step before's tokens)
 
 Parts of LLMEngine.step, timed by wrapping the methods that do them:
     schedule    Scheduler.schedule
@@ -13,8 +15,9 @@ Parts of LLMEngine.step, timed by wrapping the methods that do them:
                 LoRA meta into the step's buffers)
     forward     ModelRunner.forward: the layers' kernel launches; divided by the layer count it
                 is the per-layer dispatch cost that CUDA graphs remove
-    sample      Sampler.__call__ (incl. the one device-to-host copy of the tokens)
-    detokenize  IncrementalDetokenizer.step / flush
+    sample      Sampler.__call__ / Sampler.tokens (incl. the one device-to-host copy of the
+                tokens, when the step reads them at once)
+    detokenize  IncrementalDetokenizer.step / step_token / flush
     rest        step total minus the above (outputs, finish checks, block bookkeeping)
 """
 
@@ -63,17 +66,22 @@ class Clock:
 
     def __init__(self):
         self.ns = dict.fromkeys(PARTS, 0)
+        self.active: set[str] = set()  # parts being timed: a nested call of one counts once
 
     def wrap(self, owner, name: str, part: str) -> None:
         inner = getattr(owner, name)
 
         @functools.wraps(inner)
         def timed(*args, **kwargs):
+            if part in self.active:
+                return inner(*args, **kwargs)
+            self.active.add(part)
             start = time.perf_counter_ns()
             try:
                 return inner(*args, **kwargs)
             finally:
                 self.ns[part] += time.perf_counter_ns() - start
+                self.active.discard(part)
         setattr(owner, name, timed)
 
     def take(self) -> dict[str, int]:
@@ -124,13 +132,17 @@ def main() -> None:
     dirs = write_adapters(os.path.join(args.root, "loragw-bench-l32h64-adapters"),
                           AutoConfig.from_pretrained(model), TARGETS, args.adapters, seed=7, rank=8)
     batches = [int(b) for b in args.batches.split(",")]
-    modes = [True] if args.device == "cpu" else [True, False]  # enforce_eager
+    # (enforce_eager, async_scheduling)
+    modes = [(True, False)] if args.device == "cpu" else [(True, False), (False, False),
+                                                          (False, True)]
     rows = []
-    for eager in modes:
+    for eager, pipelined in modes:
         llm = LLM(model, max_num_seqs=max(batches), max_loras=args.adapters, max_lora_rank=8,
                   max_model_len=256, max_num_batched_tokens=max(2048, 16 * max(batches)),
-                  enable_prefix_caching=False, device=args.device, enforce_eager=eager)
-        mode = "eager" if llm.engine.runner.graphs is None else "graphs"
+                  enable_prefix_caching=False, device=args.device, enforce_eager=eager,
+                  async_scheduling=pipelined)
+        mode = ("eager" if llm.engine.runner.graphs is None else "graphs") + (
+            ", async scheduling" if pipelined else "")
         rows += [(mode, *row) for row in run_batches(llm, batches, dirs, args.steps)]
         del llm
     lines = [f"Machine: {machine()}; device {args.device}; "
@@ -165,7 +177,9 @@ def run_batches(llm: LLM, batches: list[int], dirs: list[str], steps: int):
     # Looked up on the type (engine.sampler(...), detokenizers made per request): wrapped
     # there, and unwrapped at the end.
     classes = ((type(engine.sampler), "__call__", "sample"),
+               (type(engine.sampler), "tokens", "sample"),
                (IncrementalDetokenizer, "step", "detokenize"),
+               (IncrementalDetokenizer, "step_token", "detokenize"),
                (IncrementalDetokenizer, "flush", "detokenize"))
     for owner, name, part in classes:
         clock.wrap(owner, name, part)

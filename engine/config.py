@@ -108,6 +108,12 @@ class EngineOptions:
     enforce_eager: bool = option(False, "never capture CUDA graphs: every decode step launches "
                                  "its kernels from Python (CUDA graphs are CUDA-only, so on "
                                  "the CPU this changes nothing)")
+    # vLLM's flag. Off by default: on the CPU the forward pass holds the host, so nothing
+    # overlaps; on a GPU it hides the host's share of a decode step (engine/pipeline.py).
+    async_scheduling: bool = option(False, "schedule and launch each step before the host "
+                                    "reads the step before's tokens, so the host's work "
+                                    "overlaps the device's (not with speculative decoding or "
+                                    "tensor parallelism)")
     tensor_parallel_size: int = option(1, "ranks the model is split across (one process and "
                                        "device each; gloo on the CPU, NCCL on CUDA)")
     seed: int = option(0, "seed of the sampler's generator (requests without a seed)")
@@ -156,6 +162,12 @@ class EngineOptions:
         if isinstance(self.speculative_config, dict):  # held as the flag's JSON text
             object.__setattr__(self, "speculative_config",
                                json.dumps(as_json(spec)) if spec is not None else None)
+        if self.async_scheduling and (spec is not None or self.tensor_parallel_size > 1):
+            raise ValueError(f"{n('async_scheduling')} cannot be combined with "
+                             + (f"{n('speculative_config')}: a proposal needs the tokens "
+                                "before it" if spec is not None else
+                                f"{n('tensor_parallel_size')} > 1: the worker ranks would "
+                                "need the tokens in flight"))
         if self.tensor_parallel_size > 1 and self.max_full_module_slots:
             raise ValueError(f"{n('max_full_module_slots')} must be 0 with "
                              f"{n('tensor_parallel_size')} > 1: saved modules are not split "

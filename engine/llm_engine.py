@@ -14,12 +14,13 @@ from dataclasses import replace
 
 import torch
 
-from adapters.format import LoraAdapter, read_adapter
+from engine.adapter_calls import AdapterCalls
 from engine.config import Config
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv.block_manager import BlockManager
 from engine.lora.manager import LoRAManager
 from engine.model_runner import ModelRunner
+from engine.pipeline import InFlight, drop_pending
 from engine.prompt_logprobs import record_prompt_logprobs
 from engine.request_checks import RequestLimits, check_request
 from engine.request_state import RequestState
@@ -37,7 +38,7 @@ from engine.tokenizer import eos_token_ids, tokenize, try_load_tokenizer
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(AdapterCalls):
     def __init__(self, config: Config):
         self.config = config
         started = time.perf_counter()
@@ -71,6 +72,7 @@ class LLMEngine:
         self.closed = False
         self._grammars: GrammarCompiler | None = None  # built by the first guided request
         self._aborted: list[RequestOutput] = []  # final outputs of requests ended between steps
+        self.in_flight: InFlight | None = None  # a step whose tokens are not read (pipeline.py)
         logger.info("engine ready in %.1f s: %s", time.perf_counter() - started, config.model)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
@@ -90,6 +92,7 @@ class LLMEngine:
         for request_id in list(self.requests):
             self.abort(request_id)
         self._aborted.clear()
+        self.in_flight = None
         self.runner.close()
         self.lora.close()
         if self.speculator is not None:
@@ -144,6 +147,7 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        drop_pending(request.seq)  # a token in flight is never read
         self._finish(request.seq, "abort")
         out = request.output([], [], "")
         self._aborted.append(out)
@@ -154,53 +158,22 @@ class LLMEngine:
         aborted, self._aborted = self._aborted, []
         return aborted
 
-    def add_adapter(self, name: str, path: str | None, adapter: LoraAdapter | None = None) -> int:
-        """Register or replace an adapter (`adapter`, parsed and validated where its bytes were
-        read, else read from the PEFT directory `path`, its disk copy too; None: in memory only);
-        returns its version. A bad adapter raises AdapterError, changing nothing."""
-        if adapter is None:
-            adapter = read_adapter(path, self.lora.spec)
-        busy = {r.seq.adapter for r in self.requests.values() if r.seq.adapter}
-        return self.lora.add(name, adapter, path=path, busy=busy)
-
-    def add_draft_adapter(self, name: str, path: str) -> None:
-        """Register (or replace) the draft-model LoRA that drafts for adapter `name`'s rows
-        (speculative decoding with a draft model); AdapterError when it does not fit the draft."""
-        draft = self.speculator.draft if self.speculator is not None else None
-        if draft is None:
-            raise ValueError("draft adapters need speculative decoding with a draft model "
-                             '(--speculative-config {"method": "draft_model", ...})')
-        draft.add_adapter(name, path)
-
-    def evict_adapter(self, name: str) -> bool:
-        """Move an adapter down to the disk tier (device slot and host copy freed)."""
-        return self.lora.evict(name)
-
-    def to_device(self, name: str) -> str:
-        """Bring a registered adapter into a device slot now; returns "device" or "host"."""
-        return self.lora.to_device(name)
-
-    def pin_adapter(self, name: str, pinned: bool = True) -> None:
-        self.lora.pin(name, pinned)
-
-    def remove_adapter(self, name: str) -> None:
-        """Forget an adapter; requests still using it are aborted and its slot freed."""
-        self.lora.check_known(name)
-        for request_id, request in list(self.requests.items()):
-            if request.seq.adapter == name:
-                self.abort(request_id)
-        self.lora.remove(name)
-
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample one step; the outputs of the tokens read back in it (under
+        async scheduling, engine/pipeline.py, the step before's, and this one's when it does
+        not stay in flight)."""
         self._check_open()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running, self.sampler)
         batch = self.scheduler.schedule()
+        flight, self.in_flight = self.in_flight, None
         if not batch.seqs:
+            if flight is not None:
+                return self._read(flight)
             if self.lora.reads.pending:  # what waits, waits for an adapter read
                 self.lora.reads.wait(timeout=0.01)
             return []
@@ -208,25 +181,52 @@ class LLMEngine:
             lora = self.lora.prepare(batch)  # None when no row has an adapter
             sampling = batch.sampling_seqs()
             masks = self._fill_masks(sampling)  # on the mask thread, during the forward pass
-            step = self.runner.run(plan_step(batch, lora))  # the logit rows' logits [L, V]
+            pending = flight.inputs(batch) if flight is not None else None
+            step = self.runner.run(plan_step(batch, lora), pending)  # logit rows' logits [L, V]
         except BaseException:
             self.block_manager.rollback()  # blocks registered for this step hold no K/V
+            self.in_flight = flight  # its tokens are still the host's to read
             raise
         self.block_manager.commit(batch.seqs, batch.num_new_tokens)
         record_prompt_logprobs(step, batch)
-        if not sampling:
-            return []
+        if (self.config.async_scheduling and sampling and masks is None and not step.prompt
+                and all(seq.params.pipelines for seq in sampling)):
+            launched = InFlight(sampling, self.sampler.tokens(self._sampling_logits(step),
+                                                              sampling))
+            outputs = self._read(flight) if flight is not None else []
+            launched.hold()
+            self.in_flight = launched
+            return outputs
+        outputs = self._read(flight) if flight is not None else []
+        if sampling:
+            outputs += self._advance(sampling, *self._sample(step, sampling, masks))
+        return outputs
+
+    def _advance(self, seqs: list[Sequence], tokens: list[list[int]],
+                 logprobs: list) -> list[RequestOutput]:
+        """Take each sequence's new tokens (RequestState.advance); retire those that ended."""
         outputs, requests = [], self.requests
-        for seq, tokens, logprobs in zip(sampling, *self._sample(step, sampling, masks)):
-            out = requests[seq.request_id].advance(tokens, logprobs)
+        for seq, new, new_logprobs in zip(seqs, tokens, logprobs):
+            if seq.status is SequenceStatus.FINISHED:
+                continue  # ended on the token the step before read (async scheduling)
+            out = requests[seq.request_id].advance(new, new_logprobs)
             if seq.spec_tokens:  # verified: its kept drafts are all its new tokens but the last
                 if not out.finished:
-                    self.block_manager.settle_verified(seq, len(tokens) - 1)
+                    self.block_manager.settle_verified(seq, len(new) - 1)
                 seq.spec_tokens = []
             if out.finished:
                 self._finish(seq, out.finish_reason)
                 del requests[seq.request_id]
             outputs.append(out)
+        return outputs
+
+    def _read(self, flight: InFlight) -> list[RequestOutput]:
+        """The outputs of the step in flight: its tokens read back and taken."""
+        seqs, tokens = flight.take()
+        outputs = self._advance(seqs, [[token] for token in tokens], [None] * len(seqs))
+        for seq in seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.settle_pending(seq)
         return outputs
 
     def _finish(self, seq: Sequence, reason: str) -> None:
@@ -239,20 +239,15 @@ class LLMEngine:
         mask = masks.result() if masks else None
         if self.speculator is not None:
             return self.speculator.sample(self.sampler, step, sampling, mask)
+        return sample_plain(self.sampler, self._sampling_logits(step), sampling, mask)
+
+    @staticmethod
+    def _sampling_logits(step) -> torch.Tensor:
+        """The sampling rows' logits [S, V] of the step's logit rows."""
         logits = step.logits
         if len(step.sampling) < logits.shape[0]:
             logits = logits[torch.tensor(step.sampling, device=logits.device)]
-        return sample_plain(self.sampler, logits, sampling, mask)
-
-    def take_failures(self) -> list[tuple[list[str], str]]:
-        """[(ids, why)]: requests failed, after a step, as their adapter could not be re-read."""
-        failures = []
-        for adapter, why in self.lora.reads.take_failures().items():
-            dropped = self.scheduler.drop_waiting(adapter)
-            for seq in dropped:
-                del self.requests[seq.request_id]
-            failures.append(([seq.request_id for seq in dropped], why))
-        return failures
+        return logits
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -24,6 +24,7 @@ from engine.forward_context import AttentionMetadata, ForwardContext, forward_co
 from engine.host_memory import keep_freed_memory
 from engine.loader import load_model
 from engine.lora_step import LoRAStep
+from engine.pipeline import PendingInputs
 from engine.scheduled_batch import PromptRows
 from engine.step_inputs import DecodeBuffers, DecodeViews, StepInputs, decode_metadata
 from engine.step_plan import StepPlan
@@ -131,12 +132,19 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> StepLogits:
+    def run(self, plan: StepPlan, pending: PendingInputs | None = None) -> StepLogits:
         """Forward one step; the logits of its logit rows (plan.logit_rows: the rows that
-        sample, and those whose prompt logprobs were asked for)."""
-        return self.forward(self.prepare(plan))
+        sample, and those whose prompt logprobs were asked for). `pending`: input tokens the
+        step in flight samples (async scheduling, engine/pipeline.py)."""
+        return self.forward(self.prepare(plan, pending))
 
-    def prepare(self, plan: StepPlan) -> StepInputs:
+    def prepare(self, plan: StepPlan, pending: PendingInputs | None = None) -> StepInputs:
+        inputs = self._prepare(plan)
+        if pending is not None:  # the host wrote placeholders there: the device has the tokens
+            pending.write(inputs.input_ids)
+        return inputs
+
+    def _prepare(self, plan: StepPlan) -> StepInputs:
         logits = plan.logit_rows
         if plan.decode_only:
             return self._prepare_decode(plan)

@@ -68,21 +68,28 @@ class Sampler:
         # Logprobs are of the raw model distribution, so take them before anything edits logits.
         raw = torch.log_softmax(logits[want_logprobs].float(), dim=-1) if want_logprobs else None
 
-        logits = self.process(logits, seqs, mask)
-        # A greedy batch stops here: one argmax. Greedy rows of a mixed batch keep their argmax
-        # (the first index on ties, as transformers' torch.argmax).
-        token_ids = argmax_rows(logits)  # [B]
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled:
-            token_ids[sampled] = self._sample(logits[sampled].float(), [seqs[i] for i in sampled])
-
-        tokens: list[int] = token_ids.tolist()
+        tokens: list[int] = self.tokens(logits, seqs, mask).tolist()
         out_logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         if raw is not None:
             for row, lp in zip(want_logprobs, gather_logprobs(raw, tokens, want_logprobs, params),
                                strict=True):
                 out_logprobs[row] = lp
         return SamplerOutput(token_ids=tokens, logprobs=out_logprobs)
+
+    @torch.inference_mode()
+    def tokens(self, logits: Tensor, seqs: list[Sequence], mask: TokenMask | None = None) -> Tensor:
+        """Each row's token [B] int64, where the logits are (on a GPU: not read back here, so
+        an asynchronously scheduled step's tokens stay on the device)."""
+        if mask is None and all(s.params.plain for s in seqs):
+            return argmax_rows(logits)
+        logits = self.process(logits, seqs, mask)
+        # A greedy batch stops here: one argmax. Greedy rows of a mixed batch keep their argmax
+        # (the first index on ties, as transformers' torch.argmax).
+        token_ids = argmax_rows(logits)  # [B]
+        sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if sampled:
+            token_ids[sampled] = self._sample(logits[sampled].float(), [seqs[i] for i in sampled])
+        return token_ids
 
     def process(self, logits: Tensor, seqs: list, mask: TokenMask | None = None) -> Tensor:
         """logits [B, V] with the grammar mask, token edits and penalties applied: a copy when

@@ -129,6 +129,10 @@ class SamplingParams:
         # greedy with nothing to edit or report: a batch of such rows is one argmax
         self.plain = (self.greedy and not self.penalized and not self.edits_logits
                       and self.logprobs is None)
+        # its next step may be scheduled before its token is read (--async-scheduling): the
+        # sampler reads none of its earlier tokens' values, nor the host anything it reports
+        self.pipelines = (not self.penalized and self.logprobs is None and self.guided is None
+                          and self.prompt_logprobs is None)
 
     def check_token_ids(self, vocab_size: int) -> None:
         """InvalidParam naming the first logit_bias key or allowed token id that is not a token

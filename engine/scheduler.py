@@ -90,6 +90,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
+            if seq.pending and seq.num_tokens >= seq.num_prompt_tokens + seq.params.max_tokens:
+                i += 1  # the token in flight is its last (async scheduling): nothing to compute
+                continue
             remaining = seq.num_tokens - seq.num_computed_tokens
             # a prompt (or a preempted sequence's recompute), or drafts to verify
             chunked = remaining != 1 or seq.spec_tokens

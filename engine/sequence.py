@@ -27,6 +27,7 @@ class TokenLogprob:
 
 
 _ids = itertools.count()
+PENDING = -1  # Sequence.token_ids' placeholder for a token sampled but not read back yet
 Prompt = str | list[int]  # text, or token ids
 
 
@@ -72,6 +73,9 @@ class Sequence:
     # Proposed next tokens this step verifies (speculative decoding, engine/spec): set by the
     # proposer, cut to the step's budget by the scheduler, cleared once verified
     spec_tokens: list[int] = field(default_factory=list)
+    # Its last token is a placeholder (PENDING) for the token a step still in flight samples:
+    # the next step was scheduled before the host read it (--async-scheduling, engine/pipeline.py)
+    pending: bool = False
     # len(prompt_token_ids), which never change: read by every row of every step
     num_prompt_tokens: int = field(init=False, default=0)
 

@@ -125,6 +125,9 @@ class DecodeBuffers:
         same = device.type == "cpu"
         self.dev64 = self.host64 if same else torch.zeros_like(self.host64, device=device)
         self.dev32 = self.host32 if same else torch.zeros_like(self.host32, device=device)
+        # The last step's copies out of the host buffers: under async scheduling the host fills
+        # them again while that step may still be queued, so it waits for those copies first.
+        self.copied = None if same else torch.cuda.Event()
 
     def fill(self, positions: list[int], tokens: list[int], tables: list[list[int]], rows: int,
              width: int | None = None) -> DecodeViews:
@@ -134,6 +137,8 @@ class DecodeBuffers:
         real, size, N = len(positions), self.block_size, self.max_rows
         assert real <= rows <= N, f"{real} sequences in a step of {rows} rows (at most {N})"
         width = width or max(map(len, tables))
+        if self.copied is not None:
+            self.copied.synchronize()
         grid, written = self.grid, self.written
         for i, table in enumerate(tables):
             if table != written[i]:  # a new block, or another sequence (a list compare: cheap)
@@ -156,6 +161,7 @@ class DecodeBuffers:
         if self.dev64 is not self.host64:
             self.dev64[:, :rows].copy_(self.host64[:, :rows], non_blocking=True)
             self.dev32[:N + rows * width].copy_(self.host32[:N + rows * width], non_blocking=True)
+            self.copied.record()
         views = self.views.get((rows, width))
         if views is None:
             views = self.views[rows, width] = (

@@ -260,13 +260,13 @@ ENGINE_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("layers", ("layers", "quant")),  # quant: the quantized layout the layers hold
     ("models", ("models", "loader")),
     ("config", ("config",)),  # reads config.json into the models' description
-    ("kv", ("kv", "request_checks", "scheduled_batch", "scheduler", "step_plan")),
+    ("kv", ("kv", "request_checks", "scheduled_batch", "scheduler", "step_plan", "pipeline")),
     ("lora", ("lora",)),
     ("runner", ("model_runner", "cuda_graphs", "step_inputs", "prompt_logprobs", "sampler",
                 "host_memory")),
     ("parallel", ("parallel",)),  # the tensor-parallel runner, above the model runner
     ("spec", ("spec",)),  # speculative decoding: proposals and verification around the step
-    ("engine", ("llm_engine", "snapshot")),
+    ("engine", ("llm_engine", "adapter_calls", "snapshot")),
     ("fronts", ("llm", "core", "")),  # the offline API, the engine loop and its transports
 )
 

@@ -175,8 +175,9 @@ class BlockManager:
 
     def _register_filled(self, seq: Sequence, num_tokens: int) -> None:
         """Put the blocks this step's tokens will fill in the prefix cache (module docstring);
-        never one that drafts fill (speculative decoding): a draft may yet be rejected."""
-        num_tokens = min(num_tokens, seq.num_tokens)
+        never one that drafts fill (speculative decoding): a draft may yet be rejected, nor one
+        whose last token is not read back yet (`settle_pending` registers that one)."""
+        num_tokens = min(num_tokens, seq.num_tokens - seq.pending)
         for i in range(seq.num_computed_tokens // self.block_size, num_tokens // self.block_size):
             block = self.blocks[seq.block_table[i]]
             if self.cache.register(block, self._hash(seq, i)):
@@ -217,6 +218,16 @@ class BlockManager:
             for i in range(start // self.block_size, seq.num_computed_tokens // self.block_size):
                 self.cache.register(self.blocks[seq.block_table[i]], self._hash(seq, i))
         self.trim(seq, seq.num_tokens)
+
+    def settle_pending(self, seq: Sequence) -> None:
+        """`seq`'s last token, a placeholder when this step registered its blocks, is known
+        now: if it completes a block whose K/V a launched step computes, that block joins the
+        prefix cache (async scheduling; a sequence not in that step registers it when it is)."""
+        last = seq.num_tokens - 1
+        if (self.enable_prefix_caching and (last + 1) % self.block_size == 0
+                and last < seq.num_computed_tokens):
+            index = last // self.block_size
+            self.cache.register(self.blocks[seq.block_table[index]], self._hash(seq, index))
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Hand back `seq`'s blocks past its first `num_tokens` tokens (never cached ones: a

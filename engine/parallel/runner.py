@@ -135,8 +135,9 @@ class ParallelRunner:
         _active = weakref.ref(self)
         logger.info("tensor parallel: %d ranks, %d worker processes", size, len(self.workers))
 
-    def run(self, plan: StepPlan) -> StepLogits:
+    def run(self, plan: StepPlan, pending: None = None) -> StepLogits:
         assert plan.lora is None or plan.lora.full is None, "saved modules under TP are refused"
+        assert pending is None, "async scheduling under TP is refused"
         self.send(Run(plan))
         try:
             return self.local.run(plan)

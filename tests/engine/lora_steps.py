@@ -12,8 +12,8 @@ def watch_lora_steps(llm, monkeypatch, check: Callable[[], None] | None = None) 
     runner, steps = llm.engine.runner.local, []
     prepare = runner.prepare
 
-    def watched(plan):
-        inputs = prepare(plan)
+    def watched(plan, pending=None):
+        inputs = prepare(plan, pending)
         if check is not None:
             check()
         steps.append(inputs.lora)

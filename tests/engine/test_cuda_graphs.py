@@ -1,7 +1,8 @@
 """CUDA-graph decode on a GPU: replayed steps give the tokens eager steps give, token for
 token, with LoRA in mixed batches, base rows, token masks (allowed_token_ids, logit_bias) and
-batches that shrink through the buckets. Run by benchmarks/gpu_session.sh on a CUDA machine;
-on a machine without CUDA these tests are skipped (marked gpu)."""
+batches that shrink through the buckets, with and without async scheduling. Run by
+benchmarks/gpu_session.sh on a CUDA machine; on a machine without CUDA these tests are skipped
+(marked gpu)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,25 @@ def test_graphs_in_float32_give_peft_tokens(lora_world: World):
     outputs = llm.generate(lora_world.prompts, SamplingParams(max_tokens=MAX_TOKENS,
                            temperature=0.0, ignore_eos=True), adapters=lora_world.requests)
     lora_world.check(outputs, "cuda float32 with graphs")
+
+
+def test_async_scheduling_on_the_gpu_gives_the_synchronous_tokens(lora_world: World):
+    """Graphs on and each step launched before the host reads the step before's tokens (they
+    reach the next step's inputs on the device): PEFT's float32 greedy tokens, and in a batch of
+    seeded sampling and token masks, the synchronous engine's tokens."""
+    options = dict(device="cuda", dtype="float32", lora_backend="triton",
+                   attention_backend="triton", max_num_seqs=8)
+    pipelined = lora_world.llm(async_scheduling=True, **options)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    lora_world.check(pipelined.generate(lora_world.prompts, greedy, adapters=lora_world.requests),
+                     "cuda float32 with graphs and async scheduling")
+    params = [SamplingParams(max_tokens=MAX_TOKENS - i % 5, ignore_eos=True,
+                             **(dict(temperature=0.9, seed=i) if i % 2 else
+                                dict(temperature=0.0, logit_bias={5: 3.0})))
+              for i in range(2 * len(lora_world.requests))]
+    prompts, adapters = lora_world.prompts * 2, lora_world.requests * 2
+    got = pipelined.generate(prompts, params, adapters=adapters)
+    sync = lora_world.llm(**options)
+    want = sync.generate(prompts, params, adapters=adapters)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert pipelined.engine.num_free_kv_blocks == pipelined.engine.block_manager.num_blocks

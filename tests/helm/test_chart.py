@@ -390,7 +390,7 @@ def test_speculative_config_reaches_the_server_as_json_only_when_set():
     assert flag(container, "--speculative-config") == [raw]
 
 
-def test_prefix_caching_slot_aging_and_full_modules_reach_the_server_as_its_flags():
+def test_prefix_caching_slot_aging_full_modules_and_async_scheduling_reach_the_server_as_its_flags():
     default = gateway(render())
     assert "--enable-prefix-caching" in default["args"]
     assert flag(default, "--lora-starvation-steps") == ["32"]
@@ -402,6 +402,9 @@ def test_prefix_caching_slot_aging_and_full_modules_reach_the_server_as_its_flag
     assert flag(saved, "--max-full-module-slots") == ["2"]
     parsed = serve_args(off)
     assert parsed.enable_prefix_caching is False and parsed.lora_starvation_steps == 0
+    assert "--async-scheduling" not in default["args"]
+    pipelined = gateway(render({"engine": {"asyncScheduling": True}}))
+    assert serve_args(pipelined).async_scheduling is True
 
 
 def serve_args(container: dict[str, Any]):
