@@ -25,13 +25,15 @@ unset TRITON_INTERPRET
 
 # The engine on the GPU first: CUDA-graph replay vs eager token for token, graphs vs PEFT in
 # float32, bf16/fp16 vs PEFT on the same GPU (tests/engine: test_cuda_graphs, test_dtype_parity).
-timeout 150 $PY -m pytest tests/engine/test_cuda_graphs.py tests/engine/test_dtype_parity.py \
+timeout 130 $PY -m pytest tests/engine/test_cuda_graphs.py tests/engine/test_dtype_parity.py \
   -m gpu -q -p no:cacheprovider -o log_cli=true --log-cli-level=INFO \
   --junitxml="$OUT_DIR/gpu_engine_tests.xml" 2>&1 | tail -60 | tee "$OUT_DIR/gpu_engine_tests.txt"
 
-# Quantized bases: the Triton GEMM against the float64 oracle on the GPU, then the engine on
+# The fused norm / rotary / SiLU kernels and the quantized bases' Triton GEMM against their
+# float64 oracles on the GPU, then the engine on
 # every scheme the tools write, float32 token for token with the CPU oracle, eager and graphs.
-timeout 40 $PY -m pytest tests/kernels/test_quant_triton.py -q -p no:cacheprovider \
+timeout 60 $PY -m pytest tests/kernels/test_quant_triton.py tests/kernels/test_fused_triton.py \
+  -q -p no:cacheprovider \
   --junitxml="$OUT_DIR/gpu_quant_kernels.xml" 2>&1 | tail -20 | tee "$OUT_DIR/gpu_quant_kernels.txt"
 LORAGW_QUANT_WORLD=${LORAGW_QUANT_WORLD:-$PWD/.quant-world/llama} timeout 90 $PY -m pytest \
   tests/engine/test_quant_gpu.py -m gpu -q -p no:cacheprovider \

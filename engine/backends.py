@@ -9,9 +9,10 @@ and read by every layer from the forward context, as the callables themselves.
     linear     dense projections (and lm_head): "torch" (F.linear) or "onednn" (kernels/
                cpu_linear.py: weights packed once at load; the CPU's auto once it passes its
                start-up check).
-    elementwise  residual add + RMSNorm and rotary (engine/layers/norm.py, rotary.py): "torch"
-               (its ops) or "cpu" (kernels/cpu_fused.py, C, float32: the CPU's auto once it
-               passes its start-up check).
+    elementwise  residual add + RMSNorm, rotary and SiLU-and-mul (engine/layers/norm.py,
+               rotary.py, models/llama.py): "torch" (its ops), "cpu" (kernels/cpu_fused.py, C,
+               float32: the CPU's auto once it passes its start-up check; SiLU stays torch's)
+               or "triton" (kernels/fused_triton.py: CUDA's auto once it passes its check).
     quant      a quantized base's projections: "torch" (kernels/quant.py, dequantize then GEMM:
                the CPU path, and CUDA's for FP8 before sm_89) or "triton" (kernels/quant_triton.py,
                dequantizing in the GEMM's tiles: CUDA). None: the base is not quantized.
@@ -58,6 +59,8 @@ class Backends:
     # attention layer's index_copy_)
     store_kv: Callable | None = field(init=False, repr=False, compare=False)
     quant_linear: Callable = field(init=False, repr=False, compare=False)
+    # the module whose add_rms_norm / rotary / silu_and_mul the layers call (None: torch's ops)
+    fused: object | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_kernels", lora_kernels(self.lora))
@@ -72,6 +75,10 @@ class Backends:
             decode, store = cpu_attention.paged_attention_decode, cpu_attention.store_kv
         object.__setattr__(self, "decode_attention", decode)
         object.__setattr__(self, "store_kv", store)
+        fused = {"cpu": cpu_fused, "torch": None}.get(self.elementwise)
+        if self.elementwise == "triton":
+            fused = importlib.import_module("kernels.fused_triton")
+        object.__setattr__(self, "fused", fused)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +182,13 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) 
 def resolve_elementwise_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
     if name == "torch":
         return name
+    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError('elementwise_backend="triton" on CPU needs TRITON_INTERPRET=1 set '
+                         'before start-up; use "cpu" or "torch" on CPU')
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        fused = importlib.import_module("kernels.fused_triton")  # triton only where it serves
+        return checked(name, "triton", fused.self_check(device, dtype),
+                       "the Triton norm, rotary and SiLU kernels", "torch's ops")
     if device.type != "cpu" or dtype != torch.float32:
         if name == "cpu":
             raise ValueError(f'elementwise_backend="cpu" needs a float32 CPU engine; this is '

@@ -31,7 +31,7 @@ DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "torch", "triton")  # LoRA kernels (engine/backends.py)
 ATTENTION_BACKENDS = (*BACKENDS, "cpu")  # decode attention (engine/backends.py)
 LINEAR_BACKENDS = ("auto", "torch", "onednn")  # dense projections (engine/backends.py)
-ELEMENTWISE_BACKENDS = ("auto", "torch", "cpu")  # norms and rotary (engine/backends.py)
+ELEMENTWISE_BACKENDS = ("auto", "torch", "cpu", "triton")  # norms, rotary, SiLU (engine/backends.py)
 
 
 def option(default: Any, help: str, **meta: Any) -> Any:
@@ -90,9 +90,10 @@ class EngineOptions:
                                  "weights packed once at load, when torch has oneDNN and it "
                                  "passes its start-up check; torch's elsewhere), torch or onednn",
                                  choices=LINEAR_BACKENDS)
-    elementwise_backend: str = option("auto", "residual add + RMSNorm and rotary: auto (on a "
-                                      "float32 CPU engine the C kernels, once they pass their "
-                                      "start-up check; torch's ops elsewhere), torch or cpu",
+    elementwise_backend: str = option("auto", "residual add + RMSNorm, rotary and SiLU-and-mul: "
+                                      "auto (the C kernels on a float32 CPU engine, the Triton "
+                                      "kernels on CUDA, each once it passes its start-up "
+                                      "check; torch's ops elsewhere), torch, cpu or triton",
                                       choices=ELEMENTWISE_BACKENDS)
     # Counted in steps, not seconds, so it bounds the wait in forward passes whatever the
     # hardware and is deterministic in tests. None turns aging off (0 on the command line).

@@ -74,7 +74,8 @@ def get_forward_context() -> ForwardContext:
     return _current
 
 
-def elementwise_in_c() -> bool:
-    """Whether this step's norms and rotary run in C (Backends.elementwise); False outside a
-    step (a layer called on its own runs torch's ops)."""
-    return _current is not None and _current.backends.elementwise == "cpu"
+def fused_elementwise():
+    """The module whose kernels run this step's norms, rotary and SiLU-and-mul
+    (Backends.fused: kernels.cpu_fused or kernels.fused_triton), None for torch's ops; None
+    outside a step (a layer called on its own runs torch's ops)."""
+    return None if _current is None else _current.backends.fused

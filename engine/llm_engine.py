@@ -197,18 +197,21 @@ class LLMEngine(AdapterCalls):
             launched.hold()
             self.in_flight = launched
             return outputs
-        outputs = self._read(flight) if flight is not None else []
+        if flight is None:  # (the common step: no row can have ended since it was scheduled)
+            return self._advance(sampling, *self._sample(step, sampling, masks)) if sampling else []
+        outputs = self._read(flight)
         if sampling:
-            outputs += self._advance(sampling, *self._sample(step, sampling, masks))
+            outputs += self._advance(sampling, *self._sample(step, sampling, masks), True)
         return outputs
 
-    def _advance(self, seqs: list[Sequence], tokens: list[list[int]],
-                 logprobs: list) -> list[RequestOutput]:
-        """Take each sequence's new tokens (RequestState.advance); retire those that ended."""
-        outputs, requests = [], self.requests
+    def _advance(self, seqs: list[Sequence], tokens: list[list[int]], logprobs: list,
+                 after_read: bool = False) -> list[RequestOutput]:
+        """Take each sequence's new tokens (RequestState.advance); retire those that ended.
+        after_read: rows may have ended on the token read before them (async scheduling)."""
+        outputs, requests, finished = [], self.requests, SequenceStatus.FINISHED
         for seq, new, new_logprobs in zip(seqs, tokens, logprobs):
-            if seq.status is SequenceStatus.FINISHED:
-                continue  # ended on the token the step before read (async scheduling)
+            if after_read and seq.status is finished:
+                continue  # its token here follows the one that ended it: never taken
             out = requests[seq.request_id].advance(new, new_logprobs)
             if seq.spec_tokens:  # verified: its kept drafts are all its new tokens but the last
                 if not out.finished:
@@ -223,7 +226,7 @@ class LLMEngine(AdapterCalls):
     def _read(self, flight: InFlight) -> list[RequestOutput]:
         """The outputs of the step in flight: its tokens read back and taken."""
         seqs, tokens = flight.take()
-        outputs = self._advance(seqs, [[token] for token in tokens], [None] * len(seqs))
+        outputs = self._advance(seqs, [[token] for token in tokens], [None] * len(seqs), True)
         for seq in seqs:
             if seq.status is SequenceStatus.RUNNING:
                 self.block_manager.settle_pending(seq)

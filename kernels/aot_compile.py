@@ -37,7 +37,10 @@ from kernels.compile_targets import Variant
 KERNEL_MODULES = {"_shrink_kernel": "kernels.lora_triton", "_expand_kernel": "kernels.lora_triton",
                   "_decode_kernel": "kernels.paged_attention",
                   "_reduce_kernel": "kernels.paged_attention",
-                  "_quant_matmul_kernel": "kernels.quant_triton"}
+                  "_quant_matmul_kernel": "kernels.quant_triton",
+                  "_add_rms_norm_kernel": "kernels.fused_triton",
+                  "_rotary_kernel": "kernels.fused_triton",
+                  "_silu_and_mul_kernel": "kernels.fused_triton"}
 
 
 @dataclass(frozen=True)

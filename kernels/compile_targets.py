@@ -3,7 +3,8 @@
 A variant is what Triton compiles one binary for: the kernel, each argument's type (pointers
 and scalars; an int equal to 1 becomes a constexpr), which arguments Triton marks 16-divisible
 (tt.divisibility), the constexprs, num_warps and num_stages. The builders mirror the launch
-sites in kernels/lora_triton.py, kernels/paged_attention.py and kernels/quant_triton.py argument
+sites in kernels/lora_triton.py, kernels/paged_attention.py, kernels/quant_triton.py and
+kernels/fused_triton.py argument
 for argument, with the block configs from their own shrink_config / expand_config /
 decode_config / quant_config (interpret=False: the GPU configs). kernels/aot_compile.py
 compiles each for sm_80 / sm_90 without a GPU; tests/kernels/test_compile_targets.py intercepts the real launches and checks them against
@@ -23,13 +24,18 @@ Importing this module does not import Triton (compile workers must import it the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 # the enumerations below range over them (the tests read them from here too)
 from kernels.model_shapes import ATTENTION_GRID, SHIPPED_MODELS
-from kernels.quant import FP8_MIN_CAPABILITY
+from kernels.variants import (  # noqa: F401  (the list's vocabulary, read from here too)
+    DTYPES,
+    ArgValue,
+    Variant,
+    _cdiv,
+    _pow2_at_least,
+    runtime_args,
+    specialize,
+)
 
-DTYPES = ("fp16", "bf16")
 RANKS = (8, 16, 32, 64, 128, 256)    # --max-lora-rank: the pool's R
 KV_BLOCK_SIZE = 16                   # --block-size (default): a constexpr of the decode kernel
 MAX_BATCH = 1024                     # decode batches enumerated for decode_config's split count
@@ -42,101 +48,6 @@ QUANT_SCHEMES = (("int4", False, False), ("int4", True, False), ("int4", False, 
                  ("int4", True, True), ("int8", False, False), ("int8", False, True),
                  ("fp8", False, False))
 QUANT_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-ArgValue = str | int | float | None  # "*bf16" pointer | int (None: neither 1 nor aligned) | float
-# The kernel modules own which arguments are never specialized (their do_not_specialize).
-_RUNTIME_LISTS = {"_shrink_kernel": ("kernels.lora_triton", "SHRINK_RUNTIME_ARGS"),
-                  "_expand_kernel": ("kernels.lora_triton", "EXPAND_RUNTIME_ARGS"),
-                  "_decode_kernel": ("kernels.paged_attention", "DECODE_RUNTIME_ARGS"),
-                  "_reduce_kernel": ("kernels.paged_attention", "REDUCE_RUNTIME_ARGS"),
-                  "_quant_matmul_kernel": ("kernels.quant_triton", "QUANT_RUNTIME_ARGS")}
-
-
-def runtime_args(kernel: str) -> frozenset[str]:
-    """The arguments of `kernel` Triton never specializes (imports the kernel's module)."""
-    import importlib
-
-    module, name = _RUNTIME_LISTS[kernel]
-    return frozenset(getattr(importlib.import_module(module), name))
-
-
-_LABEL_SKIP = {"CAST_FP32", "PRECISION", "USE_DOT", "BLOCK_SIZE", "stride_xh", "stride_oo",
-               "stride_xi", "GROUP_M"}
-
-
-@dataclass(frozen=True)
-class Variant:
-    kernel: str                                 # a kernel function (aot_compile.KERNEL_MODULES)
-    signature: tuple[tuple[str, str], ...]      # (arg, "*bf16" | "i32" | "fp32" | "constexpr")
-    constexprs: tuple[tuple[str, object], ...]  # (arg, value), ints specialized to 1 included
-    aligned: tuple[str, ...]                    # args Triton marks tt.divisibility=16
-    num_warps: int
-    num_stages: int | None                      # None: the launch passes none (backend default)
-
-    @property
-    def label(self) -> str:
-        """Kernel, dtype, the constexprs that vary, and fixed ints that are not 16-aligned."""
-        parts = [self.kernel.strip("_").removesuffix("_kernel"), self.dtype]
-        parts += [f"{k}={v}" for k, v in self.constexprs if k not in _LABEL_SKIP]
-        runtime = runtime_args(self.kernel)
-        parts += [f"{name}%16!=0" for name, ty in self.signature if ty == "i32"
-                  and name not in self.aligned and name not in runtime]
-        return " ".join(parts)
-
-    @property
-    def min_capability(self) -> int:
-        """The oldest GPU (10 * major + minor) the binary is for: fp8 weights need e4m3."""
-        return FP8_MIN_CAPABILITY if dict(self.constexprs).get("KIND") == "fp8" else 0
-
-    @property
-    def family(self) -> str:
-        """Kernel and tile kind: what a summary row groups."""
-        consts = dict(self.constexprs)
-        kind = {16: " decode tiles", 64: " prefill tiles"}.get(consts.get("BLOCK_M"), "")
-        return f"{self.kernel.strip('_').removesuffix('_kernel')}{kind} {self.dtype}"
-
-    @property
-    def dtype(self) -> str:
-        """The activation dtype: the element type of x (shrink) or out (the others)."""
-        args = dict(self.signature)
-        return args.get("out_ptr", args.get("x_ptr", "")).removeprefix("*")
-
-
-def specialize(kernel: str, args: dict[str, ArgValue], constexprs: dict[str, object],
-               num_warps: int, num_stages: int | None = None) -> Variant:
-    """A launch's variant, by Triton's rules: pointers (torch allocations, 16-byte aligned) and
-    ints divisible by 16 are marked aligned, an int equal to 1 is a constexpr, floats are fp32;
-    the kernel's runtime_args are none of these (their values do not matter here)."""
-    runtime = runtime_args(kernel)
-    signature, aligned, consts = [], [], dict(constexprs)
-    for name, value in args.items():
-        if isinstance(value, str):
-            signature.append((name, value))
-            if name not in runtime:
-                aligned.append(name)
-        elif isinstance(value, float):
-            signature.append((name, "fp32"))
-        elif name in runtime:
-            signature.append((name, "i32"))
-        elif value == 1:
-            signature.append((name, "constexpr"))
-            consts[name] = 1
-        else:
-            signature.append((name, "i32"))
-            if value is not None and value % 16 == 0:
-                aligned.append(name)
-    signature += [(name, "constexpr") for name in constexprs]
-    return Variant(kernel, tuple(signature), tuple(consts.items()), tuple(aligned), num_warps,
-                   num_stages)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def shrink_variant(dtype: str, hidden: int, rank: int, block_m: int, cfg) -> Variant:
     """lora_triton.lora_shrink's launch. x: [T, H] contiguous   lora_a: [n, S, R, H]"""
     p = f"*{dtype}"
@@ -279,4 +190,6 @@ def attention_variants(models=SHIPPED_MODELS, grid=ATTENTION_GRID, dtypes=DTYPES
 
 
 def all_variants() -> list[Variant]:
-    return lora_variants() + attention_variants() + quant_variants()
+    from kernels.elementwise_targets import elementwise_variants
+
+    return lora_variants() + attention_variants() + quant_variants() + elementwise_variants()

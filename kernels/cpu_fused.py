@@ -57,29 +57,15 @@ def serves(x: Tensor) -> bool:
     return x.dtype is torch.float32 and x.stride(-1) == 1
 
 
+# SiLU-and-mul stays torch's on the CPU: a C version (a vectorized exp polynomial) ran no faster
+# than torch's silu and mul (29 vs 30 us at batch 32 on the bench Llama: both bound by the exp).
+silu_and_mul = None
+
+
 def self_check() -> str | None:
     """Why these kernels must not serve here (None: they may): built, then compared with the
     same math in float64 on small random rows, strided as the layers pass them."""
-    try:
-        g = torch.Generator().manual_seed(0)
-        T, H, D = 11, 40, 8
-        x, delta = torch.randn(T, 2 * H, generator=g)[:, :H], torch.randn(T, H, generator=g)
-        weight = torch.randn(H, generator=g)
-        total, out = add_rms_norm(x, delta, weight, 1e-6)
-        s = x.double() + delta.double()
-        want = weight.double() * s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6)
-        errors = [(total.double() - s).abs().max(), (out.double() - want).abs().max()]
-        qkv = torch.randn(T, 7 * D, generator=g)
-        q, k = qkv[:, :4 * D].view(T, 4, D), qkv[:, 4 * D:6 * D].view(T, 2, D)
-        angles = torch.randn(T, 1, D // 2, generator=g).repeat(1, 1, 2)
-        cos, sin = angles.cos(), angles.sin()
-        for got, ref in zip(rotary(q, k, cos, sin), (q, k)):
-            ref = ref.double()
-            turned = torch.cat((-ref[..., D // 2:], ref[..., :D // 2]), -1)
-            errors.append((got.double() - (ref * cos.double() + turned * sin.double())).abs().max())
-        error = max(e.item() for e in errors)
-        if not error <= 1e-4:
-            return f"max error {error:.2e} against float64"
-    except Exception as exc:  # no compiler, a failed build or load
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
-    return None
+    from kernels.elementwise_reference import fused_elementwise_problem
+
+    return fused_elementwise_problem(add_rms_norm, rotary, None, torch.device("cpu"),
+                                     torch.float32)

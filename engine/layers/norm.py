@@ -1,28 +1,31 @@
-"""RMSNorm, computed the way Hugging Face Llama and Gemma do (float32 statistics); Llama's in
-C on a float32 CPU engine (kernels/cpu_fused.py, chosen in engine/backends.py)."""
+"""RMSNorm, computed the way Hugging Face Llama and Gemma do (float32 statistics); Llama's as
+one fused kernel where the step's backend has one (kernels/cpu_fused.py in C on a float32 CPU
+engine, kernels/fused_triton.py on CUDA; chosen in engine/backends.py)."""
 
 import torch
 from torch import nn
 
-from engine.forward_context import elementwise_in_c
+from engine.forward_context import fused_elementwise
 from engine.layers.parts import Loadable
-from kernels import cpu_fused
 
 
 class RMSNorm(nn.Module, Loadable):
-    in_c = True  # Llama's formula is the C kernel's
+    fusable = True  # Llama's formula is the fused kernels'
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
-    def _c(self, x: torch.Tensor) -> bool:
-        return self.in_c and x.dim() == 2 and elementwise_in_c() and cpu_fused.serves(x)
+    def _fused(self, x: torch.Tensor):
+        """The step's fused kernels if they take x, else None."""
+        fused = fused_elementwise() if self.fusable and x.dim() == 2 else None
+        return fused if fused is not None and fused.serves(x) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._c(x):
-            return cpu_fused.add_rms_norm(x, None, self.weight, self.eps)[1]
+        fused = self._fused(x)
+        if fused is not None:
+            return fused.add_rms_norm(x, None, self.weight, self.eps)[1]
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -30,8 +33,9 @@ class RMSNorm(nn.Module, Loadable):
 
     def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream after a block and its norm: (x + delta, self(x + delta))."""
-        if self._c(x) and cpu_fused.serves(delta):
-            return cpu_fused.add_rms_norm(x, delta, self.weight, self.eps)
+        fused = self._fused(x)
+        if fused is not None and fused.serves(delta):
+            return fused.add_rms_norm(x, delta, self.weight, self.eps)
         x = x + delta
         return x, self(x)
 
@@ -40,7 +44,7 @@ class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the weight is an offset from 1 and the scaling happens in float32
     before the cast back, (x * (1 + w)).to(dtype), where Llama casts first, x.to(dtype) * w."""
 
-    in_c = False
+    fusable = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

@@ -15,8 +15,7 @@ import math
 import torch
 from torch import nn
 
-from engine.forward_context import elementwise_in_c
-from kernels import cpu_fused
+from engine.forward_context import fused_elementwise
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs
@@ -142,9 +141,10 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         (q_rot, q_pass), (k_rot, k_pass) = (t.split([rot, t.shape[-1] - rot], -1) for t in (q, k))
         q_rot, k_rot = apply_rotary(q_rot, k_rot, cos, sin)
         return torch.cat((q_rot, q_pass), -1), torch.cat((k_rot, k_pass), -1)
-    if (elementwise_in_c() and cpu_fused.serves(q) and cpu_fused.serves(k)
-            and cos.dtype is torch.float32 and cos.is_contiguous() and sin.is_contiguous()):
-        return cpu_fused.rotary(q, k, cos, sin)  # the same products and sums, one call
+    fused = fused_elementwise()
+    if (fused is not None and fused.serves(q) and fused.serves(k) and cos.dtype is q.dtype
+            and cos.is_contiguous() and sin.is_contiguous()):
+        return fused.rotary(q, k, cos, sin)  # the same products and sums, one call
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.shard import Shard
+from engine.forward_context import fused_elementwise
 from engine.layers.attention import PagedAttention
 from engine.layers.embedding import VocabEmbedding
 from engine.layers.linear import Linear
@@ -90,7 +91,11 @@ class MLP(Block):
         yield from (self.gate_up_proj, self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        fused = fused_elementwise() if self.act is F.silu else None
+        if fused is not None and fused.silu_and_mul is not None and fused.serves(gate_up):
+            return self.down_proj(fused.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
         return self.down_proj(self.act(gate) * up)
 
 

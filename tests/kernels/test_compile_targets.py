@@ -29,11 +29,13 @@ from kernels.aot_compile import (
     problems,
     targets_for,
 )
+from kernels.elementwise_targets import elementwise_variants
 from kernels.quant import FP8_MIN_CAPABILITY, QuantWeight
 
 lt = importlib.import_module("kernels.lora_triton")
 pa = importlib.import_module("kernels.paged_attention")
 qt = importlib.import_module("kernels.quant_triton")
+ft = importlib.import_module("kernels.fused_triton")
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -123,7 +125,9 @@ def launches(monkeypatch):
     for module, kernels, configs in ((lt, ("_shrink_kernel", "_expand_kernel"),
                                       ("shrink_config", "expand_config")),
                                      (pa, ("_decode_kernel", "_reduce_kernel"), ("decode_config",)),
-                                     (qt, ("_quant_matmul_kernel",), ("quant_config",))):
+                                     (qt, ("_quant_matmul_kernel",), ("quant_config",)),
+                                     (ft, ("_add_rms_norm_kernel", "_rotary_kernel",
+                                           "_silu_and_mul_kernel"), ())):
         for name in kernels:
             kernel = getattr(module, name)
             monkeypatch.setattr(kernel, "run", lambda *a, grid, warmup, _k=kernel, **kw:
@@ -249,6 +253,32 @@ def test_decode_attention_launches_are_listed(heads, variants, launches):
                                   ids32[:B], D ** -0.5, out=out)
         cfg = pa.decode_config(B, n_kv, D, interpret=False)
         expected = ct.decode_variants(dtype, n_heads, n_kv, D, ct.KV_BLOCK_SIZE, cfg)
+        problems_found += _missing(list(launches), expected, listed)
+    assert problems_found == [], "\n".join(problems_found)
+
+
+@pytest.mark.parametrize("model", ct.SHIPPED_MODELS, ids=lambda m: m.name)
+def test_fused_elementwise_launches_are_listed(model, variants, launches):
+    """Engine layouts: the residual stream and o_proj / down_proj outputs contiguous [T, H],
+    q and k views of the qkv output, the gate_up output [T, 2I]."""
+    proj = {p.name: p for p in model.projections}
+    hidden, inter = proj["qkv_proj"].hidden, proj["gate_up_proj"].widths[0]
+    n_q, n_k, D = model.attention
+    listed, problems_found = set(variants), []
+    for T, dtype in ((1, "bf16"), (37, "fp16")):
+        td = TORCH_DTYPES[dtype]
+        x, delta, weight = (torch.empty(T, hidden, dtype=td), torch.empty(T, hidden, dtype=td),
+                            torch.empty(hidden, dtype=td))
+        qkv = torch.empty(T, (n_q + 2 * n_k) * D, dtype=td)
+        q = qkv[:, :n_q * D].view(T, n_q, D)
+        k = qkv[:, n_q * D:(n_q + n_k) * D].view(T, n_k, D)
+        cos = torch.empty(T, 1, D, dtype=td)
+        launches.clear()
+        ft.add_rms_norm(x, None, weight, 1e-6)
+        ft.add_rms_norm(x, delta, weight, 1e-6)
+        ft.rotary(q, k, cos, cos)
+        ft.silu_and_mul(torch.empty(T, 2 * inter, dtype=td))
+        expected = elementwise_variants([model], [dtype])
         problems_found += _missing(list(launches), expected, listed)
     assert problems_found == [], "\n".join(problems_found)
 
