@@ -75,8 +75,8 @@ class Backends:
             decode, store = cpu_attention.paged_attention_decode, cpu_attention.store_kv
         object.__setattr__(self, "decode_attention", decode)
         object.__setattr__(self, "store_kv", store)
-        fused = {"cpu": cpu_fused, "torch": None}.get(self.elementwise)
-        if self.elementwise == "triton":
+        fused = cpu_fused if self.elementwise == "cpu" else None
+        if self.elementwise == "triton":  # triton imported only when it serves
             fused = importlib.import_module("kernels.fused_triton")
         object.__setattr__(self, "fused", fused)
 

@@ -225,8 +225,8 @@ class LLMEngine(AdapterCalls):
 
     def _read(self, flight: InFlight) -> list[RequestOutput]:
         """The outputs of the step in flight: its tokens read back and taken."""
-        seqs, tokens = flight.take()
-        outputs = self._advance(seqs, [[token] for token in tokens], [None] * len(seqs), True)
+        seqs, tokens = flight.take()  # the sequences still waiting for a token: none has ended
+        outputs = self._advance(seqs, [[token] for token in tokens], [None] * len(seqs))
         for seq in seqs:
             if seq.status is SequenceStatus.RUNNING:
                 self.block_manager.settle_pending(seq)

@@ -113,8 +113,8 @@ def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tens
     Returns new contiguous q, k."""
     T, n_q, D = q.shape
     n_k = k.shape[1]
-    q_out, k_out = torch.empty_like(q, memory_format=torch.contiguous_format), \
-        torch.empty_like(k, memory_format=torch.contiguous_format)
+    q_out = torch.empty(T, n_q, D, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(T, n_k, D, dtype=k.dtype, device=k.device)
     if T:
         _rotary_kernel[(T, n_q + n_k)](
             q, k, cos, sin, q_out, k_out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
