@@ -25,7 +25,7 @@ unset TRITON_INTERPRET
 
 # The engine on the GPU first: CUDA-graph replay vs eager token for token, graphs vs PEFT in
 # float32, bf16/fp16 vs PEFT on the same GPU (tests/engine: test_cuda_graphs, test_dtype_parity).
-timeout 130 $PY -m pytest tests/engine/test_cuda_graphs.py tests/engine/test_dtype_parity.py \
+timeout 145 $PY -m pytest tests/engine/test_cuda_graphs.py tests/engine/test_dtype_parity.py \
   -m gpu -q -p no:cacheprovider -o log_cli=true --log-cli-level=INFO \
   --junitxml="$OUT_DIR/gpu_engine_tests.xml" 2>&1 | tail -60 | tee "$OUT_DIR/gpu_engine_tests.txt"
 
@@ -40,7 +40,7 @@ LORAGW_QUANT_WORLD=${LORAGW_QUANT_WORLD:-$PWD/.quant-world/llama} timeout 90 $PY
   --junitxml="$OUT_DIR/gpu_quant_engine.xml" 2>&1 | tail -30 | tee "$OUT_DIR/gpu_quant_engine.txt"
 
 # Then every kernel test marked gpu: compiled Triton kernels at Llama-3-8B shapes.
-timeout 90 $PY -m pytest tests/kernels -m gpu -q -p no:cacheprovider \
+timeout 75 $PY -m pytest tests/kernels -m gpu -q -p no:cacheprovider \
   --junitxml="$OUT_DIR/gpu_tests.xml" 2>&1 | tail -40 | tee "$OUT_DIR/gpu_tests.txt"
 
 # Host overhead per decode step on the GPU: eager, with CUDA graphs, and with graphs and async

@@ -41,7 +41,9 @@ class PendingInputs:
     tokens: Tensor  # [S] int64: the step in flight's sampled tokens
 
     def write(self, input_ids: Tensor) -> None:
-        index = torch.tensor([self.rows, self.sources], device=input_ids.device)
+        index = torch.tensor([self.rows, self.sources])  # [2, P]
+        if input_ids.device.type == "cuda":  # a pageable copy would wait for the step in flight
+            index = index.pin_memory().to(input_ids.device, non_blocking=True)
         input_ids[index[0]] = self.tokens[index[1]]
 
 
