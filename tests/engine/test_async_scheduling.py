@@ -121,6 +121,36 @@ def test_abort_of_a_request_in_flight_drops_its_token(pair):
     assert all_free(pipelined)
 
 
+def test_a_failed_step_with_a_step_in_flight_leaves_the_engine_serving(pair, monkeypatch):
+    """A step that raises while another is in flight (what the engine loop then does: abort
+    every request it held) leaves no placeholder, block or stale token behind: the next
+    requests get the synchronous engine's tokens."""
+    sync, pipelined = pair
+    engine = pipelined.engine
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        engine.add_request([4 + i, 9, 2], params, request_id=f"doomed-{i}")
+    for _ in range(3):
+        engine.step()
+    assert engine.in_flight is not None
+    run = engine.runner.run
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the device went away")
+
+    monkeypatch.setattr(engine.runner, "run", fail)
+    with pytest.raises(RuntimeError, match="went away"):
+        engine.step()
+    monkeypatch.setattr(engine.runner, "run", run)
+    for request_id in list(engine.requests):  # as engine/core/loop.py does after a failed step
+        engine.abort(request_id)
+    engine.drain_aborted()
+    assert not engine.has_unfinished() and all_free(pipelined)
+    prompts = [[7, 3, 3, 1], [2, 8], [5, 5, 6]]
+    same(pipelined.generate(prompts, params), sync.generate(prompts, params))
+    assert all_free(pipelined)
+
+
 def test_preemption_and_the_prefix_cache(tiny_checkpoint):
     """Too few KV blocks for every row (sequences are preempted and recomputed, some while a
     token is in flight), then prompts that extend earlier outputs: the same tokens, and the
