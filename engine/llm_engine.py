@@ -34,6 +34,7 @@ from engine.step_plan import plan_step
 from engine.stopping import StopRule
 from engine.structured import GrammarCompiler, GuidedState
 from engine.tokenizer import eos_token_ids, tokenize, try_load_tokenizer
+from kernels.meta import host_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -249,7 +250,7 @@ class LLMEngine(AdapterCalls):
         """The sampling rows' logits [S, V] of the step's logit rows."""
         logits = step.logits
         if len(step.sampling) < logits.shape[0]:
-            logits = logits[torch.tensor(step.sampling, device=logits.device)]
+            logits = logits[host_to_device(torch.tensor(step.sampling), logits.device)]
         return logits
 
     @property

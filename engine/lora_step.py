@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from adapters.types import EMBED_TOKENS, LM_HEAD
 from kernels import LoRAMeta, make_lora_meta
+from kernels.meta import host_to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +95,7 @@ def _full_step(rows: LoRARows, device: torch.device) -> FullModuleStep | None:
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.long, device=device)  # [n]
+    return host_to_device(torch.tensor(rows, dtype=torch.long), device)  # [n]
 
 
 def embed_full_rows(y: torch.Tensor, ids: torch.Tensor, step: FullModuleStep) -> None:

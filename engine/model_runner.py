@@ -29,6 +29,7 @@ from engine.scheduled_batch import PromptRows
 from engine.step_inputs import DecodeBuffers, DecodeViews, StepInputs, decode_metadata
 from engine.step_plan import StepPlan
 from kernels import LoRAMeta
+from kernels.meta import host_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -161,15 +162,15 @@ class ModelRunner:
         for n in plan.num_new[single:]:
             prefill_starts.append(offset)
             offset += n
-        rows = torch.tensor([plan.tokens, positions, slots], dtype=torch.long,
-                            device=self.device)
+        rows = host_to_device(torch.tensor([plan.tokens, positions, slots], dtype=torch.long),
+                              self.device)
         attn = AttentionMetadata(
             slot_mapping=rows[2], num_decode_tokens=queries, decode_block_tables=None,
             decode_context_lens=None, decode_block_ids=None, decode_mask=None,
             prefill_query_starts=prefill_starts, prefill_query_lens=plan.num_new[single:],
             prefill_context_lens=[s + n for s, n in zip(plan.starts[single:],
                                                         plan.num_new[single:])],
-            prefill_block_tables=[torch.tensor(t, dtype=torch.long, device=self.device)
+            prefill_block_tables=[host_to_device(torch.tensor(t, dtype=torch.long), self.device)
                                   for t in plan.block_tables[single:]])
         if queries:  # the single-query rows' addressing, in the decode buffers
             tables = [t for t, n in zip(plan.block_tables[:single], plan.num_new) for _ in range(n)]
@@ -220,7 +221,7 @@ class ModelRunner:
             return StepLogits(hidden.new_empty((0, self.args.vocab_size), dtype=torch.float32),
                               [], [])
         if len(wanted.rows) < hidden.shape[0]:  # else every row: no gather
-            hidden = hidden[torch.tensor(wanted.rows, device=self.device)]
+            hidden = hidden[host_to_device(torch.tensor(wanted.rows), self.device)]
         with forward_context(ctx):  # lm_head's LoRA and saved copies read the step's rows
             return StepLogits(self.model.compute_logits(hidden), wanted.sampling, wanted.prompt)
 

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from engine.scheduled_batch import ScheduledBatch
 from engine.sequence import PENDING, Sequence, SequenceStatus
+from kernels.meta import host_to_device
 
 
 @dataclass(slots=True)
@@ -41,9 +42,7 @@ class PendingInputs:
     tokens: Tensor  # [S] int64: the step in flight's sampled tokens
 
     def write(self, input_ids: Tensor) -> None:
-        index = torch.tensor([self.rows, self.sources])  # [2, P]
-        if input_ids.device.type == "cuda":  # a pageable copy would wait for the step in flight
-            index = index.pin_memory().to(input_ids.device, non_blocking=True)
+        index = host_to_device(torch.tensor([self.rows, self.sources]), input_ids.device)  # [2, P]
         input_ids[index[0]] = self.tokens[index[1]]
 
 

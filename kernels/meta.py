@@ -26,6 +26,16 @@ from torch import Tensor
 DECODE_MAX_TOKENS = 256
 DECODE_BLOCK_M = 16
 PREFILL_BLOCK_M = 64
+def host_to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    """A host tensor on `device` (itself on the CPU). To a GPU through pinned memory, without
+    waiting: torch follows a copy from pageable memory with a stream sync, so the host would wait
+    for every step already queued (async scheduling's overlap gone)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 FIELDS = ("token_slots", "sorted_token_ids", "slot_counts", "slot_starts", "tile_slots",
           "tile_starts", "tile_lens")
 
@@ -137,7 +147,7 @@ def make_lora_meta(token_slots: Tensor | list[int] | np.ndarray, num_slots: int,
         return out
     device = torch.device("cpu") if device is None else torch.device(device)
     # A fresh array: on the CPU the meta may own it; elsewhere one host-to-device copy.
-    stored = host if device.type == "cpu" else host.to(device)
+    stored = host_to_device(host, device)
     views = _views(stored, T, S, nt)
     return LoRAMeta(**dict(zip(FIELDS, views, strict=True)), num_slots=S,
                     max_tokens_per_slot=int(counts.max(initial=0)), has_lora=bool(segments),

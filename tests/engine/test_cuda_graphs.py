@@ -94,22 +94,34 @@ def test_async_scheduling_on_the_gpu_gives_the_synchronous_tokens(lora_world: Wo
     assert pipelined.engine.num_free_kv_blocks == pipelined.engine.block_manager.num_blocks
 
 
-def test_an_async_decode_step_never_waits_for_the_device(lora_world: World):
-    """Once the graphs are captured, a decode step under async scheduling (schedule, prepare
-    with the step in flight's tokens, launch, read the step before's) calls nothing that waits
-    for the device's queue: torch raises on any synchronizing op in sync-debug mode."""
+def test_an_async_step_never_waits_for_the_device(lora_world: World):
+    """Under async scheduling a step (schedule, prepare with the step in flight's tokens, launch,
+    read the step before's) calls nothing that waits for the device's queue, a step that
+    prefills a request arriving beside decoding rows included: torch raises on any
+    synchronizing op in sync-debug mode. A first round captures every graph the second needs."""
     llm = lora_world.llm(async_scheduling=True, device="cuda", dtype="float32",
-                         lora_backend="triton", attention_backend="triton", max_num_seqs=8)
+                         lora_backend="triton", attention_backend="triton", max_num_seqs=8,
+                         enable_prefix_caching=False)
     engine = llm.engine
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    for prompt, adapter in zip(lora_world.prompts, lora_world.requests):
-        engine.add_request(prompt, params, adapter=adapter)
-    for _ in range(3):  # the prefill, then decode steps that capture their graph
-        engine.step()
-    assert engine.in_flight is not None
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
+    late = lora_world.prompts[0][::-1]
+
+    def run(checked: bool) -> None:
+        for prompt, adapter in zip(lora_world.prompts[:6], lora_world.requests[:6]):
+            engine.add_request(prompt, params, adapter=adapter)
+        for _ in range(3):  # the prefill, then decode steps
             engine.step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+        assert engine.in_flight is not None
+        if checked:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            engine.add_request(late, params, adapter=lora_world.requests[1])
+            for _ in range(4):  # its prefill beside the decode rows, then decode steps
+                engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        while engine.has_unfinished():
+            engine.step()
+
+    run(checked=False)
+    run(checked=True)
