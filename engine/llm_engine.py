@@ -250,7 +250,7 @@ class LLMEngine(AdapterCalls):
         """The sampling rows' logits [S, V] of the step's logit rows."""
         logits = step.logits
         if len(step.sampling) < logits.shape[0]:
-            logits = logits[host_to_device(torch.tensor(step.sampling), logits.device)]
+            logits = logits[host_to_device(step.sampling, logits.device)]
         return logits
 
     @property

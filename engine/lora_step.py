@@ -95,7 +95,7 @@ def _full_step(rows: LoRARows, device: torch.device) -> FullModuleStep | None:
 
 
 def _index(rows: list[int], device: torch.device) -> torch.Tensor:
-    return host_to_device(torch.tensor(rows, dtype=torch.long), device)  # [n]
+    return host_to_device(rows, device)  # [n]
 
 
 def embed_full_rows(y: torch.Tensor, ids: torch.Tensor, step: FullModuleStep) -> None:

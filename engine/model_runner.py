@@ -162,15 +162,14 @@ class ModelRunner:
         for n in plan.num_new[single:]:
             prefill_starts.append(offset)
             offset += n
-        rows = host_to_device(torch.tensor([plan.tokens, positions, slots], dtype=torch.long),
-                              self.device)
+        rows = host_to_device([plan.tokens, positions, slots], self.device)
         attn = AttentionMetadata(
             slot_mapping=rows[2], num_decode_tokens=queries, decode_block_tables=None,
             decode_context_lens=None, decode_block_ids=None, decode_mask=None,
             prefill_query_starts=prefill_starts, prefill_query_lens=plan.num_new[single:],
             prefill_context_lens=[s + n for s, n in zip(plan.starts[single:],
                                                         plan.num_new[single:])],
-            prefill_block_tables=[host_to_device(torch.tensor(t, dtype=torch.long), self.device)
+            prefill_block_tables=[host_to_device(t, self.device)
                                   for t in plan.block_tables[single:]])
         if queries:  # the single-query rows' addressing, in the decode buffers
             tables = [t for t, n in zip(plan.block_tables[:single], plan.num_new) for _ in range(n)]
@@ -221,7 +220,7 @@ class ModelRunner:
             return StepLogits(hidden.new_empty((0, self.args.vocab_size), dtype=torch.float32),
                               [], [])
         if len(wanted.rows) < hidden.shape[0]:  # else every row: no gather
-            hidden = hidden[host_to_device(torch.tensor(wanted.rows), self.device)]
+            hidden = hidden[host_to_device(wanted.rows, self.device)]
         with forward_context(ctx):  # lm_head's LoRA and saved copies read the step's rows
             return StepLogits(self.model.compute_logits(hidden), wanted.sampling, wanted.prompt)
 

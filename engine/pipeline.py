@@ -42,7 +42,7 @@ class PendingInputs:
     tokens: Tensor  # [S] int64: the step in flight's sampled tokens
 
     def write(self, input_ids: Tensor) -> None:
-        index = host_to_device(torch.tensor([self.rows, self.sources]), input_ids.device)  # [2, P]
+        index = host_to_device([self.rows, self.sources], input_ids.device)  # [2, P]
         input_ids[index[0]] = self.tokens[index[1]]
 
 

@@ -93,5 +93,5 @@ def self_check() -> str | None:
         if not error <= 1e-4:
             return f"max error {error:.2e} against float64"
     except Exception as exc:  # no compiler, a failed build or load
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+        return native.exception_problem(exc)
     return None

@@ -8,6 +8,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from kernels.native import exception_problem
+
 
 def oracle_add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor,
                         eps: float) -> tuple[Tensor, Tensor]:
@@ -62,7 +64,7 @@ def fused_elementwise_problem(add_rms_norm: Callable, rotary: Callable,
         if not error <= tolerance:
             return f"max error {error:.2e} against float64 (tolerance {tolerance:.0e})"
     except Exception as exc:  # no compiler, a failed build, load or launch
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+        return exception_problem(exc)
     return None
 
 

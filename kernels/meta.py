@@ -26,18 +26,20 @@ from torch import Tensor
 DECODE_MAX_TOKENS = 256
 DECODE_BLOCK_M = 16
 PREFILL_BLOCK_M = 64
-def host_to_device(t: Tensor, device: torch.device | str) -> Tensor:
-    """A host tensor on `device` (itself on the CPU). To a GPU through pinned memory, without
-    waiting: torch follows a copy from pageable memory with a stream sync, so the host would wait
-    for every step already queued (async scheduling's overlap gone)."""
+FIELDS = ("token_slots", "sorted_token_ids", "slot_counts", "slot_starts", "tile_slots",
+          "tile_starts", "tile_lens")
+
+
+def host_to_device(data: Tensor | list, device: torch.device | str) -> Tensor:
+    """A host tensor, or a (nested) list of ints made int64, on `device` (a CPU tensor as it
+    is). To a GPU through pinned memory, without waiting: torch follows a copy from pageable
+    memory with a stream sync, so the host would wait for every step already queued (async
+    scheduling's overlap gone)."""
+    t = data if isinstance(data, Tensor) else torch.tensor(data, dtype=torch.long)
     device = torch.device(device)
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
-
-
-FIELDS = ("token_slots", "sorted_token_ids", "slot_counts", "slot_starts", "tile_slots",
-          "tile_starts", "tile_lens")
 
 
 def tile_m_for(num_tokens: int) -> int:

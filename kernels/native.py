@@ -70,3 +70,10 @@ def function(name: str, symbol: str, args: str, returns: str | None = None):
     fn.argtypes = [TYPES[c] for c in args]
     fn.restype = TYPES[returns] if returns else None
     return fn
+
+
+def exception_problem(exc: Exception) -> str:
+    """A kernel's self-check's problem when building, loading or running the kernel raised: the
+    exception's type and first line."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"

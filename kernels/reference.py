@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import cpu_lora
+from kernels import cpu_lora, native
 from kernels.cpu_dispatch import BagTables, GatherGroup, Rows, bag_tables, step_plan, workspace
 from kernels.meta import LoRAMeta
 
@@ -279,8 +279,9 @@ def paged_decode_problem(decode, device: torch.device, dtype: torch.dtype, num_h
             want = oracle_paged_attention(q, k_cache, v_cache, tables, context, scale, window, cap)
             errors.append((out.double() - want).abs().max().item())
     except Exception as exc:  # a build, compile or launch failure here
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+        return native.exception_problem(exc)
     for error in errors:
         if not error <= tolerance:  # also catches NaN
             return f"max error {error:.3g} vs the float64 reference exceeds {tolerance:g}"
     return None
+
