@@ -18,7 +18,7 @@ import msgspec
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from adapters.aliases import Alias, AliasesUnavailable, choose
+from loragw.adapters.aliases import Alias, AliasesUnavailable, choose
 
 logger = logging.getLogger(__name__)
 

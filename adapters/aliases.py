@@ -19,8 +19,8 @@ import itertools
 import random
 from dataclasses import dataclass
 
-from adapters.errors import AdapterError, InvalidAdapterId
-from adapters.ids import validate_adapter_id
+from loragw.adapters.errors import AdapterError, InvalidAdapterId
+from loragw.adapters.ids import validate_adapter_id
 
 MAX_TARGETS = 16
 MAX_WEIGHT = 1_000_000

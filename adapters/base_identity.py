@@ -15,7 +15,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from adapters.types import BaseModelSpec
+from loragw.adapters.types import BaseModelSpec
 
 KEY_CHARS = 16  # hex digits of sha256: 64 bits, a store folder name and a Redis key part
 

@@ -21,10 +21,10 @@ import re
 
 import torch
 
-from adapters.errors import AdapterError
-from adapters.errors import short_repr as _show
-from adapters.safetensors_check import CONFIG_FILE, TensorInfo
-from adapters.types import EXPERT_PARAMS, EXPERTS, ROUTER, BaseModelSpec, LoraConfig
+from loragw.adapters.errors import AdapterError
+from loragw.adapters.errors import short_repr as _show
+from loragw.adapters.safetensors_check import CONFIG_FILE, TensorInfo
+from loragw.adapters.types import EXPERT_PARAMS, EXPERTS, ROUTER, BaseModelSpec, LoraConfig
 
 PARAM_LORA_KEY = re.compile(
     r"base_model\.model\.(?P<module>(?:model\.)?layers\.(?P<layer>0|[1-9][0-9]{0,5})\.mlp\."

@@ -26,15 +26,15 @@ from dataclasses import dataclass, field
 import safetensors.torch
 import torch
 
-from adapters.errors import AdapterError
-from adapters.errors import short_repr as _show
-from adapters.expert_tensors import expert_factors
-from adapters.lora_config import parse_adapter_config
-from adapters.lora_tensors import check_lora_tensors
-from adapters.safetensors_check import CONFIG_FILE, check_safetensors
-from adapters.saved_modules import check_saved_modules, tied_to_embedding
-from adapters.sources import MAX_CONFIG_BYTES, read_adapter_files
-from adapters.types import (
+from loragw.adapters.errors import AdapterError
+from loragw.adapters.errors import short_repr as _show
+from loragw.adapters.expert_tensors import expert_factors
+from loragw.adapters.lora_config import parse_adapter_config
+from loragw.adapters.lora_tensors import check_lora_tensors
+from loragw.adapters.safetensors_check import CONFIG_FILE, check_safetensors
+from loragw.adapters.saved_modules import check_saved_modules, tied_to_embedding
+from loragw.adapters.sources import MAX_CONFIG_BYTES, read_adapter_files
+from loragw.adapters.types import (
     EMBED_TOKENS,
     EXPERT_TARGETS,
     LM_HEAD,

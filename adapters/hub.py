@@ -29,9 +29,9 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from adapters.errors import AdapterError, AdapterNotFound
-from adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
-from adapters.source_checks import (
+from loragw.adapters.errors import AdapterError, AdapterNotFound
+from loragw.adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
+from loragw.adapters.source_checks import (
     HUB_SCHEME,
     PICKLE_SUFFIXES,
     pickle_refusal,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from adapters.errors import InvalidAdapterId, short_name
+from loragw.adapters.errors import InvalidAdapterId, short_name
 
 MAX_ADAPTER_ID_LEN = 128
 _COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")

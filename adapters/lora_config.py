@@ -10,10 +10,10 @@ import json
 import math
 import re
 
-from adapters.errors import AdapterError
-from adapters.errors import short_repr as _show
-from adapters.saved_modules import parse_modules_to_save
-from adapters.types import (
+from loragw.adapters.errors import AdapterError
+from loragw.adapters.errors import short_repr as _show
+from loragw.adapters.saved_modules import parse_modules_to_save
+from loragw.adapters.types import (
     ALL_LINEAR,
     EXPERT_PARAMS,
     SUPPORTED_PARAMETERS,

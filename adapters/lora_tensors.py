@@ -21,11 +21,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from adapters.errors import AdapterError
-from adapters.errors import short_repr as _show
-from adapters.expert_tensors import PARAM_LORA_KEY, check_parameter_tensors
-from adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE, TensorInfo
-from adapters.types import (
+from loragw.adapters.errors import AdapterError
+from loragw.adapters.errors import short_repr as _show
+from loragw.adapters.expert_tensors import PARAM_LORA_KEY, check_parameter_tensors
+from loragw.adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE, TensorInfo
+from loragw.adapters.types import (
     BLOCK_OF,
     EMBED_LORA_KEY,
     EMBED_TOKENS,

@@ -22,7 +22,7 @@ import hashlib
 import logging
 import re
 
-from adapters.s3 import (
+from loragw.adapters.s3 import (
     DEFAULT_OPTIONS,
     MAX_OBJECT_BYTES,
     ObjectCorrupted,
@@ -33,8 +33,8 @@ from adapters.s3 import (
     s3_client,
     s3_errors,
 )
-from adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
-from adapters.source_checks import MAX_CONFIG_BYTES, S3_SCHEME, parse_s3_url
+from loragw.adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
+from loragw.adapters.source_checks import MAX_CONFIG_BYTES, S3_SCHEME, parse_s3_url
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import uuid
 
 from redis.asyncio import Redis
 
-from adapters.registry_types import (
+from loragw.adapters.registry_types import (
     CatalogEntry,
     ReplicaState,
     decode_all,

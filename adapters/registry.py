@@ -15,8 +15,8 @@ writes are replayed when Redis returns, and ``healthy`` says which mode is in fo
 
 from __future__ import annotations
 
-from adapters.registry_inprocess import InProcessRegistry
-from adapters.registry_types import (
+from loragw.adapters.registry_inprocess import InProcessRegistry
+from loragw.adapters.registry_types import (
     EVENT_ADDED,
     EVENT_DELETED,
     EVENT_REPLACED,
@@ -51,6 +51,6 @@ def make_registry(
     """
     if not redis_url:
         return InProcessRegistry(replica_id)
-    from adapters.registry_redis import RedisRegistry
+    from loragw.adapters.registry_redis import RedisRegistry
 
     return RedisRegistry(redis_url, replica_id, heartbeat_s=heartbeat_s, ttl_s=ttl_s, prefix=prefix)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from adapters.registry_types import (
+from loragw.adapters.registry_types import (
     EVENT_ADDED,
     EVENT_DELETED,
     EVENT_REPLACED,

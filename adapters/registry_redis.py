@@ -23,8 +23,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from adapters.redis_layout import RedisLayout
-from adapters.registry_types import (
+from loragw.adapters.redis_layout import RedisLayout
+from loragw.adapters.registry_types import (
     AdapterEvent,
     CatalogEntry,
     EventCallback,

@@ -18,7 +18,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 import msgspec
 
-from adapters.base_identity import BaseIdentity
+from loragw.adapters.base_identity import BaseIdentity
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from adapters.errors import AdapterError, AdapterNotFound, StoreUnavailable
-from adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
-from adapters.source_checks import MAX_CONFIG_BYTES, PICKLE_SUFFIXES, pickle_refusal
+from loragw.adapters.errors import AdapterError, AdapterNotFound, StoreUnavailable
+from loragw.adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
+from loragw.adapters.source_checks import MAX_CONFIG_BYTES, PICKLE_SUFFIXES, pickle_refusal
 
 DEFAULT_REGION = "us-east-1"
 MAX_OBJECT_BYTES = 2 << 30  # the largest weights object read into memory

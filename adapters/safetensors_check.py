@@ -17,8 +17,8 @@ import json
 import math
 from dataclasses import dataclass
 
-from adapters.errors import AdapterError
-from adapters.errors import short_repr as _show
+from loragw.adapters.errors import AdapterError
+from loragw.adapters.errors import short_repr as _show
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -22,10 +22,10 @@ two [V, H] matrices on the device (about 1 GB each on an 8B model in bf16).
 
 from __future__ import annotations
 
-from adapters.errors import AdapterError
-from adapters.errors import short_repr as _show
-from adapters.safetensors_check import CONFIG_FILE, TensorInfo
-from adapters.types import (
+from loragw.adapters.errors import AdapterError
+from loragw.adapters.errors import short_repr as _show
+from loragw.adapters.safetensors_check import CONFIG_FILE, TensorInfo
+from loragw.adapters.types import (
     EMBED_LORA_KEY,
     EMBED_TOKENS,
     FLOAT_DTYPES,

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import re
 
-from adapters.errors import AdapterError, InvalidAdapterId
-from adapters.errors import short_repr as _show
-from adapters.ids import validate_adapter_id
-from adapters.safetensors_check import WEIGHTS_FILE
+from loragw.adapters.errors import AdapterError, InvalidAdapterId
+from loragw.adapters.errors import short_repr as _show
+from loragw.adapters.ids import validate_adapter_id
+from loragw.adapters.safetensors_check import WEIGHTS_FILE
 
 HUB_SCHEME = "hf://"
 S3_SCHEME = "s3://"

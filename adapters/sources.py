@@ -22,11 +22,11 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-from adapters.errors import AdapterError, AdapterNotFound, InvalidAdapterId
-from adapters.errors import short_repr as _show
-from adapters.ids import validate_adapter_id
-from adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
-from adapters.source_checks import (
+from loragw.adapters.errors import AdapterError, AdapterNotFound, InvalidAdapterId
+from loragw.adapters.errors import short_repr as _show
+from loragw.adapters.ids import validate_adapter_id
+from loragw.adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
+from loragw.adapters.source_checks import (
     HUB_SCHEME,
     MAX_CONFIG_BYTES,
     PICKLE_SUFFIXES,
@@ -209,11 +209,13 @@ def resolve_source(
         config_raw, weights_raw = read_adapter_files(source.path)
         return AdapterFiles(config_raw, weights_raw, source.path, None)
     if source.kind == "s3":
-        from adapters.s3 import fetch_s3_folder  # boto3 is only needed for S3 sources
+        from loragw.adapters.s3 import fetch_s3_folder  # boto3 is only needed for S3 sources
 
         config_raw, weights_raw, etag = fetch_s3_folder(source.bucket, source.key)
         return AdapterFiles(config_raw, weights_raw, source.uri, etag)
-    from adapters.hub import fetch_hub_adapter  # huggingface_hub is only needed for Hub sources
+    from loragw.adapters.hub import (
+        fetch_hub_adapter,  # huggingface_hub is only needed for Hub sources
+    )
 
     fetched = fetch_hub_adapter(
         source.repo_id, source.revision, endpoint=endpoint, token=token, cache_dir=cache_dir

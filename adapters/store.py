@@ -29,13 +29,13 @@ import tempfile
 import threading
 import time
 
-from adapters.base_identity import BaseIdentity
-from adapters.durable_fs import exchange, fsync_dir, write_synced
-from adapters.errors import AdapterError, AdapterNotFound, InvalidAdapterId
-from adapters.ids import validate_adapter_id
-from adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
-from adapters.store_kept import KeptVersions
-from adapters.store_meta import META_FILE, StoredAdapter, StoredMeta, encode_meta, read_meta
+from loragw.adapters.base_identity import BaseIdentity
+from loragw.adapters.durable_fs import exchange, fsync_dir, write_synced
+from loragw.adapters.errors import AdapterError, AdapterNotFound, InvalidAdapterId
+from loragw.adapters.ids import validate_adapter_id
+from loragw.adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
+from loragw.adapters.store_kept import KeptVersions
+from loragw.adapters.store_meta import META_FILE, StoredAdapter, StoredMeta, encode_meta, read_meta
 
 logger = logging.getLogger(__name__)
 

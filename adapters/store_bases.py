@@ -16,13 +16,13 @@ from __future__ import annotations
 import logging
 import os
 
-from adapters.base_identity import BaseIdentity
-from adapters.errors import AdapterError
-from adapters.format import parse_adapter
-from adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
-from adapters.store import AdapterStore
-from adapters.store_meta import StoredAdapter, StoredMeta
-from adapters.types import BaseModelSpec
+from loragw.adapters.base_identity import BaseIdentity
+from loragw.adapters.errors import AdapterError
+from loragw.adapters.format import parse_adapter
+from loragw.adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
+from loragw.adapters.store import AdapterStore
+from loragw.adapters.store_meta import StoredAdapter, StoredMeta
+from loragw.adapters.types import BaseModelSpec
 
 logger = logging.getLogger(__name__)
 

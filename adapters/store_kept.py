@@ -18,10 +18,10 @@ import os
 import shutil
 import tempfile
 
-from adapters.durable_fs import fsync_dir, write_synced
-from adapters.ids import validate_adapter_id
-from adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
-from adapters.store_meta import META_FILE, StoredAdapter, encode_meta, read_meta
+from loragw.adapters.durable_fs import fsync_dir, write_synced
+from loragw.adapters.ids import validate_adapter_id
+from loragw.adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
+from loragw.adapters.store_meta import META_FILE, StoredAdapter, encode_meta, read_meta
 
 logger = logging.getLogger(__name__)
 

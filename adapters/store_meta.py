@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from adapters.base_identity import BaseIdentity
+from loragw.adapters.base_identity import BaseIdentity
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from adapters.errors import AdapterError
-from adapters.errors import short_repr as _show
+from loragw.adapters.errors import AdapterError
+from loragw.adapters.errors import short_repr as _show
 
 # -- targets ----------------------------------------------------------------------------------
 

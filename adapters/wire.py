@@ -14,8 +14,8 @@ import msgspec
 import safetensors.torch
 import torch
 
-from adapters.format import LoraAdapter, LoraModuleWeights
-from adapters.types import LoraConfig
+from loragw.adapters.format import LoraAdapter, LoraModuleWeights
+from loragw.adapters.types import LoraConfig
 
 HEADER = "lora-gateway.adapter"
 

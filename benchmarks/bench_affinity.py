@@ -30,10 +30,10 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its neighbours, from anywhere
 
-from adapters.registry import ReplicaState  # noqa: E402
-from gateway.fleet.router import choose  # noqa: E402
+from loragw.adapters.registry import ReplicaState  # noqa: E402
+from loragw.gateway.fleet.router import choose  # noqa: E402
 
 logger = logging.getLogger("bench_affinity")
 

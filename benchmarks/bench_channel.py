@@ -18,7 +18,7 @@ import select
 import socket
 import time
 
-from engine.core.channel import EngineChannel, ServerChannel
+from loragw.engine.core.channel import EngineChannel, ServerChannel
 
 ACK = b"k"
 

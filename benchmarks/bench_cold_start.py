@@ -4,7 +4,7 @@ then written to the disk store as a replica does), disk -> host (parse + validat
 device (slot fill), and the time to first token of a request for a cold adapter vs a resident
 one. Prints a markdown table.
 
-    .venv/bin/python -m benchmarks.bench_cold_start [--out /tmp/bench-cold]
+    .venv/bin/python benchmarks/bench_cold_start.py [--out /tmp/bench-cold]
 """
 
 from __future__ import annotations
@@ -15,24 +15,29 @@ import json
 import logging
 import os
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from safetensors.torch import save
 from tqdm import tqdm
 
-from adapters.format import read_adapter
-from adapters.hub import fetch_hub_adapter
-from adapters.object_store import ObjectStore
-from adapters.store import AdapterStore
-from adapters.store_meta import StoredMeta
-from benchmarks.common import build_random_llama
-from engine.config import Config
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from tests.adapters.hub_server import HubServer
-from tests.adapters.s3_server import S3Server
+from loragw.adapters.format import read_adapter
+from loragw.adapters.hub import fetch_hub_adapter
+from loragw.adapters.object_store import ObjectStore
+from loragw.adapters.store import AdapterStore
+from loragw.adapters.store_meta import StoredMeta
+from loragw.engine.config import Config
+from loragw.engine.llm_engine import LLMEngine
+from loragw.engine.sampling_params import SamplingParams
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "tests" / "adapters")]  # the tests' loopback servers
+from common import build_random_llama  # noqa: E402
+from hub_server import HubServer  # noqa: E402
+from s3_server import S3Server  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RANK = 16
@@ -119,7 +124,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "bench-cold"))
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    from demo.model import build_demo_model
+    from loragw.demo.model import build_demo_model
 
     models = {"demo": build_demo_model(os.path.join(args.out, "demo")),
               "llama-25M": build_random_llama(os.path.join(args.out, "llama25m"))}

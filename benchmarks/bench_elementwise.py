@@ -23,7 +23,7 @@ import bench_roofline  # noqa: E402
 from bench_roofline import ADAPTERS, RANK, TARGETS, engine_tok_s  # noqa: E402
 from common import build_llama25m_with_tokenizer, machine, write_adapters  # noqa: E402
 
-from engine import LLM  # noqa: E402
+from loragw.engine import LLM  # noqa: E402
 
 CASES = ((32, 0), (32, ADAPTERS), (128, 0))  # (batch, adapters)
 

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Timer, build_random_llama, machine  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
+from loragw.engine import LLM, SamplingParams  # noqa: E402
 
 PROMPT_LEN = 32
 

@@ -27,11 +27,11 @@ import httpx
 import torch
 from tqdm import tqdm
 
-from engine.config import Config
-from engine.core.client import EngineClient
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from gateway.bench.server import free_port, stop_server
+from loragw.engine.config import Config
+from loragw.engine.core.client import EngineClient
+from loragw.engine.llm_engine import LLMEngine
+from loragw.engine.sampling_params import SamplingParams
+from loragw.gateway.bench.server import free_port, stop_server
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import demo_model  # noqa: E402
@@ -170,10 +170,10 @@ async def _measure(engine: EngineClient, url: str, args) -> dict[str, list[float
 
 def start_server(model: str, max_num_seqs: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    code = ("import sys; from gateway.server import serve_main; "
+    code = ("import sys; from loragw.gateway.server import serve_main; "
             "sys.exit(serve_main(sys.argv[1:]))")
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, "--model", model, "--served-model-name", MODEL_NAME,
+        [sys.executable, "-P", "-c", code, "--model", model, "--served-model-name", MODEL_NAME,
          "--port", str(port), "--device", "cpu", "--max-num-seqs", str(max_num_seqs)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

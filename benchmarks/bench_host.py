@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import build_llama25m_with_tokenizer, machine, timed, write_adapters  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
+from loragw.engine import LLM, SamplingParams  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

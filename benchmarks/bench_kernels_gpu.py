@@ -1,6 +1,6 @@
 """LoRA and decode-attention kernels on one GPU (bf16).
 
-    python -m benchmarks.bench_kernels_gpu --out bench_kernels.md [--quick] [--block-m auto,16,64]
+    python benchmarks/bench_kernels_gpu.py --out bench_kernels.md [--quick] [--block-m auto,16,64]
         [--kernels lora,attention]
 
 Run from the repository root (or with the project installed). For every Llama-3-8B projection
@@ -117,7 +117,7 @@ def min_bytes(T: int, H: int, out_features: int, n: int, R: int, r: int, active:
 
 
 def run_one(shape, rank, batch, popularity, block_m, weights, copy_bw) -> Row:
-    from kernels import apply_lora, make_lora_meta
+    from loragw.kernels import apply_lora, make_lora_meta
     H, widths = SHAPES[shape]
     lora_a, lora_b, ranks, scales, offsets = weights
     S = lora_b.shape[0]
@@ -191,9 +191,9 @@ ATTN_HEADER = ["batch", "context", "splits", "triton us", "gather+SDPA us", "spe
 
 
 def run_attention(batch: int, context: str, max_context: int, copy_bw: float) -> AttentionRow:
-    from engine.layers.attention import PagedAttention
-    from kernels import paged_attention as pa
-    from kernels.reference import oracle_paged_attention
+    from loragw.engine.layers.attention import PagedAttention
+    from loragw.kernels import paged_attention as pa
+    from loragw.kernels.reference import oracle_paged_attention
 
     g = torch.Generator().manual_seed(batch)
     lens = (torch.randint(1, max_context + 1, (batch,), generator=g) if context.startswith("ragged")

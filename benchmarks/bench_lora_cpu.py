@@ -28,7 +28,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Timer, build_random_llama, machine, write_adapters  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
+from loragw.engine import LLM, SamplingParams  # noqa: E402
 
 logger = logging.getLogger("bench_lora_cpu")
 

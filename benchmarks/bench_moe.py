@@ -1,6 +1,6 @@
 """A Mixture-of-Experts base against a dense one of the same active size, on the CPU.
 
-    PYTHONPATH=. python benchmarks/bench_moe.py [--repeats 2] [--threads N] [--json out.json]
+    python benchmarks/bench_moe.py [--repeats 2] [--threads N] [--json out.json]
 
 Models (random, float32, built once under the temp dir):
     dense   the benchmarks' ~34M Llama (hidden 512, 8 layers, MLP 1376, vocab 8192)
@@ -38,8 +38,8 @@ from common import (  # noqa: E402
     write_json,
 )
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.forward_context import get_forward_context  # noqa: E402
+from loragw.engine import LLM, SamplingParams  # noqa: E402
+from loragw.engine.forward_context import get_forward_context  # noqa: E402
 
 logger = logging.getLogger("bench_moe")
 
@@ -139,7 +139,7 @@ def main() -> None:
     attn = write_adapters(os.path.join(root, "attn"), dense_config, ATTENTION, 32, seed=1,
                           rank=RANK)  # the same shapes on both bases
     try:
-        import engine.lora.expert_slots  # noqa: F401  the expert-LoRA work, once it has landed
+        import loragw.engine.lora.expert_slots  # noqa: F401  the expert-LoRA work, once it has landed
         expert = write_expert_adapters(os.path.join(root, "expert"), bases["moe"], 32)
     except ImportError:
         expert = None

@@ -28,7 +28,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import build_random_llama, machine  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
+from loragw.engine import LLM, SamplingParams  # noqa: E402
 
 SUFFIX = 32
 FIRST_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

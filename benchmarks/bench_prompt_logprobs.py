@@ -19,13 +19,13 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # its neighbours
 
-from benchmarks.common import build_llama25m_with_tokenizer, machine  # noqa: E402
+from common import build_llama25m_with_tokenizer, machine  # noqa: E402
 
 RUN = r"""
 import json, resource, statistics, sys, time
-from engine import LLM, SamplingParams
+from loragw.engine import LLM, SamplingParams
 model, tokens, repeats, chunk, want = json.loads(sys.argv[1])
 llm = LLM(model, device="cpu", dtype="float32", enable_prefix_caching=False, max_num_seqs=4,
           max_num_batched_tokens=chunk, max_model_len=tokens + 8)
@@ -47,7 +47,7 @@ print(json.dumps({"tok_s": tokens / statistics.median(times),
 
 
 def run(model: str, tokens: int, repeats: int, chunk: int, want: bool) -> dict:
-    out = subprocess.run([sys.executable, "-c", RUN, json.dumps([model, tokens, repeats, chunk,
+    out = subprocess.run([sys.executable, "-P", "-c", RUN, json.dumps([model, tokens, repeats, chunk,
                                                                  want])],
                          cwd=ROOT, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])

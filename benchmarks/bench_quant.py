@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import Timer, build_llama25m_with_tokenizer, machine, write_adapters  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
+from loragw.engine import LLM, SamplingParams  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -138,7 +138,7 @@ def kernel_table(rows: int = 2752, columns: int = 512, group: int = 32) -> str:
     """Microseconds of one projection per way of multiplying by a quantized weight."""
     import torch.nn.functional as F
 
-    from kernels.quant import QuantWeight, dequant_linear, pack_int4
+    from loragw.kernels.quant import QuantWeight, dequant_linear, pack_int4
 
     g = torch.Generator().manual_seed(0)
     q4 = torch.randint(-8, 8, (rows, columns), generator=g, dtype=torch.int8)

@@ -1,7 +1,7 @@
 """Quantized projections on one GPU: the Triton GEMM (kernels/quant_triton.py) vs bf16 and vs
 dequantize-then-GEMM, at Llama-3-8B's projection shapes.
 
-    python -m benchmarks.bench_quant_gpu --out bench_quant_gpu.md [--quick]
+    python benchmarks/bench_quant_gpu.py --out bench_quant_gpu.md [--quick]
 
 For every shape x weight (W4A16 groups of 128, W8A16 per channel, FP8 blocks of 128 on sm_89+)
 x tokens (1, 16, 64, 256: decode batches and a prefill chunk) it times quant_matmul, F.linear on
@@ -19,7 +19,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from kernels.quant import QuantWeight, dequant_linear, dequantize, pack_int4
+from loragw.kernels.quant import QuantWeight, dequant_linear, dequantize, pack_int4
 
 log = logging.getLogger("bench_quant_gpu")
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -68,7 +68,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
-    from kernels.quant_triton import quant_matmul, triton_supports
+    from loragw.kernels.quant_triton import quant_matmul, triton_supports
 
     device = torch.device("cuda")
     copy = copy_bandwidth(device)

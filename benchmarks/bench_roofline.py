@@ -42,11 +42,11 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import build_llama25m_with_tokenizer, machine, timed, write_adapters  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.layers.attention import PagedAttention  # noqa: E402
-from engine.layers.embedding import LMHead  # noqa: E402
-from engine.layers.linear import Linear, LoRABuffers  # noqa: E402
-from kernels import cpu_linear, cpu_lora  # noqa: E402
+from loragw.engine import LLM, SamplingParams  # noqa: E402
+from loragw.engine.layers.attention import PagedAttention  # noqa: E402
+from loragw.engine.layers.embedding import LMHead  # noqa: E402
+from loragw.engine.layers.linear import Linear, LoRABuffers  # noqa: E402
+from loragw.kernels import cpu_linear, cpu_lora  # noqa: E402
 
 BATCH, PROMPT_LEN, ADAPTERS, RANK = 32, 32, 32, 16
 # (row, LLM options, the C LoRA kernel on): the CPU step as it was before each change, and now

@@ -34,10 +34,11 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # its neighbours
 
-from benchmarks.common import build_llama25m_with_tokenizer, machine, write_adapters  # noqa: E402
-from gateway.bench.server import free_port, stop_server  # noqa: E402
+from common import build_llama25m_with_tokenizer, machine, write_adapters  # noqa: E402
+
+from loragw.gateway.bench.server import free_port, stop_server  # noqa: E402
 
 logger = logging.getLogger("bench_serving")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -76,12 +77,12 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 # ---- offline ------------------------------------------------------------------------------
 OFFLINE = r"""
 import json, statistics, sys, time
-from engine import LLM, SamplingParams
-from engine.llm_engine import EngineRequest
+from loragw.engine import LLM, SamplingParams
+from loragw.engine.llm_engine import EngineRequest
 model, adapters, prompts, cpus = json.loads(sys.stdin.read())
 if cpus:  # the CPUs `loragw serve --engine-cpus` gives its engine process
     import torch
-    from engine.core import pin_threads
+    from loragw.engine.core import pin_threads
     pin_threads(set(cpus))
     torch.set_num_threads(len(cpus))
 llm = LLM(model, device="cpu", dtype="float32", max_loras=32, max_num_seqs=32, max_lora_rank=16)
@@ -115,7 +116,7 @@ print(json.dumps({"wall": wall, "tokens": sum(counts.values()),
 
 def run_offline(model: str, adapters: list[str], requests: list[list[int]],
                 cpus: list[int]) -> Run:
-    out = subprocess.run([sys.executable, "-c", OFFLINE], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-P", "-c", OFFLINE], cwd=ROOT, capture_output=True,
                          text=True, input=json.dumps([model, adapters, requests, cpus]),
                          check=True, preexec_fn=every_cpu)
     r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -214,7 +215,7 @@ def loragw(model: str, adapters: list[str], port: int, engine_cpus: str | None) 
     flags = [a for i, path in enumerate(adapters) for a in ("--adapter", f"a{i:02d}={path}")]
     if engine_cpus:
         flags += ["--engine-cpus", engine_cpus]
-    return [sys.executable, "-m", "gateway.server", "--model", model, "--device", "cpu",
+    return [sys.executable, "-P", "-m", "loragw.gateway.server", "--model", model, "--device", "cpu",
             "--max-loras", "32", "--max-num-seqs", "32", "--max-lora-rank", "16",
             "--port", str(port), "--adapter-dir", tempfile.mkdtemp(prefix="bench-store-"),
             *flags]
@@ -270,7 +271,7 @@ def main() -> int:
     warm = bodies[:NUM_ADAPTERS]  # every adapter in a slot before the timed requests
     cpus: list[int] = []
     if args.engine_cpus:
-        from gateway.config import parse_cpu_list
+        from loragw.gateway.config import parse_cpu_list
 
         cpus = sorted(parse_cpu_list(args.engine_cpus))
         os.sched_setaffinity(0, os.sched_getaffinity(0) - set(cpus))  # the client's CPUs

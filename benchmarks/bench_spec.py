@@ -40,14 +40,15 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # its neighbours
 
-from benchmarks.common import layer_of, machine, save_random, write_adapters, write_json  # noqa: E402
-from benchmarks.spec_driver import drive  # noqa: E402
-from benchmarks.train_drafter import distil_draft, distil_drafters  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.spec.ngram import lookup  # noqa: E402
-from engine.speculative_config import DEFAULT_DISABLE_BY_BATCH_SIZE  # noqa: E402
+from common import layer_of, machine, save_random, write_adapters, write_json  # noqa: E402
+from spec_driver import drive  # noqa: E402
+from train_drafter import distil_draft, distil_drafters  # noqa: E402
+
+from loragw.engine import LLM, SamplingParams  # noqa: E402
+from loragw.engine.spec.ngram import lookup  # noqa: E402
+from loragw.engine.speculative_config import DEFAULT_DISABLE_BY_BATCH_SIZE  # noqa: E402
 
 # o_proj left out: an adapter there would give attention back the weight the model's scaling
 # took away, and its output would stop repeating itself

@@ -22,13 +22,14 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # its neighbours
 
-from benchmarks.bench_spec import TARGETS, build_copying_llama, workloads  # noqa: E402
-from benchmarks.common import machine, write_adapters, write_json  # noqa: E402
-from benchmarks.spec_driver import drive  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.speculative_config import DEFAULT_DISABLE_BY_BATCH_SIZE  # noqa: E402
+from bench_spec import TARGETS, build_copying_llama, workloads  # noqa: E402
+from common import machine, write_adapters, write_json  # noqa: E402
+from spec_driver import drive  # noqa: E402
+
+from loragw.engine import LLM, SamplingParams  # noqa: E402
+from loragw.engine.speculative_config import DEFAULT_DISABLE_BY_BATCH_SIZE  # noqa: E402
 
 CONCURRENCY, REQUESTS = 16, 32
 

@@ -38,8 +38,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import build_random_llama, machine, write_adapters  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.detokenizer import IncrementalDetokenizer  # noqa: E402
+from loragw.engine import LLM, SamplingParams  # noqa: E402
+from loragw.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 
 LAYERS, HIDDEN = 32, 64
 PARTS = ("schedule", "prepare", "forward", "sample", "detokenize")
@@ -48,7 +48,7 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def build_model(root: str) -> str:
     """The 32-layer hidden-64 Llama with the demo model's tokenizer (real detokenization)."""
-    from demo.model import build_demo_model
+    from loragw.demo.model import build_demo_model
 
     demo = build_demo_model(os.path.join(root, "loragw-bench-demo"))
     with open(os.path.join(demo, "config.json")) as f:

@@ -4,7 +4,7 @@ Constrained rows use a grammar that cannot end within the run, so the batch stay
 `--grammar regex` 1000 lowercase letters and spaces, `--grammar json` a JSON array of at least
 300 objects {"id": integer, "tag": enum, "name": string}.
 
-    .venv/bin/python -m benchmarks.bench_structured [--steps 40] [--rounds 5] [--grammar json]
+    .venv/bin/python benchmarks/bench_structured.py [--steps 40] [--rounds 5] [--grammar json]
         [--model demo|llama25m]
 
 `--model llama25m` is the engine benchmark's random Llama (hidden 512, 8 layers) with the demo
@@ -24,13 +24,13 @@ import statistics
 import tempfile
 import time
 
+from common import build_llama25m_with_tokenizer
 from tqdm import tqdm
 
-from benchmarks.common import build_llama25m_with_tokenizer
-from demo.model import build_demo_model
-from engine import LLM
-from engine.sampling_params import SamplingParams
-from engine.structured import GuidedDecoding
+from loragw.demo.model import build_demo_model
+from loragw.engine import LLM
+from loragw.engine.sampling_params import SamplingParams
+from loragw.engine.structured import GuidedDecoding
 
 BATCH = 32
 GRAMMARS = {  # longer than any run: no row ends early

@@ -32,11 +32,12 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # its neighbours
 
-from benchmarks.bench_serving import TARGETS, Run, every_cpu, pct, run_http  # noqa: E402
-from benchmarks.common import build_llama25m_with_tokenizer, machine, write_adapters  # noqa: E402
-from gateway.bench.server import free_port  # noqa: E402
+from bench_serving import TARGETS, Run, every_cpu, pct, run_http  # noqa: E402
+from common import build_llama25m_with_tokenizer, machine, write_adapters  # noqa: E402
+
+from loragw.gateway.bench.server import free_port  # noqa: E402
 
 logger = logging.getLogger("bench_tail")
 PROMPT_MIN, PROMPT_MAX, OUTPUT_MIN, OUTPUT_MAX = 32, 512, 16, 128
@@ -53,8 +54,8 @@ def workload(n: int, adapters: int, vocab: int, seed: int = 0) -> list[tuple[str
 
 ENGINE = r"""
 import json, sys, time
-from engine import LLM, SamplingParams
-from engine.llm_engine import EngineRequest
+from loragw.engine import LLM, SamplingParams
+from loragw.engine.llm_engine import EngineRequest
 model, adapters, bodies, slots, concurrency, options = json.loads(sys.stdin.read())
 llm = LLM(model, device="cpu", dtype="float32", max_loras=slots, max_num_seqs=concurrency,
           max_lora_rank=16, **options)
@@ -108,7 +109,7 @@ print(json.dumps({"wall": wall, "tokens": sum(counts.values()),
 def run_engine(model: str, adapters: list[str], bodies: list, slots: int, concurrency: int,
                options: dict) -> tuple[Run, list]:
     spec = [model, adapters, bodies, slots, concurrency, options]
-    out = subprocess.run([sys.executable, "-c", ENGINE], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-P", "-c", ENGINE], cwd=ROOT, capture_output=True,
                          text=True, input=json.dumps(spec), preexec_fn=every_cpu)
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
@@ -141,7 +142,7 @@ def step_table(steps: list) -> str:
 def loragw(model: str, adapters: list[str], port: int, slots: int, concurrency: int,
            extra: list[str]) -> list[str]:
     flags = [a for i, path in enumerate(adapters) for a in ("--adapter", f"a{i:03d}={path}")]
-    return [sys.executable, "-m", "gateway.server", "--model", model, "--device", "cpu",
+    return [sys.executable, "-P", "-m", "loragw.gateway.server", "--model", model, "--device", "cpu",
             "--max-loras", str(slots), "--max-num-seqs", str(concurrency), "--max-lora-rank",
             "16", "--port", str(port), "--adapter-dir", tempfile.mkdtemp(prefix="bench-tail-"),
             *flags, *extra]

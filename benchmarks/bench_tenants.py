@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gateway import percentile  # noqa: E402
 from common import demo_model, machine, write_json  # noqa: E402
 
-from gateway.bench.server import HOST, free_port, stop_server, wait_ready  # noqa: E402
+from loragw.gateway.bench.server import HOST, free_port, stop_server, wait_ready  # noqa: E402
 
 MODEL_NAME = "bench"
 API_KEY, ADMIN_KEY, TENANT = "user-key", "op-key", "bench"
@@ -123,7 +123,7 @@ def start_gateway(model: str, redis_url: str, adapter_dir: str,
                   log) -> tuple[subprocess.Popen, str]:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gateway.server", "--model", model, "--device", "cpu",
+        [sys.executable, "-P", "-m", "loragw.gateway.server", "--model", model, "--device", "cpu",
          "--served-model-name", MODEL_NAME, "--api-key", API_KEY, "--admin-key", ADMIN_KEY,
          "--redis-url", redis_url, "--adapter-dir", adapter_dir, "--max-model-len", "256",
          "--host", HOST, "--port", str(port)],

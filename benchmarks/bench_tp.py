@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import build_random_llama, machine, write_adapters  # noqa: E402
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.distributed import group  # noqa: E402
+from loragw.engine import LLM, SamplingParams  # noqa: E402
+from loragw.engine.distributed import group  # noqa: E402
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

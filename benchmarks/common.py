@@ -50,7 +50,7 @@ def demo_model(model: str | None) -> str:
     """`model`, or the demo model (built once under the temp dir) when it is None."""
     if model is not None:
         return model
-    from demo.model import build_demo_model
+    from loragw.demo.model import build_demo_model
 
     return build_demo_model(os.path.join(tempfile.gettempdir(), "lora-gateway-bench"))
 
@@ -58,7 +58,7 @@ def demo_model(model: str | None) -> str:
 def build_llama25m_with_tokenizer(root: str | None = None) -> str:
     """The random ~25M Llama with the demo model's tokenizer, vocabulary and chat template:
     text prompts, detokenized outputs, a step closer to a real model's than the demo's."""
-    from demo.model import build_demo_model
+    from loragw.demo.model import build_demo_model
 
     root = root or tempfile.gettempdir()
     demo = build_demo_model(os.path.join(root, "loragw-bench-demo"))

@@ -20,7 +20,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from kernels.aot_compile import (
+from loragw.kernels.aot_compile import (
     TARGETS,
     Resources,
     compile_all,
@@ -28,7 +28,7 @@ from kernels.aot_compile import (
     problems,
     targets_for,
 )
-from kernels.compile_targets import Variant, all_variants
+from loragw.kernels.compile_targets import Variant, all_variants
 
 logger = logging.getLogger("compile_table")
 Results = dict[tuple[Variant, str], Resources]

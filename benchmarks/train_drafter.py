@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # its neighbours
 
-from benchmarks.common import layer_of  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
+from common import layer_of  # noqa: E402
+
+from loragw.engine import LLM, SamplingParams  # noqa: E402
 
 logger = logging.getLogger(__name__)
 PROMPT, ANSWER = 16, 256  # tokens of each training sequence

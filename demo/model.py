@@ -24,7 +24,7 @@ import logging
 import os
 import random
 
-from demo.adapters import build_once
+from loragw.demo.adapters import build_once
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ def _write_model(out_dir: str, seed: int) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from engine.config import read_hf_config  # the one reader of config.json
+    from loragw.engine.config import read_hf_config  # the one reader of config.json
 
     vocab_size = build_tokenizer(out_dir, DEMO_VOCAB_SIZE, seed, DEMO_MODEL["max_position_embeddings"])
     bos, eot, im_end = (SPECIAL_TOKENS.index(t) for t in (BOS, END_OF_TEXT, IM_END))

@@ -4,7 +4,7 @@ over its `lora` manager, `requests` and `abort`), apart so the step reads on its
 
 from __future__ import annotations
 
-from adapters.format import LoraAdapter, read_adapter
+from loragw.adapters.format import LoraAdapter, read_adapter
 
 
 class AdapterCalls:

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels import LoRAKernels, cpu_attention, cpu_fused, cpu_linear, lora_kernels
-from kernels.quant import dequant_linear
+from loragw.kernels import LoRAKernels, cpu_attention, cpu_fused, cpu_linear, lora_kernels
+from loragw.kernels.quant import dequant_linear
 
 logger = logging.getLogger(__name__)
 
@@ -66,18 +66,18 @@ class Backends:
         object.__setattr__(self, "lora_kernels", lora_kernels(self.lora))
         quant = dequant_linear
         if self.quant == "triton":
-            quant = importlib.import_module("kernels.quant_triton").quant_matmul
+            quant = importlib.import_module("loragw.kernels.quant_triton").quant_matmul
         object.__setattr__(self, "quant_linear", quant)
         decode = store = None
         if self.attention == "triton":  # triton imported only when it serves
-            decode = importlib.import_module("kernels.paged_attention").paged_attention_decode
+            decode = importlib.import_module("loragw.kernels.paged_attention").paged_attention_decode
         elif self.attention == "cpu":
             decode, store = cpu_attention.paged_attention_decode, cpu_attention.store_kv
         object.__setattr__(self, "decode_attention", decode)
         object.__setattr__(self, "store_kv", store)
         fused = cpu_fused if self.elementwise == "cpu" else None
         if self.elementwise == "triton":  # triton imported only when it serves
-            fused = importlib.import_module("kernels.fused_triton")
+            fused = importlib.import_module("loragw.kernels.fused_triton")
         object.__setattr__(self, "fused", fused)
 
 
@@ -118,7 +118,7 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
         return name
     if device.type != "cuda":
         return "torch"
-    paged = importlib.import_module("kernels.paged_attention")  # triton only on CUDA
+    paged = importlib.import_module("loragw.kernels.paged_attention")  # triton only on CUDA
     problem = paged.self_check(device, dtype, shape.num_heads, shape.num_kv_heads,
                                shape.head_dim, shape.sliding_window, shape.softcap)
     if problem is not None:
@@ -186,7 +186,7 @@ def resolve_elementwise_backend(name: str, device: torch.device, dtype: torch.dt
         raise ValueError('elementwise_backend="triton" on CPU needs TRITON_INTERPRET=1 set '
                          'before start-up; use "cpu" or "torch" on CPU')
     if name == "triton" or (name == "auto" and device.type == "cuda"):
-        fused = importlib.import_module("kernels.fused_triton")  # triton only where it serves
+        fused = importlib.import_module("loragw.kernels.fused_triton")  # triton only where it serves
         return checked(name, "triton", fused.self_check(device, dtype),
                        "the Triton norm, rotary and SiLU kernels", "torch's ops")
     if device.type != "cpu" or dtype != torch.float32:

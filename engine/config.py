@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from adapters.types import BaseModelSpec
-from engine.layers.rotary import longrope_context
-from engine.models import adapter_spec, model_class
-from engine.quant.scheme import CHOICES as QUANTIZATION_CHOICES
-from engine.quant.scheme import QuantConfig, read_quantization
-from engine.speculative_config import SpeculativeConfig, as_json, parse_speculative_config
+from loragw.adapters.types import BaseModelSpec
+from loragw.engine.layers.rotary import longrope_context
+from loragw.engine.models import adapter_spec, model_class
+from loragw.engine.quant.scheme import CHOICES as QUANTIZATION_CHOICES
+from loragw.engine.quant.scheme import QuantConfig, read_quantization
+from loragw.engine.speculative_config import SpeculativeConfig, as_json, parse_speculative_config
 
 logger = logging.getLogger(__name__)
 

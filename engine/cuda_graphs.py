@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.backends import Backends
-from engine.lora_step import LoRARows
+from loragw.engine.backends import Backends
+from loragw.engine.lora_step import LoRARows
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ import re
 
 from transformers import PreTrainedTokenizerBase
 
-from engine.decode_stream import REPLACEMENT_CHAR, can_stream, open_decode_stream
-from engine.sampling_params import SamplingParams
-from engine.token_bytes import bytes_of, table_for
+from loragw.engine.decode_stream import REPLACEMENT_CHAR, can_stream, open_decode_stream
+from loragw.engine.sampling_params import SamplingParams
+from loragw.engine.token_bytes import bytes_of, table_for
 
 # How many prompt tokens seed the first window, as vLLM does.
 PROMPT_CONTEXT_TOKENS = 5

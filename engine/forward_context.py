@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.backends import Backends
+from loragw.engine.backends import Backends
 
 if TYPE_CHECKING:
-    from engine.lora_step import LoRAStep
+    from loragw.engine.lora_step import LoRAStep
 
 
 @dataclass(slots=True)

@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from engine.config import Config
-from engine.llm_engine import EngineRequest, LLMEngine, Prompt
-from engine.sampling_params import SamplingParams
-from engine.sequence import TokenLogprob
+from loragw.engine.config import Config
+from loragw.engine.llm_engine import EngineRequest, LLMEngine, Prompt
+from loragw.engine.sampling_params import SamplingParams
+from loragw.engine.sequence import TokenLogprob
 
 
 @dataclass

@@ -14,27 +14,27 @@ from dataclasses import replace
 
 import torch
 
-from engine.adapter_calls import AdapterCalls
-from engine.config import Config
-from engine.detokenizer import IncrementalDetokenizer
-from engine.kv.block_manager import BlockManager
-from engine.lora.manager import LoRAManager
-from engine.model_runner import ModelRunner
-from engine.pipeline import InFlight, drop_pending
-from engine.prompt_logprobs import record_prompt_logprobs
-from engine.request_checks import RequestLimits, check_request
-from engine.request_state import RequestState
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import EngineRequest, Prompt, RequestOutput, Sequence, SequenceStatus
-from engine.spec.speculator import Speculator
-from engine.spec.verify import NewTokens, sample_plain
-from engine.step_plan import plan_step
-from engine.stopping import StopRule
-from engine.structured import GrammarCompiler, GuidedState
-from engine.tokenizer import eos_token_ids, tokenize, try_load_tokenizer
-from kernels.meta import host_to_device
+from loragw.engine.adapter_calls import AdapterCalls
+from loragw.engine.config import Config
+from loragw.engine.detokenizer import IncrementalDetokenizer
+from loragw.engine.kv.block_manager import BlockManager
+from loragw.engine.lora.manager import LoRAManager
+from loragw.engine.model_runner import ModelRunner
+from loragw.engine.pipeline import InFlight, drop_pending
+from loragw.engine.prompt_logprobs import record_prompt_logprobs
+from loragw.engine.request_checks import RequestLimits, check_request
+from loragw.engine.request_state import RequestState
+from loragw.engine.sampler import Sampler
+from loragw.engine.sampling_params import SamplingParams
+from loragw.engine.scheduler import Scheduler
+from loragw.engine.sequence import EngineRequest, Prompt, RequestOutput, Sequence, SequenceStatus
+from loragw.engine.spec.speculator import Speculator
+from loragw.engine.spec.verify import NewTokens, sample_plain
+from loragw.engine.step_plan import plan_step
+from loragw.engine.stopping import StopRule
+from loragw.engine.structured import GrammarCompiler, GuidedState
+from loragw.engine.tokenizer import eos_token_ids, tokenize, try_load_tokenizer
+from loragw.kernels.meta import host_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class LLMEngine(AdapterCalls):
         self.tokenizer = try_load_tokenizer(config.model, detokenizing=True)
         sink = None
         if config.tensor_parallel_size > 1:
-            from engine.parallel.runner import ParallelRunner  # spawns the other ranks
+            from loragw.engine.parallel.runner import ParallelRunner  # spawns the other ranks
 
             self.runner = ParallelRunner(config)
             sink = self.runner.sink  # every rank fills its slots in this order

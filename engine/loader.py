@@ -27,13 +27,13 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from engine.distributed.shard import ONE, Shard
-from engine.layers.parts import Loadable
-from engine.models import model_class
-from engine.models.base import CausalLM
-from engine.quant import shard as quant_shard
-from engine.quant.formats import PARTS, convert
-from engine.quant.scheme import QuantConfig, WeightScheme
+from loragw.engine.distributed.shard import ONE, Shard
+from loragw.engine.layers.parts import Loadable
+from loragw.engine.models import model_class
+from loragw.engine.models.base import CausalLM
+from loragw.engine.quant import shard as quant_shard
+from loragw.engine.quant.formats import PARTS, convert
+from loragw.engine.quant.scheme import QuantConfig, WeightScheme
 
 logger = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from adapters.types import EMBED_TOKENS, LM_HEAD
-from kernels import LoRAMeta, make_lora_meta
-from kernels.meta import host_to_device
+from loragw.adapters.types import EMBED_TOKENS, LM_HEAD
+from loragw.kernels import LoRAMeta, make_lora_meta
+from loragw.kernels.meta import host_to_device
 
 
 @dataclass(frozen=True, slots=True)

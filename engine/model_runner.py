@@ -16,20 +16,20 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.backends import attention_shape, quant_kind, resolve_backends
-from engine.config import Config
-from engine.cuda_graphs import DecodeGraphs, GraphKey, graph_buckets, graphs_off_reason
-from engine.distributed.shard import ONE, Shard
-from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
-from engine.host_memory import keep_freed_memory
-from engine.loader import load_model
-from engine.lora_step import LoRAStep
-from engine.pipeline import PendingInputs
-from engine.scheduled_batch import PromptRows
-from engine.step_inputs import DecodeBuffers, DecodeViews, StepInputs, decode_metadata
-from engine.step_plan import StepPlan
-from kernels import LoRAMeta
-from kernels.meta import host_to_device
+from loragw.engine.backends import attention_shape, quant_kind, resolve_backends
+from loragw.engine.config import Config
+from loragw.engine.cuda_graphs import DecodeGraphs, GraphKey, graph_buckets, graphs_off_reason
+from loragw.engine.distributed.shard import ONE, Shard
+from loragw.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
+from loragw.engine.host_memory import keep_freed_memory
+from loragw.engine.loader import load_model
+from loragw.engine.lora_step import LoRAStep
+from loragw.engine.pipeline import PendingInputs
+from loragw.engine.scheduled_batch import PromptRows
+from loragw.engine.step_inputs import DecodeBuffers, DecodeViews, StepInputs, decode_metadata
+from loragw.engine.step_plan import StepPlan
+from loragw.kernels import LoRAMeta
+from loragw.kernels.meta import host_to_device
 
 logger = logging.getLogger(__name__)
 

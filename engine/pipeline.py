@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.scheduled_batch import ScheduledBatch
-from engine.sequence import PENDING, Sequence, SequenceStatus
-from kernels.meta import host_to_device
+from loragw.engine.scheduled_batch import ScheduledBatch
+from loragw.engine.sequence import PENDING, Sequence, SequenceStatus
+from loragw.kernels.meta import host_to_device
 
 
 @dataclass(slots=True)

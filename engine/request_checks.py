@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.kv.block_manager import peak_blocks
-from engine.sampling_params import InvalidParam, SamplingParams
+from loragw.engine.kv.block_manager import peak_blocks
+from loragw.engine.sampling_params import InvalidParam, SamplingParams
 
 # Stop strings are matched against the text after every token: their count and length bound
 # that work (OpenAI allows 4; vLLM sets no cap; these leave room for either's users).

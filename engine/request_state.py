@@ -8,10 +8,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sequence import RequestOutput, RequestTimes, Sequence, TokenLogprob
-from engine.stopping import StopRule
-from engine.structured import GuidedState
+from loragw.engine.detokenizer import IncrementalDetokenizer
+from loragw.engine.sequence import RequestOutput, RequestTimes, Sequence, TokenLogprob
+from loragw.engine.stopping import StopRule
+from loragw.engine.structured import GuidedState
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.structured import GuidedDecoding
+from loragw.engine.structured import GuidedDecoding
 
 
 class InvalidParam(ValueError):

@@ -29,9 +29,9 @@ import time
 from collections import deque
 from typing import Protocol
 
-from engine.kv.block_manager import BlockManager
-from engine.scheduled_batch import ScheduledBatch
-from engine.sequence import Sequence, SequenceStatus
+from loragw.engine.kv.block_manager import BlockManager
+from loragw.engine.scheduled_batch import ScheduledBatch
+from loragw.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from enum import Enum, auto
 import msgspec
 import torch
 
-from engine.sampling_params import SamplingParams
+from loragw.engine.sampling_params import SamplingParams
 
 
 class SequenceStatus(Enum):

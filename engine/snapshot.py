@@ -8,11 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.lora.state import LoadTimes  # a field msgspec rebuilds across the process boundary
-from engine.request_checks import RequestLimits
+from loragw.engine.lora.state import (
+    LoadTimes,  # a field msgspec rebuilds across the process boundary
+)
+from loragw.engine.request_checks import RequestLimits
 
 if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
+    from loragw.engine.llm_engine import LLMEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +37,7 @@ class EngineInfo:
 def engine_info(engine: LLMEngine) -> EngineInfo:
     import torch
 
-    from engine.models import model_class
+    from loragw.engine.models import model_class
 
     hf_config = engine.config.hf_config
     with torch.device("meta"):  # the whole model, not this rank's part under TP; no memory

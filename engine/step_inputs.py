@@ -27,10 +27,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine.cuda_graphs import GraphKey
-from engine.forward_context import AttentionMetadata, DecodeChunk
-from engine.lora_step import LoRAStep
-from engine.scheduled_batch import LogitRows
+from loragw.engine.cuda_graphs import GraphKey
+from loragw.engine.forward_context import AttentionMetadata, DecodeChunk
+from loragw.engine.lora_step import LoRAStep
+from loragw.engine.scheduled_batch import LogitRows
 
 
 @dataclass(slots=True)

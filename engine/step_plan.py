@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.lora_step import LoRARows
-from engine.scheduled_batch import LogitRows, ScheduledBatch
+from loragw.engine.lora_step import LoRARows
+from loragw.engine.scheduled_batch import LogitRows, ScheduledBatch
 
 
 @dataclass(frozen=True, slots=True)

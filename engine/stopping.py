@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
+from loragw.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

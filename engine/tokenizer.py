@@ -10,8 +10,8 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.sampling_params import InvalidParam
-from engine.token_bytes import table_for
+from loragw.engine.sampling_params import InvalidParam
+from loragw.engine.token_bytes import table_for
 
 logger = logging.getLogger(__name__)
 

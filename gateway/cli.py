@@ -12,8 +12,8 @@ import argparse
 import logging
 import sys
 
-from demo import DEMO_DIR
-from gateway.flags import add_flag, add_options, env_var, options_from
+from loragw.demo import DEMO_DIR
+from loragw.gateway.flags import add_flag, add_options, env_var, options_from
 
 __all__ = ["build_parser", "env_var", "main"]
 logger = logging.getLogger(__name__)
@@ -23,8 +23,8 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Builds the demo base model and the demo adapters (idempotent) and prints their paths."""
-    from demo.adapters import build_demo_adapters
-    from demo.model import build_demo_model
+    from loragw.demo.adapters import build_demo_adapters
+    from loragw.demo.model import build_demo_model
 
     model = build_demo_model(args.out, seed=args.seed)
     logger.info("demo model: %s", model)
@@ -39,14 +39,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from gateway.server import serve_main
+    from loragw.gateway.server import serve_main
 
     return serve_main(args.serve_argv)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from gateway.bench.client import bench_main
-    from gateway.bench.config import BenchConfig
+    from loragw.gateway.bench.client import bench_main
+    from loragw.gateway.bench.config import BenchConfig
 
     try:
         config = BenchConfig(**options_from(args, BenchConfig))
@@ -71,7 +71,7 @@ def add_serve_parser(subparsers) -> None:
 
 
 def add_bench_parser(subparsers) -> None:
-    from gateway.bench.config import BenchConfig
+    from loragw.gateway.bench.config import BenchConfig
 
     parser = subparsers.add_parser(
         "bench", help="serving benchmark against a running server or one started for it",

@@ -13,9 +13,9 @@ import os
 import socket
 from dataclasses import dataclass
 
-from demo import DEMO_DIR
-from engine.config import Config, EngineOptions, option
-from gateway.flags import add_options, options_from
+from loragw.demo import DEMO_DIR
+from loragw.engine.config import Config, EngineOptions, option
+from loragw.gateway.flags import add_options, options_from
 
 DEFAULT_ADAPTER_DIR = os.path.join("~", ".cache", "lora-gateway", "adapters")
 MB = 1024 * 1024  # the unit of --max-upload-mb and --max-request-mb

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from adapters.errors import AdapterError, short_name
+from loragw.adapters.errors import AdapterError, short_name
 
 RETRY_AFTER_S = 1  # what a 429 or 503 asks the client to wait
 

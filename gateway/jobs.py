@@ -17,10 +17,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 
-from engine.core.client import EngineClient
-from engine.sequence import RequestOutput
-from gateway.metrics import Metrics
-from gateway.tenants.windows import Reservation
+from loragw.engine.core.client import EngineClient
+from loragw.engine.sequence import RequestOutput
+from loragw.gateway.metrics import Metrics
+from loragw.gateway.tenants.windows import Reservation
 
 logger = logging.getLogger(__name__)
 _background: set[asyncio.Task] = set()

@@ -26,10 +26,10 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.lora.state import LoadTimes
-from engine.snapshot import EngineInfo, EngineSnapshot
-from gateway.metrics_adapters import AdapterLabels, Family
-from gateway.metrics_protocol import TIERS, load_seconds, residency_gauge, vllm_families
+from loragw.engine.lora.state import LoadTimes
+from loragw.engine.snapshot import EngineInfo, EngineSnapshot
+from loragw.gateway.metrics_adapters import AdapterLabels, Family
+from loragw.gateway.metrics_protocol import TIERS, load_seconds, residency_gauge, vllm_families
 
 DEFAULT_MAX_ADAPTERS = 50  # --metrics-max-adapters
 CLIENT_CLOSED_REQUEST = 499  # the status label of a request its client abandoned

@@ -21,9 +21,9 @@ from collections import Counter as Tally
 
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
-from engine.lora.state import LOAD_SECONDS_BUCKETS, LoadTimes
-from engine.snapshot import EngineSnapshot
-from gateway.metrics_adapters import OTHER_LABEL, AdapterLabels, HistogramSeries
+from loragw.engine.lora.state import LOAD_SECONDS_BUCKETS, LoadTimes
+from loragw.engine.snapshot import EngineSnapshot
+from loragw.gateway.metrics_adapters import OTHER_LABEL, AdapterLabels, HistogramSeries
 
 TIERS = ("device", "host", "disk")
 ENGINE_INDEX = "0"  # vLLM's `engine` label: one engine per server here

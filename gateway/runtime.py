@@ -21,22 +21,22 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from engine.core import pin_threads
-from engine.core.client import EngineClient, EngineDied
-from engine.llm_engine import LLMEngine
-from engine.snapshot import EngineInfo, EngineSnapshot
-from engine.tokenizer import TokenText, try_load_tokenizer
-from gateway.config import ServerConfig
-from gateway.errors import APIError
-from gateway.fleet.router import Router
-from gateway.health import EngineWatchdog
-from gateway.jobs import GenerationJob
-from gateway.metrics import Metrics
-from gateway.residency.manager import AdapterManager
-from gateway.tenants.service import Tenants
+from loragw.engine.core import pin_threads
+from loragw.engine.core.client import EngineClient, EngineDied
+from loragw.engine.llm_engine import LLMEngine
+from loragw.engine.snapshot import EngineInfo, EngineSnapshot
+from loragw.engine.tokenizer import TokenText, try_load_tokenizer
+from loragw.gateway.config import ServerConfig
+from loragw.gateway.errors import APIError
+from loragw.gateway.fleet.router import Router
+from loragw.gateway.health import EngineWatchdog
+from loragw.gateway.jobs import GenerationJob
+from loragw.gateway.metrics import Metrics
+from loragw.gateway.residency.manager import AdapterManager
+from loragw.gateway.tenants.service import Tenants
 
 if TYPE_CHECKING:  # imported only when tracing (start_tracing)
-    from gateway.tracing import Tracing
+    from loragw.gateway.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 ENGINE_PROBE_TIMEOUT_S = 10.0
@@ -47,7 +47,7 @@ def start_tracing(config: ServerConfig) -> Tracing | None:
     OpenTelemetry's tracing SDK not even imported)."""
     if config.otlp_traces_endpoint is None:
         return None
-    from gateway.tracing import Tracing
+    from loragw.gateway.tracing import Tracing
     return Tracing(config.otlp_traces_endpoint, config.replica)
 
 
@@ -184,7 +184,7 @@ class Runtime:
         answered = asyncio.shield(self.engine.probe())
         try:
             await asyncio.wait_for(answered, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise APIError.not_ready(f"the engine loop has not answered in {timeout:.0f} s "
                                      "(wedged, or one step is that slow)") from None
         except EngineDied as exc:  # it died while we asked: the death handler runs next

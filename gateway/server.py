@@ -1,4 +1,4 @@
-"""`loragw serve` (or `python -m gateway.server`): parse the flags, prepare the demo if asked,
+"""`loragw serve` (or `python -P -m loragw.gateway.server`): parse the flags, prepare the demo if asked,
 run uvicorn until stopped.
 
 `serve_main(argv)` is what gateway/cli.py calls. `BackgroundServer` runs the same app on a
@@ -23,12 +23,12 @@ import httpx
 import prometheus_client
 import uvicorn
 
-from demo import DEMO_DIR
-from demo.examples import demo_examples
-from gateway.config import ServerConfig, add_serve_arguments
-from gateway.http.app import create_app
+from loragw.demo import DEMO_DIR
+from loragw.demo.examples import demo_examples
+from loragw.gateway.config import ServerConfig, add_serve_arguments
+from loragw.gateway.http.app import create_app
 
-logger = logging.getLogger("gateway")
+logger = logging.getLogger("loragw.gateway")
 GRACEFUL_SHUTDOWN_S = 10
 SWITCH_INTERVAL_S = 0.0005
 
@@ -73,8 +73,8 @@ def configure_logging(level: int = logging.INFO) -> None:
 
 def prepare_demo(config: ServerConfig) -> ServerConfig:
     """--demo: the demo model and adapters (built on first use), as --model and --adapter."""
-    from demo.adapters import build_demo_adapters
-    from demo.model import build_demo_model
+    from loragw.demo.adapters import build_demo_adapters
+    from loragw.demo.model import build_demo_model
 
     root = os.path.expanduser(DEMO_DIR)
     logger.info("preparing the demo model and adapters in %s (built once, then reused)", root)
@@ -151,5 +151,5 @@ class BackgroundServer:
         self.sock.close()
 
 
-if __name__ == "__main__":  # python -m gateway.server --demo
+if __name__ == "__main__":  # python -P -m loragw.gateway.server --demo
     sys.exit(serve_main())

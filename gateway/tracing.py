@@ -39,11 +39,11 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from engine.sequence import RequestOutput, RequestTimes
+from loragw.engine.sequence import RequestOutput, RequestTimes
 
 if TYPE_CHECKING:
-    from gateway.residency.names import Location
-    from gateway.residency.tiers import AdapterRecord
+    from loragw.gateway.residency.names import Location
+    from loragw.gateway.residency.tiers import AdapterRecord
 
 SERVICE_NAME = "lora-gateway"
 ADAPTER = "lora.adapter"

@@ -9,8 +9,8 @@
 Triton is imported only when backend="triton" is first used.
 """
 
-from kernels.meta import LoRAMeta, make_lora_meta
-from kernels.ops import (
+from loragw.kernels.meta import LoRAMeta, make_lora_meta
+from loragw.kernels.ops import (
     BACKENDS,
     LoRAKernels,
     apply_lora,

@@ -32,15 +32,15 @@ from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
 
-from kernels.compile_targets import Variant
+from loragw.kernels.compile_targets import Variant
 
-KERNEL_MODULES = {"_shrink_kernel": "kernels.lora_triton", "_expand_kernel": "kernels.lora_triton",
-                  "_decode_kernel": "kernels.paged_attention",
-                  "_reduce_kernel": "kernels.paged_attention",
-                  "_quant_matmul_kernel": "kernels.quant_triton",
-                  "_add_rms_norm_kernel": "kernels.fused_triton",
-                  "_rotary_kernel": "kernels.fused_triton",
-                  "_silu_and_mul_kernel": "kernels.fused_triton"}
+KERNEL_MODULES = {"_shrink_kernel": "loragw.kernels.lora_triton", "_expand_kernel": "loragw.kernels.lora_triton",
+                  "_decode_kernel": "loragw.kernels.paged_attention",
+                  "_reduce_kernel": "loragw.kernels.paged_attention",
+                  "_quant_matmul_kernel": "loragw.kernels.quant_triton",
+                  "_add_rms_norm_kernel": "loragw.kernels.fused_triton",
+                  "_rotary_kernel": "loragw.kernels.fused_triton",
+                  "_silu_and_mul_kernel": "loragw.kernels.fused_triton"}
 
 
 @dataclass(frozen=True)

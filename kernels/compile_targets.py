@@ -25,8 +25,8 @@ Importing this module does not import Triton (compile workers must import it the
 from __future__ import annotations
 
 # the enumerations below range over them (the tests read them from here too)
-from kernels.model_shapes import ATTENTION_GRID, SHIPPED_MODELS
-from kernels.variants import (  # noqa: F401  (the list's vocabulary, read from here too)
+from loragw.kernels.model_shapes import ATTENTION_GRID, SHIPPED_MODELS
+from loragw.kernels.variants import (  # noqa: F401  (the list's vocabulary, read from here too)
     DTYPES,
     ArgValue,
     Variant,
@@ -104,7 +104,7 @@ def quant_variant(dtype: str, scheme: tuple[str, bool, bool], in_features: int,
                   out_features: int, cfg) -> Variant:
     """quant_triton.quant_matmul's launch. x: [T, I] contiguous   qweight: [O, packed]; an
     absent zeros / g_idx / row_slice is passed the fp32 scales, an absent bias y (x.dtype)."""
-    from kernels.quant_triton import GROUP_M
+    from loragw.kernels.quant_triton import GROUP_M
 
     (kind, asym, act_order), p, absent = scheme, f"*{dtype}", "*fp32"
     row_bytes = -(-in_features // 2) if kind == "int4" else in_features
@@ -122,7 +122,7 @@ def quant_variant(dtype: str, scheme: tuple[str, bool, bool], in_features: int,
 def quant_variants(models=SHIPPED_MODELS, schemes=QUANT_SCHEMES, dtypes=DTYPES) -> list[Variant]:
     """The quantized GEMM for every quantized projection x scheme x dtype, for every block
     config quant_config picks over the step sizes 1..MAX_STEP_TOKENS."""
-    from kernels.quant_triton import quant_config
+    from loragw.kernels.quant_triton import quant_config
 
     found: dict[Variant, None] = {}
     for model in models:
@@ -141,8 +141,13 @@ def tile_counts(block_m: int) -> range:
     """Tile counts NT a step with this tile size can have (meta.num_tiles_bound): decode-sized
     steps (<= DECODE_MAX_TOKENS tokens) use DECODE_BLOCK_M; past SHRINK_TARGET_PROGRAMS tiles
     shrink_config no longer splits K, so larger counts add no variant."""
-    from kernels.lora_triton import SHRINK_TARGET_PROGRAMS
-    from kernels.meta import DECODE_BLOCK_M, DECODE_MAX_TOKENS, PREFILL_BLOCK_M, num_tiles_bound
+    from loragw.kernels.lora_triton import SHRINK_TARGET_PROGRAMS
+    from loragw.kernels.meta import (
+        DECODE_BLOCK_M,
+        DECODE_MAX_TOKENS,
+        PREFILL_BLOCK_M,
+        num_tiles_bound,
+    )
 
     if block_m == DECODE_BLOCK_M:
         return range(1, num_tiles_bound(DECODE_MAX_TOKENS, DECODE_MAX_TOKENS, block_m) + 1)
@@ -153,8 +158,8 @@ def tile_counts(block_m: int) -> range:
 def lora_variants(models=SHIPPED_MODELS, ranks=RANKS, dtypes=DTYPES) -> list[Variant]:
     """Shrink and expand for every projection x rank x tile size x dtype, for every block
     config shrink_config picks over the tile counts a step can have."""
-    from kernels.lora_triton import expand_config, shrink_config
-    from kernels.meta import DECODE_BLOCK_M, PREFILL_BLOCK_M
+    from loragw.kernels.lora_triton import expand_config, shrink_config
+    from loragw.kernels.meta import DECODE_BLOCK_M, PREFILL_BLOCK_M
 
     found: dict[Variant, None] = {}   # insertion-ordered set
     for model in models:
@@ -176,7 +181,7 @@ def lora_variants(models=SHIPPED_MODELS, ranks=RANKS, dtypes=DTYPES) -> list[Var
 def attention_variants(models=SHIPPED_MODELS, grid=ATTENTION_GRID, dtypes=DTYPES,
                        block_size=KV_BLOCK_SIZE) -> list[Variant]:
     """Decode (and reduce) for every head shape x block config decode_config picks x dtype."""
-    from kernels.paged_attention import decode_config
+    from loragw.kernels.paged_attention import decode_config
 
     found: dict[Variant, None] = {}
     for n_heads, n_kv, head_dim in (*grid, *(m.attention for m in models)):
@@ -190,6 +195,6 @@ def attention_variants(models=SHIPPED_MODELS, grid=ATTENTION_GRID, dtypes=DTYPES
 
 
 def all_variants() -> list[Variant]:
-    from kernels.elementwise_targets import elementwise_variants
+    from loragw.kernels.elementwise_targets import elementwise_variants
 
     return lora_variants() + attention_variants() + quant_variants() + elementwise_variants()

@@ -13,7 +13,7 @@ import functools
 import torch
 from torch import Tensor
 
-from kernels import native
+from loragw.kernels import native
 
 
 @functools.cache
@@ -75,7 +75,7 @@ def self_check(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: 
                sliding_window: int | None = None, softcap: float | None = None) -> str | None:
     """Why the kernel must not serve these shapes here, or None when it may: built, then
     checked as kernels.reference.paged_decode_problem checks every paged decode kernel."""
-    from kernels.reference import paged_decode_problem
+    from loragw.kernels.reference import paged_decode_problem
 
     if dtype != torch.float32:
         return f"{dtype} (the kernel is float32 only)"

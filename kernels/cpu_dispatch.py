@@ -34,7 +34,7 @@ from itertools import pairwise
 import torch
 from torch import Tensor
 
-from kernels.meta import LoRAMeta
+from loragw.kernels.meta import LoRAMeta
 
 # A slot whose tokens in the step are one contiguous run of at least this many (a prefill
 # chunk) runs the per-slot loop: one GEMM per slice beats a bag per token from about here.

@@ -13,7 +13,7 @@ import functools
 import torch
 from torch import Tensor
 
-from kernels import native
+from loragw.kernels import native
 
 
 @functools.cache
@@ -65,7 +65,7 @@ silu_and_mul = None
 def self_check() -> str | None:
     """Why these kernels must not serve here (None: they may): built, then compared with the
     same math in float64 on small random rows, strided as the layers pass them."""
-    from kernels.elementwise_reference import fused_elementwise_problem
+    from loragw.kernels.elementwise_reference import fused_elementwise_problem
 
     return fused_elementwise_problem(add_rms_norm, rotary, None, torch.device("cpu"),
                                      torch.float32)

@@ -15,8 +15,8 @@ import logging
 import torch
 from torch import Tensor
 
-from kernels import native
-from kernels.cpu_dispatch import BagTables, GatherGroup
+from loragw.kernels import native
+from loragw.kernels.cpu_dispatch import BagTables, GatherGroup
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def self_check() -> str | None:
     """Why apply_bags must not serve here (None: it may): built, then compared with the same
     sums in float64 on a small random pool of mixed ranks, with a slice no slot adapts and a
     group that is an index of rows."""
-    from kernels.cpu_dispatch import _build_tables
+    from loragw.kernels.cpu_dispatch import _build_tables
 
     try:
         g = torch.Generator().manual_seed(0)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from kernels.native import exception_problem
+from loragw.kernels.native import exception_problem
 
 
 def oracle_add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor,

@@ -4,16 +4,16 @@ real launches). Importing this module does not import Triton."""
 
 from __future__ import annotations
 
-from kernels.model_shapes import SHIPPED_MODELS
-from kernels.variants import DTYPES, Variant, specialize
-from kernels.variants import _pow2_at_least as pow2_at_least
+from loragw.kernels.model_shapes import SHIPPED_MODELS
+from loragw.kernels.variants import DTYPES, Variant, specialize
+from loragw.kernels.variants import _pow2_at_least as pow2_at_least
 
 
 def elementwise_variants(models=SHIPPED_MODELS, dtypes=DTYPES) -> list[Variant]:
     """kernels/fused_triton.py's launches for every model's widths x dtype: add + RMSNorm (the
     residual stream [T, H] contiguous, with and without the delta), rotary (q, k views of the
     qkv output) and SiLU-and-mul (the gate_up output [T, 2I])."""
-    from kernels.fused_triton import BLOCK_I, rotary_warps, row_warps
+    from loragw.kernels.fused_triton import BLOCK_I, rotary_warps, row_warps
 
     found: dict[Variant, None] = {}
     for model in models:

@@ -155,6 +155,6 @@ def self_check(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why these kernels must not serve on `device` in `dtype` (None: they may): compiled, then
     compared with the same math in float64 on small random rows, strided as the layers pass
     them (kernels/elementwise_reference.py)."""
-    from kernels.elementwise_reference import fused_elementwise_problem
+    from loragw.kernels.elementwise_reference import fused_elementwise_problem
 
     return fused_elementwise_problem(add_rms_norm, rotary, silu_and_mul, device, dtype)

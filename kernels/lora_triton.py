@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.meta import DECODE_BLOCK_M, LoRAMeta
+from loragw.kernels.meta import DECODE_BLOCK_M, LoRAMeta
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as @triton.jit does
 SHRINK_TARGET_PROGRAMS = 512   # ~4 waves of an H100/H200's 132 SMs

@@ -26,8 +26,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from kernels import reference
-from kernels.meta import LoRAMeta
+from loragw.kernels import reference
+from loragw.kernels.meta import LoRAMeta
 
 BACKENDS = ("torch", "triton")
 
@@ -126,7 +126,7 @@ def lora_kernels(name: str) -> LoRAKernels:
     if name == "torch":
         return LoRAKernels(name, reference)
     if name == "triton":
-        return LoRAKernels(name, importlib.import_module("kernels.lora_triton"))
+        return LoRAKernels(name, importlib.import_module("loragw.kernels.lora_triton"))
     raise ValueError(f"LoRA backend must be one of {', '.join(BACKENDS)}; got {name!r}")
 
 

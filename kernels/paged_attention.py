@@ -60,7 +60,7 @@ import triton.language as tl
 from torch import Tensor
 
 # re-exported: callers know the decode config from here
-from kernels.decode_config import (  # noqa: F401
+from loragw.kernels.decode_config import (  # noqa: F401
     DECODE_TARGET_PROGRAMS,
     MAX_SPLITS,
     PROGRAMS_PER_SM,
@@ -255,7 +255,7 @@ def self_check(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_
                softcap: float | None = None) -> str | None:
     """Why the kernel must not serve these shapes on `device`, or None when it may
     (kernels.reference.paged_decode_problem). Compiles the kernel."""
-    from kernels.reference import paged_decode_problem
+    from loragw.kernels.reference import paged_decode_problem
 
     return paged_decode_problem(paged_attention_decode, device, dtype, num_heads, num_kv_heads,
                                 head_dim, sliding_window, softcap,

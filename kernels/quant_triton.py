@@ -48,8 +48,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.meta import DECODE_MAX_TOKENS
-from kernels.quant import FP8_MIN_CAPABILITY, QuantWeight
+from loragw.kernels.meta import DECODE_MAX_TOKENS
+from loragw.kernels.quant import FP8_MIN_CAPABILITY, QuantWeight
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as @triton.jit does
 GROUP_M = 8   # M tiles walked per N block (grouped program order)
@@ -189,7 +189,7 @@ def quant_matmul(x: Tensor, w: QuantWeight, bias: Tensor | None = None,
     if not triton_supports(w.kind, x.device):
         major, minor = torch.cuda.get_device_capability(x.device)
         raise RuntimeError(f"fp8 weights need sm_{FP8_MIN_CAPABILITY}+ for the Triton GEMM, this "
-                           f"GPU is sm_{major}{minor}: use kernels.quant.dequant_linear "
+                           f"GPU is sm_{major}{minor}: use loragw.kernels.quant.dequant_linear "
                            "(triton_supports says which)")
     y = torch.empty(T, rows, dtype=x.dtype, device=x.device)
     if T == 0:

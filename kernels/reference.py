@@ -27,9 +27,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels import cpu_lora, native
-from kernels.cpu_dispatch import BagTables, GatherGroup, Rows, bag_tables, step_plan, workspace
-from kernels.meta import LoRAMeta
+from loragw.kernels import cpu_lora, native
+from loragw.kernels.cpu_dispatch import (
+    BagTables,
+    GatherGroup,
+    Rows,
+    bag_tables,
+    step_plan,
+    workspace,
+)
+from loragw.kernels.meta import LoRAMeta
 
 
 def lora_shrink(x: Tensor, lora_a: Tensor, ranks: Tensor, meta: LoRAMeta, y: Tensor) -> None:

@@ -6,19 +6,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernels.quant import FP8_MIN_CAPABILITY
+from loragw.kernels.quant import FP8_MIN_CAPABILITY
 
 DTYPES = ("fp16", "bf16")
 ArgValue = str | int | float | None  # "*bf16" pointer | int (None: neither 1 nor aligned) | float
 # The kernel modules own which arguments are never specialized (their do_not_specialize).
-_RUNTIME_LISTS = {"_shrink_kernel": ("kernels.lora_triton", "SHRINK_RUNTIME_ARGS"),
-                  "_expand_kernel": ("kernels.lora_triton", "EXPAND_RUNTIME_ARGS"),
-                  "_decode_kernel": ("kernels.paged_attention", "DECODE_RUNTIME_ARGS"),
-                  "_reduce_kernel": ("kernels.paged_attention", "REDUCE_RUNTIME_ARGS"),
-                  "_quant_matmul_kernel": ("kernels.quant_triton", "QUANT_RUNTIME_ARGS"),
-                  "_add_rms_norm_kernel": ("kernels.fused_triton", "RUNTIME_ARGS"),
-                  "_rotary_kernel": ("kernels.fused_triton", "RUNTIME_ARGS"),
-                  "_silu_and_mul_kernel": ("kernels.fused_triton", "RUNTIME_ARGS")}
+_RUNTIME_LISTS = {"_shrink_kernel": ("loragw.kernels.lora_triton", "SHRINK_RUNTIME_ARGS"),
+                  "_expand_kernel": ("loragw.kernels.lora_triton", "EXPAND_RUNTIME_ARGS"),
+                  "_decode_kernel": ("loragw.kernels.paged_attention", "DECODE_RUNTIME_ARGS"),
+                  "_reduce_kernel": ("loragw.kernels.paged_attention", "REDUCE_RUNTIME_ARGS"),
+                  "_quant_matmul_kernel": ("loragw.kernels.quant_triton", "QUANT_RUNTIME_ARGS"),
+                  "_add_rms_norm_kernel": ("loragw.kernels.fused_triton", "RUNTIME_ARGS"),
+                  "_rotary_kernel": ("loragw.kernels.fused_triton", "RUNTIME_ARGS"),
+                  "_silu_and_mul_kernel": ("loragw.kernels.fused_triton", "RUNTIME_ARGS")}
 
 
 def runtime_args(kernel: str) -> frozenset[str]:

@@ -54,7 +54,14 @@ from __future__ import annotations
 import json
 import os
 
-from demo.model import BOS, END_OF_TEXT, IM_END, SPECIAL_TOKENS, build_tokenizer, hub_style_config
+from loragw.demo.model import (
+    BOS,
+    END_OF_TEXT,
+    IM_END,
+    SPECIAL_TOKENS,
+    build_tokenizer,
+    hub_style_config,
+)
 
 ARCHS = {
     "llama": "LlamaForCausalLM",

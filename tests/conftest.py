@@ -73,6 +73,17 @@ def test_home() -> Path:
 
 
 @pytest.fixture(scope="session")
+def user_pip_cache() -> str:
+    """The user's pip cache (where `make install` left its downloads), for a test that installs
+    the project into a venv of its own: pip reads it, the test home stays clean otherwise."""
+    if os.environ.get("PIP_CACHE_DIR"):
+        return os.environ["PIP_CACHE_DIR"]
+    cache = _USER_ENVIRONMENT["XDG_CACHE_HOME"] or os.path.join(
+        _USER_ENVIRONMENT["HOME"] or os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "pip")
+
+
+@pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """`tiny_checkpoint(arch="llama", **overrides) -> str`: the directory of a tiny random
     checkpoint from tests/checkpoints.make_tiny_checkpoint, built once per session for each
@@ -104,7 +115,7 @@ def demo_dir(tmp_path_factory) -> Path:
     """A directory laid out as `loragw demo --out` lays it out, holding only the demo base model
     (demo_dir / "model", from demo/model.py), built once per session. No adapters: use
     `demo_adapters` for those."""
-    from demo.model import build_demo_model
+    from loragw.demo.model import build_demo_model
 
     out = tmp_path_factory.mktemp("demo")
     build_demo_model(str(out))
@@ -121,6 +132,6 @@ def demo_model(demo_dir) -> str:
 def demo_adapters(demo_model, tmp_path_factory) -> dict[str, str]:
     """{name: PEFT folder} of the four demo adapters (demo/adapters.py) for `demo_model`, trained
     once per session in a directory of their own (about a minute of CPU, plus `import peft`)."""
-    from demo.adapters import build_demo_adapters
+    from loragw.demo.adapters import build_demo_adapters
 
     return build_demo_adapters(demo_model, str(tmp_path_factory.mktemp("demo-adapters")))

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from demo.adapters import DEMO_ADAPTERS, MARKER, UNSEEN_PROMPTS, build_once
-from demo.model import build_demo_model
+from loragw.demo.adapters import DEMO_ADAPTERS, MARKER, UNSEEN_PROMPTS, build_once
+from loragw.demo.model import build_demo_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -211,7 +211,7 @@ def test_loragw_demo_prints_the_paths_and_rebuilds_nothing(demo_dir, demo_adapte
     shutil.copytree(os.path.dirname(demo_adapters["pirate"]), out / "adapters")
     before = {p: os.stat(p).st_mtime_ns for p in out.rglob("*")}
     env = dict(os.environ, LORAGW_LOG_LEVEL="warning")
-    result = subprocess.run([sys.executable, "-m", "gateway.cli", "demo", "--out", str(out)],
+    result = subprocess.run([sys.executable, "-P", "-m", "loragw.gateway.cli", "demo", "--out", str(out)],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -220,13 +220,13 @@ def test_loragw_demo_prints_the_paths_and_rebuilds_nothing(demo_dir, demo_adapte
     assert {p: os.stat(p).st_mtime_ns for p in out.rglob("*")} == before
 
     env["LORAGW_OUT"] = str(out)  # the flag's environment variable
-    result = subprocess.run([sys.executable, "-m", "gateway.cli", "demo"], cwd=ROOT, env=env,
+    result = subprocess.run([sys.executable, "-P", "-m", "loragw.gateway.cli", "demo"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.splitlines() == lines, result.stderr
 
 
 def test_every_flag_reads_its_environment_variable(monkeypatch):
-    from gateway.cli import build_parser, env_var
+    from loragw.gateway.cli import build_parser, env_var
 
     assert env_var("--max-lora-rank") == "LORAGW_MAX_LORA_RANK"
     monkeypatch.setenv("LORAGW_OUT", "/from/env")

@@ -15,8 +15,8 @@ def under(path: str | os.PathLike, root: Path) -> bool:
 
 
 def test_the_gateway_defaults_expand_under_the_test_home(test_home):
-    from demo import DEMO_DIR
-    from gateway.config import DEFAULT_ADAPTER_DIR
+    from loragw.demo import DEMO_DIR
+    from loragw.gateway.config import DEFAULT_ADAPTER_DIR
 
     # `loragw serve` without --adapter-dir, and with --demo
     assert under(DEFAULT_ADAPTER_DIR, test_home), os.path.expanduser(DEFAULT_ADAPTER_DIR)
@@ -39,7 +39,7 @@ def test_a_subprocess_inherits_the_test_home(test_home):
     script = ("import json, os; from huggingface_hub import constants; print(json.dumps("
               "[os.path.expanduser('~/.cache/lora-gateway'), constants.HF_HUB_CACHE, "
               "os.environ.get('HF_TOKEN')]))")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     store, hub_cache, token = json.loads(out)
     assert under(store, test_home) and under(hub_cache, test_home) and token is None

@@ -32,15 +32,15 @@ def test_the_checks_can_fail(tmp_path):
     pkg = tmp_path / "engine"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("from engine import b\n")
-    (pkg / "b.py").write_text("def f():\n    from engine.a import x\n" + "\n" * layout.MAX_LINES)
+    (pkg / "a.py").write_text("from loragw.engine import b\n")
+    (pkg / "b.py").write_text("def f():\n    from loragw.engine.a import x\n" + "\n" * layout.MAX_LINES)
     for name in ("kernels", "adapters", "gateway", "demo"):
         (tmp_path / name).mkdir()
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_x.py").write_text("from test_y import helper\n")
     (tmp_path / "README.md").write_text("## Map\n\n| `engine/a.py` | a |\n| `engine/gone.py` | |\n")
     found = "\n".join(layout.problems(tmp_path))
-    assert "import cycle in engine: engine.a <-> engine.b" in found
+    assert "import cycle in loragw.engine: loragw.engine.a <-> loragw.engine.b" in found
     assert "engine/b.py has" in found
     assert "imports the test module test_y" in found
     assert "names engine/gone.py, which does not exist" in found
@@ -87,9 +87,9 @@ def test_the_layer_check_can_fail(tmp_path):
     for folder in (tmp_path / "engine", layers):
         (folder / "__init__.py").write_text("")
     (tmp_path / "engine" / "llm_engine.py").write_text("")
-    (layers / "linear.py").write_text("from engine.llm_engine import LLMEngine\n")
+    (layers / "linear.py").write_text("from loragw.engine.llm_engine import LLMEngine\n")
     (tmp_path / "engine" / "odd.py").write_text("")
     found = "\n".join(layout.layer_problems(tmp_path))
-    assert ("engine.layers.linear (layers) imports engine.llm_engine (engine), a higher layer"
-            in found)
-    assert "engine.odd is in none of tools/layout.py's ENGINE_LAYERS" in found
+    assert ("loragw.engine.layers.linear (layers) imports loragw.engine.llm_engine (engine), "
+            "a higher layer" in found)
+    assert "loragw.engine.odd is in none of tools/layout.py's ENGINE_LAYERS" in found

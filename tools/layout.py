@@ -21,36 +21,47 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("engine", "kernels", "adapters", "gateway", "demo")
+IMPORT_ROOT = "loragw"  # the one import name: its folder holds the offline API, nothing else
+PACKAGES = ("engine", "kernels", "adapters", "gateway", "demo")  # folders, as loragw.<folder>
 MAX_LINES = 300
-# Which top-level packages each package may import: imports point one way.
-ALLOWED = {"kernels": set(), "adapters": set(), "engine": {"kernels", "adapters"},
-           "demo": {"engine", "adapters"}, "gateway": {"engine", "adapters", "kernels", "demo"}}
+# Which packages each package may import: imports point one way ("" is loragw itself).
+ALLOWED = {"": {"engine"}, "kernels": set(), "adapters": set(),
+           "engine": {"kernels", "adapters"}, "demo": {"engine", "adapters"},
+           "gateway": {"engine", "adapters", "kernels", "demo"}}
 # Cycles a package keeps on purpose, each with its reason: (module, module) pairs.
 ALLOWED_CYCLES: dict[frozenset[str], str] = {}
 
 
 @dataclass(frozen=True)
 class Module:
-    name: str  # dotted: gateway.http.app
+    name: str  # dotted: loragw.gateway.http.app (the folder gateway/ installs as loragw.gateway)
     path: Path
 
     @property
     def package(self) -> str:
-        """The package it belongs to: gateway.http for gateway.http.app."""
+        """The package it belongs to: loragw.gateway.http for loragw.gateway.http.app."""
         parts = self.name.split(".")
         return ".".join(parts[:-1]) if self.path.name != "__init__.py" else self.name
 
 
-def modules(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, Module]:
+def modules(root: Path = ROOT, packages: tuple[str, ...] = (IMPORT_ROOT, *PACKAGES)
+            ) -> dict[str, Module]:
+    """Every module of `packages` (folders under root), by its installed dotted name."""
     found = {}
     for package in packages:
         for path in sorted((root / package).rglob("*.py")):
             parts = list(path.relative_to(root).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
+            if parts[:1] != [IMPORT_ROOT]:
+                parts.insert(0, IMPORT_ROOT)
             found[".".join(parts)] = Module(".".join(parts), path)
     return found
+
+
+def package_of(name: str) -> str:
+    """The folder a module's dotted name lives in: engine for loragw.engine.x, "" for loragw."""
+    return name.removeprefix(IMPORT_ROOT).removeprefix(".").split(".")[0]
 
 
 def imports(module: Module, known: dict[str, Module]) -> set[str]:
@@ -115,9 +126,9 @@ def import_problems(root: Path = ROOT) -> Iterator[str]:
     known = modules(root)
     graph = {name: imports(m, known) for name, m in known.items()}
     for name, targets in sorted(graph.items()):
-        top = name.split(".")[0]
+        top = package_of(name)
         for target in sorted(targets):
-            other = target.split(".")[0]
+            other = package_of(target)
             if other != top and other not in ALLOWED[top]:
                 yield f"{name} imports {target}: {top} may import only {sorted(ALLOWED[top])}"
     # A cycle between modules of one package (a package's __init__ re-exporting is not one).
@@ -156,7 +167,7 @@ def test_import_problems(root: Path = ROOT) -> Iterator[str]:
                     yield f"{path.relative_to(root)} imports the test module {target}"
 
 
-_MAP_ENTRY = re.compile(r"`((?:engine|kernels|adapters|gateway|demo)/[\w/.]*)`")
+_MAP_ENTRY = re.compile(r"`((?:loragw|engine|kernels|adapters|gateway|demo)/[\w/.]*)`")
 
 
 def readme_problems(root: Path = ROOT) -> Iterator[str]:
@@ -273,7 +284,7 @@ ENGINE_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 def engine_layer(name: str) -> int | None:
     """The index in ENGINE_LAYERS of engine module `name` (dotted), None if it has none."""
-    first = name.removeprefix("engine").removeprefix(".").split(".")[0]
+    first = name.removeprefix(f"{IMPORT_ROOT}.engine").removeprefix(".").split(".")[0]
     return next((i for i, (_, parts) in enumerate(ENGINE_LAYERS) if first in parts), None)
 
 

@@ -24,11 +24,11 @@ from dataclasses import replace
 
 import msgspec
 
-from adapters.format import LoraAdapter
-from adapters.types import BaseModelSpec
-from engine.config import Config
-from engine.core.channel import ChannelClosed
-from engine.core.messages import (
+from loragw.adapters.format import LoraAdapter
+from loragw.adapters.types import BaseModelSpec
+from loragw.engine.config import Config
+from loragw.engine.core.channel import ChannelClosed
+from loragw.engine.core.messages import (
     Abort,
     AddAdapter,
     Call,
@@ -40,12 +40,12 @@ from engine.core.messages import (
     ToEngine,
     as_error,
 )
-from engine.core.spawn import ProcessTransport
-from engine.core.thread import ThreadTransport
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.sequence import EngineRequest, Prompt, RequestOutput
-from engine.snapshot import EngineInfo, EngineSnapshot
+from loragw.engine.core.spawn import ProcessTransport
+from loragw.engine.core.thread import ThreadTransport
+from loragw.engine.llm_engine import LLMEngine
+from loragw.engine.sampling_params import SamplingParams
+from loragw.engine.sequence import EngineRequest, Prompt, RequestOutput
+from loragw.engine.snapshot import EngineInfo, EngineSnapshot
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
-from adapters.format import LoraAdapter, read_adapter
-from adapters.wire import unpack
-from engine.core.messages import (
+from loragw.adapters.format import LoraAdapter, read_adapter
+from loragw.adapters.wire import unpack
+from loragw.engine.core.messages import (
     Abort,
     AddAdapter,
     Call,
@@ -33,11 +33,11 @@ from engine.core.messages import (
     Submit,
     error_info,
 )
-from engine.llm_engine import LLMEngine
-from engine.parallel.runner import RankLost
-from engine.snapshot import take_snapshot
+from loragw.engine.llm_engine import LLMEngine
+from loragw.engine.parallel.runner import RankLost
+from loragw.engine.snapshot import take_snapshot
 
-logger = logging.getLogger("engine.core")
+logger = logging.getLogger("loragw.engine.core")
 
 
 @dataclass(slots=True)

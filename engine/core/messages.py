@@ -19,10 +19,10 @@ from typing import Any
 
 import msgspec
 
-from adapters import errors as adapter_errors
-from engine.sampling_params import InvalidParam
-from engine.sequence import EngineRequest, RequestOutput
-from engine.snapshot import EngineInfo
+from loragw.adapters import errors as adapter_errors
+from loragw.engine.sampling_params import InvalidParam
+from loragw.engine.sequence import EngineRequest, RequestOutput
+from loragw.engine.snapshot import EngineInfo
 
 
 class Submit(msgspec.Struct, tag=True):

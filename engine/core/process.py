@@ -1,4 +1,4 @@
-"""The engine in a process of its own: `python -m engine.core.process FD`, started by
+"""The engine in a process of its own: `python -P -m loragw.engine.core.process FD`, started by
 engine/core/spawn.py. It reads the engine's options from the socket FD, builds the LLMEngine,
 answers Ready, then runs engine/core/loop.py's EngineLoop over the socket: frames in (taken
 whole, a frame still arriving kept for later: engine/core/channel.py), frames out. No other
@@ -19,11 +19,11 @@ from collections import deque
 import msgspec
 import torch
 
-from engine.config import Config
-from engine.core import pin_threads
-from engine.core.channel import ChannelClosed, EngineChannel
-from engine.core.loop import EngineLoop, Parsed
-from engine.core.messages import (
+from loragw.engine.config import Config
+from loragw.engine.core import pin_threads
+from loragw.engine.core.channel import ChannelClosed, EngineChannel
+from loragw.engine.core.loop import EngineLoop, Parsed
+from loragw.engine.core.messages import (
     Failed,
     FromEngine,
     Outputs,
@@ -34,10 +34,10 @@ from engine.core.messages import (
     encode,
     error_info,
 )
-from engine.llm_engine import LLMEngine
-from engine.snapshot import engine_info
+from loragw.engine.llm_engine import LLMEngine
+from loragw.engine.snapshot import engine_info
 
-logger = logging.getLogger("engine.core")
+logger = logging.getLogger("loragw.engine.core")
 
 
 class ChannelInbox:

@@ -19,11 +19,11 @@ from collections.abc import Callable
 
 import msgspec
 
-from adapters.types import BaseModelSpec
-from adapters.wire import pack
-from engine.config import Config
-from engine.core.channel import ChannelClosed, ServerChannel
-from engine.core.messages import (
+from loragw.adapters.types import BaseModelSpec
+from loragw.adapters.wire import pack
+from loragw.engine.config import Config
+from loragw.engine.core.channel import ChannelClosed, ServerChannel
+from loragw.engine.core.messages import (
     AddAdapter,
     FromEngine,
     Ready,
@@ -34,7 +34,7 @@ from engine.core.messages import (
     decode_from_engine,
     encode,
 )
-from engine.snapshot import EngineInfo
+from loragw.engine.snapshot import EngineInfo
 
 logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 10.0
@@ -85,7 +85,9 @@ class ProcessTransport:
                 on_closed(RuntimeError(f"status {status}"))
 
         ours, theirs = socket.socketpair()
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.core.process",
+        # -P: the working directory stays off sys.path, so a checkout's kernels/ folder never
+        # shadows the Hub's `kernels` that transformers imports.
+        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "loragw.engine.core.process",
                                       str(theirs.fileno())], pass_fds=[theirs.fileno()],
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         theirs.close()

@@ -11,10 +11,10 @@ import asyncio
 import threading
 from collections.abc import Callable
 
-from engine.core.loop import EngineLoop, Parsed
-from engine.core.messages import FromEngine, Stop, ToEngine
-from engine.llm_engine import LLMEngine
-from engine.snapshot import EngineInfo, engine_info
+from loragw.engine.core.loop import EngineLoop, Parsed
+from loragw.engine.core.messages import FromEngine, Stop, ToEngine
+from loragw.engine.llm_engine import LLMEngine
+from loragw.engine.snapshot import EngineInfo, engine_info
 
 
 class ThreadInbox:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.distributed.shard import Shard
+from loragw.engine.distributed.shard import Shard
 
 logger = logging.getLogger(__name__)
 

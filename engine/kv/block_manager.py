@@ -30,8 +30,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence as Ids
 
-from engine.kv.prefix_cache import Block, PrefixCache, block_hash
-from engine.sequence import Sequence
+from loragw.engine.kv.prefix_cache import Block, PrefixCache, block_hash
+from loragw.engine.sequence import Sequence
 
 
 def peak_blocks(num_tokens: int, block_size: int, window: int | None,

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.forward_context import get_forward_context
+from loragw.engine.forward_context import get_forward_context
 
 # Query rows per score matrix in soft-capped layers: [n_heads, 256, L] fp32 at a time.
 CAPPED_QUERY_ROWS = 256

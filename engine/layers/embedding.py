@@ -28,13 +28,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed import group
-from engine.distributed.shard import ONE, Shard
-from engine.forward_context import get_forward_context
-from engine.layers.linear import LoRABuffers
-from engine.layers.parts import Loadable
-from engine.lora_step import embed_full_rows, head_logits
-from kernels import cpu_linear
+from loragw.engine.distributed import group
+from loragw.engine.distributed.shard import ONE, Shard
+from loragw.engine.forward_context import get_forward_context
+from loragw.engine.layers.linear import LoRABuffers
+from loragw.engine.layers.parts import Loadable
+from loragw.engine.lora_step import embed_full_rows, head_logits
+from loragw.kernels import cpu_linear
 
 
 @dataclass(slots=True)

@@ -31,13 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed import group
-from engine.forward_context import get_forward_context
-from engine.layers.parts import Loadable
-from engine.quant import shard as quant_shard
-from engine.quant.scheme import WeightScheme
-from kernels import LoRAKernels, cpu_linear
-from kernels.quant import QuantWeight
+from loragw.engine.distributed import group
+from loragw.engine.forward_context import get_forward_context
+from loragw.engine.layers.parts import Loadable
+from loragw.engine.quant import shard as quant_shard
+from loragw.engine.quant.scheme import WeightScheme
+from loragw.kernels import LoRAKernels, cpu_linear
+from loragw.kernels.quant import QuantWeight
 
 
 @dataclass(slots=True)

@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import Linear
-from engine.layers.moe_lora import apply_expert_lora
-from engine.layers.parts import Block, Loadable
+from loragw.engine.layers.linear import Linear
+from loragw.engine.layers.moe_lora import apply_expert_lora
+from loragw.engine.layers.parts import Block, Loadable
 
 # per-expert checkpoint projection -> (our fused parameter, its row half: 0 gate, 1 up, None all)
 PER_EXPERT = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0),

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.forward_context import get_forward_context
+from loragw.engine.forward_context import get_forward_context
 
 # Most factor elements one chunk of rows gathers (fp32: 4 bytes each): a bound on the scratch
 # memory of one call, whatever the number of rows.

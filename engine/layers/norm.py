@@ -5,8 +5,8 @@ engine, kernels/fused_triton.py on CUDA; chosen in engine/backends.py)."""
 import torch
 from torch import nn
 
-from engine.forward_context import fused_elementwise
-from engine.layers.parts import Loadable
+from loragw.engine.forward_context import fused_elementwise
+from loragw.engine.layers.parts import Loadable
 
 
 class RMSNorm(nn.Module, Loadable):

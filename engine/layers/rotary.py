@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from engine.forward_context import fused_elementwise
+from loragw.engine.forward_context import fused_elementwise
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs

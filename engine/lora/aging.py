@@ -5,7 +5,7 @@ has waited too long for one.
 
 from __future__ import annotations
 
-from engine.lora.state import RegisteredAdapter, Slot
+from loragw.engine.lora.state import RegisteredAdapter, Slot
 
 
 def slot_to_drain(slots: list[Slot], adapters: dict[str, RegisteredAdapter], full,

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from adapters.format import LoraAdapter
-from adapters.types import EXPERT_PARAMS, EXPERTS
-from engine.layers.moe_lora import ExpertLoRABuffers
-from engine.models.base import CausalLM
+from loragw.adapters.format import LoraAdapter
+from loragw.adapters.types import EXPERT_PARAMS, EXPERTS
+from loragw.engine.layers.moe_lora import ExpertLoRABuffers
+from loragw.engine.models.base import CausalLM
 
 
 class ExpertSlots:

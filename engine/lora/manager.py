@@ -16,19 +16,19 @@ import time
 
 import torch
 
-from adapters.errors import AdapterError, AdapterNotFound
-from adapters.format import LoraAdapter, read_adapter
-from adapters.saved_modules import FLAG, full_modules_off
-from engine.config import Config
-from engine.lora.aging import slot_to_drain
-from engine.lora.pool import SlotPool, SlotSink
-from engine.lora.reads import HostReads
-from engine.lora.state import LoRAStats, RegisteredAdapter, Slot, host_copy
-from engine.lora.versions import StartedVersions
-from engine.lora_step import LoRARows
-from engine.models.llama import LlamaForCausalLM
-from engine.scheduled_batch import ScheduledBatch
-from engine.sequence import Sequence
+from loragw.adapters.errors import AdapterError, AdapterNotFound
+from loragw.adapters.format import LoraAdapter, read_adapter
+from loragw.adapters.saved_modules import FLAG, full_modules_off
+from loragw.engine.config import Config
+from loragw.engine.lora.aging import slot_to_drain
+from loragw.engine.lora.pool import SlotPool, SlotSink
+from loragw.engine.lora.reads import HostReads
+from loragw.engine.lora.state import LoRAStats, RegisteredAdapter, Slot, host_copy
+from loragw.engine.lora.versions import StartedVersions
+from loragw.engine.lora_step import LoRARows
+from loragw.engine.models.llama import LlamaForCausalLM
+from loragw.engine.scheduled_batch import ScheduledBatch
+from loragw.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -30,15 +30,15 @@ from typing import Protocol
 
 import torch
 
-from adapters.format import LoraAdapter
-from adapters.types import EMBED_TOKENS, LM_HEAD
-from engine.layers.embedding import EmbeddingLoRABuffers
-from engine.layers.linear import LoRABuffers
-from engine.lora.expert_slots import ExpertSlots
-from engine.lora.full_modules import FullModuleSlots
-from engine.lora_step import LoRARows
-from engine.models.llama import LlamaForCausalLM
-from engine.scheduled_batch import ScheduledBatch
+from loragw.adapters.format import LoraAdapter
+from loragw.adapters.types import EMBED_TOKENS, LM_HEAD
+from loragw.engine.layers.embedding import EmbeddingLoRABuffers
+from loragw.engine.layers.linear import LoRABuffers
+from loragw.engine.lora.expert_slots import ExpertSlots
+from loragw.engine.lora.full_modules import FullModuleSlots
+from loragw.engine.lora_step import LoRARows
+from loragw.engine.models.llama import LlamaForCausalLM
+from loragw.engine.scheduled_batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from adapters.format import LoraAdapter, read_adapter
+from loragw.adapters.format import LoraAdapter, read_adapter
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from adapters.format import LoraAdapter
+from loragw.adapters.format import LoraAdapter
 
 
 @dataclass(slots=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from engine.lora.state import RegisteredAdapter
-from engine.sequence import Sequence
+from loragw.engine.lora.state import RegisteredAdapter
+from loragw.engine.sequence import Sequence
 
 
 class StartedVersions:

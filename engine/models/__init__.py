@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import os
 
-from adapters.types import BaseModelSpec
-from engine.models import gemma, llama, moe, phi3
-from engine.models.args import architecture
-from engine.models.base import CausalLM
+from loragw.adapters.types import BaseModelSpec
+from loragw.engine.models import gemma, llama, moe, phi3
+from loragw.engine.models.args import architecture
+from loragw.engine.models.base import CausalLM
 
 __all__ = ["ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "adapter_spec", "architecture",
            "model_class"]

@@ -12,15 +12,15 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from adapters.types import EMBED_TOKENS, LM_HEAD, BaseModelSpec, base_name
-from engine.distributed.shard import ONE, Shard
-from engine.layers.attention import PagedAttention
-from engine.layers.embedding import LMHead
-from engine.layers.linear import Linear
-from engine.layers.moe import Experts
-from engine.layers.parts import Block
-from engine.models.args import ModelArgs, architecture
-from kernels import cpu_linear
+from loragw.adapters.types import EMBED_TOKENS, LM_HEAD, BaseModelSpec, base_name
+from loragw.engine.distributed.shard import ONE, Shard
+from loragw.engine.layers.attention import PagedAttention
+from loragw.engine.layers.embedding import LMHead
+from loragw.engine.layers.linear import Linear
+from loragw.engine.layers.moe import Experts
+from loragw.engine.layers.parts import Block
+from loragw.engine.models.args import ModelArgs, architecture
+from loragw.kernels import cpu_linear
 
 Fused = dict[str, tuple[tuple[str, int], ...]]  # module -> (slice, its rows) of each slice
 

@@ -26,13 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed.shard import Shard
-from engine.layers.embedding import VocabEmbedding
-from engine.layers.norm import GemmaRMSNorm
-from engine.layers.rotary import RotaryEmbedding
-from engine.models.args import ModelArgs, architecture
-from engine.models.base import Layer
-from engine.models.llama import MLP, Attention, LlamaForCausalLM
+from loragw.engine.distributed.shard import Shard
+from loragw.engine.layers.embedding import VocabEmbedding
+from loragw.engine.layers.norm import GemmaRMSNorm
+from loragw.engine.layers.rotary import RotaryEmbedding
+from loragw.engine.models.args import ModelArgs, architecture
+from loragw.engine.models.base import Layer
+from loragw.engine.models.llama import MLP, Attention, LlamaForCausalLM
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}

@@ -15,16 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed.shard import Shard
-from engine.forward_context import fused_elementwise
-from engine.layers.attention import PagedAttention
-from engine.layers.embedding import VocabEmbedding
-from engine.layers.linear import Linear
-from engine.layers.norm import RMSNorm
-from engine.layers.parts import Block
-from engine.layers.rotary import RotaryEmbedding, apply_rotary
-from engine.models.args import ModelArgs
-from engine.models.base import CausalLM, Layer
+from loragw.engine.distributed.shard import Shard
+from loragw.engine.forward_context import fused_elementwise
+from loragw.engine.layers.attention import PagedAttention
+from loragw.engine.layers.embedding import VocabEmbedding
+from loragw.engine.layers.linear import Linear
+from loragw.engine.layers.norm import RMSNorm
+from loragw.engine.layers.parts import Block
+from loragw.engine.layers.rotary import RotaryEmbedding, apply_rotary
+from loragw.engine.models.args import ModelArgs
+from loragw.engine.models.base import CausalLM, Layer
 
 
 class Attention(Block):

@@ -21,13 +21,13 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from adapters.types import EXPERT_TARGETS, ROUTER, SHARED_EXPERT, SHARED_TARGETS
-from engine.distributed.shard import ONE, Shard
-from engine.layers.moe import PER_EXPERT, Routing, SparseMoeBlock
-from engine.layers.norm import RMSNorm
-from engine.models.args import ModelArgs, architecture, positive
-from engine.models.base import Layer
-from engine.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, LlamaModel
+from loragw.adapters.types import EXPERT_TARGETS, ROUTER, SHARED_EXPERT, SHARED_TARGETS
+from loragw.engine.distributed.shard import ONE, Shard
+from loragw.engine.layers.moe import PER_EXPERT, Routing, SparseMoeBlock
+from loragw.engine.layers.norm import RMSNorm
+from loragw.engine.models.args import ModelArgs, architecture, positive
+from loragw.engine.models.base import Layer
+from loragw.engine.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, LlamaModel
 
 QK_NORMS = {"Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "whole"}  # ModelArgs.qk_norm
 # model.layers.<i>.(mlp|block_sparse_moe).experts.<e>.<projection>.weight

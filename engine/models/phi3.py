@@ -15,8 +15,8 @@ transformers (engine/models/args.py layer_windows; the attention layer applies i
 
 from __future__ import annotations
 
-from engine.distributed.shard import ONE, Shard
-from engine.models.llama import LlamaForCausalLM
+from loragw.engine.distributed.shard import ONE, Shard
+from loragw.engine.models.llama import LlamaForCausalLM
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

@@ -31,13 +31,13 @@ import tempfile
 import weakref
 from dataclasses import dataclass
 
-from adapters.format import LoraAdapter
-from engine.config import Config
-from engine.distributed import group
-from engine.distributed.shard import Shard
-from engine.lora.pool import SlotPool
-from engine.model_runner import ModelRunner, StepLogits
-from engine.step_plan import StepPlan
+from loragw.adapters.format import LoraAdapter
+from loragw.engine.config import Config
+from loragw.engine.distributed import group
+from loragw.engine.distributed.shard import Shard
+from loragw.engine.lora.pool import SlotPool
+from loragw.engine.model_runner import ModelRunner, StepLogits
+from loragw.engine.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
 

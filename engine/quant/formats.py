@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.quant.scheme import QuantConfig, WeightScheme
-from kernels.quant import QuantWeight, pack_int4
+from loragw.engine.quant.scheme import QuantConfig, WeightScheme
+from loragw.kernels.quant import QuantWeight, pack_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i]
 # Per-method tensors of a quantized module (suffixes after "<module>."); `weight` is one only

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from kernels.quant import QuantWeight
+from loragw.kernels.quant import QuantWeight
 
 
 def rows(w: QuantWeight, start: int, length: int) -> QuantWeight:

@@ -23,15 +23,15 @@ from dataclasses import replace
 
 import torch
 
-from adapters.format import read_adapter
-from engine.config import Config
-from engine.kv.block_manager import BlockManager
-from engine.lora.manager import LoRAManager
-from engine.model_runner import ModelRunner
-from engine.sampler import Sampler, argmax_rows, draw
-from engine.scheduled_batch import ScheduledBatch
-from engine.sequence import Sequence, SequenceStatus
-from engine.step_plan import plan_step
+from loragw.adapters.format import read_adapter
+from loragw.engine.config import Config
+from loragw.engine.kv.block_manager import BlockManager
+from loragw.engine.lora.manager import LoRAManager
+from loragw.engine.model_runner import ModelRunner
+from loragw.engine.sampler import Sampler, argmax_rows, draw
+from loragw.engine.scheduled_batch import ScheduledBatch
+from loragw.engine.sequence import Sequence, SequenceStatus
+from loragw.engine.step_plan import plan_step
 
 logger = logging.getLogger(__name__)
 

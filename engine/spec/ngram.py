@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.sequence import Sequence
+from loragw.engine.sequence import Sequence
 
 
 class TokenHistory:

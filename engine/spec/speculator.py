@@ -24,16 +24,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from engine.config import Config
-from engine.sampler import Sampler
-from engine.sequence import Sequence, TokenLogprob
-from engine.spec.ngram import NgramProposer
-from engine.spec.verify import NewTokens, sample_plain, verify
-from engine.speculative_config import SpeculativeConfig
-from engine.structured import TokenMask
+from loragw.engine.config import Config
+from loragw.engine.sampler import Sampler
+from loragw.engine.sequence import Sequence, TokenLogprob
+from loragw.engine.spec.ngram import NgramProposer
+from loragw.engine.spec.verify import NewTokens, sample_plain, verify
+from loragw.engine.speculative_config import SpeculativeConfig
+from loragw.engine.structured import TokenMask
 
 if TYPE_CHECKING:
-    from engine.model_runner import StepLogits
+    from loragw.engine.model_runner import StepLogits
 
 MAX_BACKOFF_STEPS = 16
 
@@ -56,7 +56,7 @@ class Speculator:
         if config.method == "ngram":
             self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         else:
-            from engine.spec.draft import DraftProposer  # loads a second model
+            from loragw.engine.spec.draft import DraftProposer  # loads a second model
 
             self.draft = DraftProposer(target, config.model, config.draft_adapters,
                                        num_kv_blocks, vocab_size)

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.sampler import Sampler, argmax_rows, draw, gather_logprobs
-from engine.sequence import Sequence, TokenLogprob
-from engine.structured import TokenMask
+from loragw.engine.sampler import Sampler, argmax_rows, draw, gather_logprobs
+from loragw.engine.sequence import Sequence, TokenLogprob
+from loragw.engine.structured import TokenMask
 
 
 class DraftView:

@@ -25,9 +25,9 @@ from dataclasses import asdict
 import httpx
 from tqdm import tqdm
 
-from gateway.bench.config import ENDPOINTS, BenchConfig
-from gateway.bench.report import BenchResult, RequestResult, format_table, summarize
-from gateway.bench.server import ServerStartError, serve_subprocess
+from loragw.gateway.bench.config import ENDPOINTS, BenchConfig
+from loragw.gateway.bench.report import BenchResult, RequestResult, format_table, summarize
+from loragw.gateway.bench.server import ServerStartError, serve_subprocess
 
 logger = logging.getLogger(__name__)
 

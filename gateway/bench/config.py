@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.config import option
+from loragw.engine.config import option
 
 DISTRIBUTIONS = ("uniform", "zipf")
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}

@@ -43,10 +43,11 @@ def serve_subprocess(serve_args: list[str], api_key: str | None = None) -> Itera
     fails to start; the API key travels in the environment, out of `ps`."""
     port = free_port()
     url = f"http://{HOST}:{port}"
-    argv = [sys.executable, "-m", "gateway.cli", "serve", "--host", HOST, "--port", str(port),
-            *serve_args]
+    # -P: the working directory stays off sys.path (see engine.core.spawn)
+    argv = [sys.executable, "-P", "-m", "loragw.gateway.cli", "serve", "--host", HOST,
+            "--port", str(port), *serve_args]
     env = os.environ | ({"LORAGW_API_KEY": api_key} if api_key else {})
-    logger.info("starting `loragw serve %s`", " ".join(argv[4:]))
+    logger.info("starting `loragw serve %s`", " ".join(argv[5:]))
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=log, env=env)

@@ -28,12 +28,12 @@ import httpx
 from litestar import Request, Response
 from litestar.response import Stream
 
-from adapters.registry import Registry, ReplicaState
-from gateway.errors import APIError
-from gateway.tenants.forwarding import IDENTITY_HEADER
+from loragw.adapters.registry import Registry, ReplicaState
+from loragw.gateway.errors import APIError
+from loragw.gateway.tenants.forwarding import IDENTITY_HEADER
 
 if TYPE_CHECKING:  # imported only when tracing
-    from gateway.tracing import ClientSpan, Tracing
+    from loragw.gateway.tracing import ClientSpan, Tracing
 
 logger = logging.getLogger(__name__)
 

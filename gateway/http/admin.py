@@ -15,21 +15,21 @@ import msgspec
 from litestar import Controller, Request, delete, get, post
 from litestar.datastructures import UploadFile
 
-from adapters.ids import valid_adapter_id
-from gateway.errors import APIError
-from gateway.flags import parse_bool
-from gateway.http.auth import principal, require_admin_key
-from gateway.http.error_handlers import error_responses
-from gateway.http.openapi_docs import MultipartUpload
-from gateway.http.upload_body import UploadBody
-from gateway.residency.drafts import check_draft_source
-from gateway.residency.info import AdapterInfo
-from gateway.residency.manager import AdapterManager
-from gateway.residency.tiers import not_registered
-from gateway.runtime import Runtime
-from gateway.tenants.access import check_change, check_source, check_visible, owner_for_write
-from gateway.tenants.audit import now_entry
-from gateway.tenants.keys import Principal
+from loragw.adapters.ids import valid_adapter_id
+from loragw.gateway.errors import APIError
+from loragw.gateway.flags import parse_bool
+from loragw.gateway.http.auth import principal, require_admin_key
+from loragw.gateway.http.error_handlers import error_responses
+from loragw.gateway.http.openapi_docs import MultipartUpload
+from loragw.gateway.http.upload_body import UploadBody
+from loragw.gateway.residency.drafts import check_draft_source
+from loragw.gateway.residency.info import AdapterInfo
+from loragw.gateway.residency.manager import AdapterManager
+from loragw.gateway.residency.tiers import not_registered
+from loragw.gateway.runtime import Runtime
+from loragw.gateway.tenants.access import check_change, check_source, check_visible, owner_for_write
+from loragw.gateway.tenants.audit import now_entry
+from loragw.gateway.tenants.keys import Principal
 
 DONE = {"load": "loaded", "evict": "evicted", "pin": "pinned", "unpin": "unpinned"}
 ACTIONS = tuple(DONE)

@@ -43,17 +43,22 @@ from litestar import Request, Response
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
-from engine.llm_engine import EngineRequest
-from engine.request_checks import check_request
-from engine.sampling_params import InvalidParam, SamplingParams
-from gateway.errors import APIError
-from gateway.http.auth import RATE_LIMIT_HEADERS, principal
-from gateway.http.format_chat import ChatFormat
-from gateway.http.format_completions import CompletionFormat
-from gateway.http.formats import Format
-from gateway.http.prompts import chat_prompt, completion_prompts, off_loop_if_large, prompt_texts
-from gateway.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from gateway.http.request_params import (
+from loragw.engine.llm_engine import EngineRequest
+from loragw.engine.request_checks import check_request
+from loragw.engine.sampling_params import InvalidParam, SamplingParams
+from loragw.gateway.errors import APIError
+from loragw.gateway.http.auth import RATE_LIMIT_HEADERS, principal
+from loragw.gateway.http.format_chat import ChatFormat
+from loragw.gateway.http.format_completions import CompletionFormat
+from loragw.gateway.http.formats import Format
+from loragw.gateway.http.prompts import (
+    chat_prompt,
+    completion_prompts,
+    off_loop_if_large,
+    prompt_texts,
+)
+from loragw.gateway.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from loragw.gateway.http.request_params import (
     chat_logprobs,
     check_completion_options,
     check_prompt_logprobs,
@@ -63,13 +68,13 @@ from gateway.http.request_params import (
     sampling_params,
     tool_names,
 )
-from gateway.http.streaming import collect, stream_sse
-from gateway.jobs import Choice, GenerationJob
-from gateway.residency.names import Location
-from gateway.residency.versions import VERSION_HEADER, header_value
-from gateway.runtime import Runtime
-from gateway.tenants.forwarding import sign
-from gateway.tenants.keys import Principal
+from loragw.gateway.http.streaming import collect, stream_sse
+from loragw.gateway.jobs import Choice, GenerationJob
+from loragw.gateway.residency.names import Location
+from loragw.gateway.residency.versions import VERSION_HEADER, header_value
+from loragw.gateway.runtime import Runtime
+from loragw.gateway.tenants.forwarding import sign
+from loragw.gateway.tenants.keys import Principal
 
 if TYPE_CHECKING:  # imported only when tracing
     from opentelemetry.trace import Span

@@ -15,14 +15,14 @@ from __future__ import annotations
 import msgspec
 from litestar import Controller, Request, delete, get, put
 
-from adapters.aliases import Alias, AliasTarget
-from gateway.http.admin import ready_manager
-from gateway.http.auth import principal, require_admin_key
-from gateway.http.error_handlers import error_responses
-from gateway.residency import aliases
-from gateway.runtime import Runtime
-from gateway.tenants.audit import now_entry
-from gateway.tenants.keys import Principal
+from loragw.adapters.aliases import Alias, AliasTarget
+from loragw.gateway.http.admin import ready_manager
+from loragw.gateway.http.auth import principal, require_admin_key
+from loragw.gateway.http.error_handlers import error_responses
+from loragw.gateway.residency import aliases
+from loragw.gateway.runtime import Runtime
+from loragw.gateway.tenants.audit import now_entry
+from loragw.gateway.tenants.keys import Principal
 
 
 class TargetBody(msgspec.Struct, forbid_unknown_fields=True):

@@ -21,23 +21,23 @@ from litestar.middleware import ASGIMiddleware
 from litestar.openapi import OpenAPIConfig
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-from adapters.errors import short_name
-from gateway.config import MB, ServerConfig
-from gateway.fleet.router import served_by_hook
-from gateway.http.admin import AdminController
-from gateway.http.aliases import AliasController
-from gateway.http.auth import PRINCIPAL, RATE_LIMIT_HEADERS
-from gateway.http.error_handlers import EXCEPTION_HANDLERS
-from gateway.http.openai import AdapterLoadController, OpenAIController
-from gateway.http.ops import OpsController
-from gateway.http.outcome import Outcome, tracking
-from gateway.http.responses import ResponsesController
-from gateway.http.tenants import AuditController, TenantKeyController
-from gateway.http.utility import UtilityController
-from gateway.metrics import CLIENT_CLOSED_REQUEST, STREAM_FAILED, Metrics
-from gateway.runtime import Runtime
+from loragw.adapters.errors import short_name
+from loragw.gateway.config import MB, ServerConfig
+from loragw.gateway.fleet.router import served_by_hook
+from loragw.gateway.http.admin import AdminController
+from loragw.gateway.http.aliases import AliasController
+from loragw.gateway.http.auth import PRINCIPAL, RATE_LIMIT_HEADERS
+from loragw.gateway.http.error_handlers import EXCEPTION_HANDLERS
+from loragw.gateway.http.openai import AdapterLoadController, OpenAIController
+from loragw.gateway.http.ops import OpsController
+from loragw.gateway.http.outcome import Outcome, tracking
+from loragw.gateway.http.responses import ResponsesController
+from loragw.gateway.http.tenants import AuditController, TenantKeyController
+from loragw.gateway.http.utility import UtilityController
+from loragw.gateway.metrics import CLIENT_CLOSED_REQUEST, STREAM_FAILED, Metrics
+from loragw.gateway.runtime import Runtime
 
-access_log = logging.getLogger("gateway.access")
+access_log = logging.getLogger("loragw.gateway.access")
 REQUEST_ID_HEADER = b"x-request-id"
 MODEL_LOGGED = 256  # characters of a client's `model` an access-log line carries
 _CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
@@ -167,7 +167,7 @@ def traced(runtime: Runtime) -> list[ASGIMiddleware]:
     only then, so a server without the flag loads no tracing code."""
     if runtime.tracing is None:
         return []
-    from gateway.http.tracing_middleware import TracingMiddleware
+    from loragw.gateway.http.tracing_middleware import TracingMiddleware
     return [TracingMiddleware(runtime.tracing, runtime)]
 
 

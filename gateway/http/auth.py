@@ -23,11 +23,18 @@ import hmac
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 
-from gateway.config import ServerConfig
-from gateway.errors import APIError
-from gateway.tenants.access import forbidden
-from gateway.tenants.forwarding import IDENTITY_HEADER, verify
-from gateway.tenants.keys import API_KEY_ID, KEY_PREFIX, OPEN_ID, OPERATOR, OPERATOR_ID, Principal
+from loragw.gateway.config import ServerConfig
+from loragw.gateway.errors import APIError
+from loragw.gateway.tenants.access import forbidden
+from loragw.gateway.tenants.forwarding import IDENTITY_HEADER, verify
+from loragw.gateway.tenants.keys import (
+    API_KEY_ID,
+    KEY_PREFIX,
+    OPEN_ID,
+    OPERATOR,
+    OPERATOR_ID,
+    Principal,
+)
 
 FORWARDED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 PRINCIPAL = "principal"  # the request state's key of the caller

@@ -13,9 +13,9 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import ResponseSpec
 
-from adapters.errors import AdapterError
-from gateway.errors import RETRY_AFTER_S, APIError
-from gateway.http.response_bodies import ErrorBody, ErrorResponse
+from loragw.adapters.errors import AdapterError
+from loragw.gateway.errors import RETRY_AFTER_S, APIError
+from loragw.gateway.http.response_bodies import ErrorBody, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

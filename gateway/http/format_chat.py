@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from msgspec import UNSET
 
-from engine.sequence import RequestOutput, TokenLogprob
-from gateway.http.formats import Format, usage, vllm_prompt_logprobs
-from gateway.http.response_bodies import (
+from loragw.engine.sequence import RequestOutput, TokenLogprob
+from loragw.gateway.http.formats import Format, usage, vllm_prompt_logprobs
+from loragw.gateway.http.response_bodies import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -22,8 +22,8 @@ from gateway.http.response_bodies import (
     TopLogprob,
     Usage,
 )
-from gateway.http.tool_calls import ToolCallParser, Update
-from gateway.jobs import Choice, TokenCounts
+from loragw.gateway.http.tool_calls import ToolCallParser, Update
+from loragw.gateway.jobs import Choice, TokenCounts
 
 
 class ChatFormat(Format):

@@ -8,15 +8,15 @@ from dataclasses import replace
 
 from msgspec import UNSET
 
-from engine.sequence import RequestOutput, TokenLogprob
-from gateway.http.formats import Format, usage, vllm_prompt_logprobs
-from gateway.http.response_bodies import (
+from loragw.engine.sequence import RequestOutput, TokenLogprob
+from loragw.gateway.http.formats import Format, usage, vllm_prompt_logprobs
+from loragw.gateway.http.response_bodies import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
     Usage,
 )
-from gateway.jobs import Choice, TokenCounts
+from loragw.gateway.jobs import Choice, TokenCounts
 
 
 class CompletionFormat(Format):

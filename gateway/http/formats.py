@@ -10,9 +10,9 @@ import time
 
 from msgspec import UNSET, UnsetType
 
-from engine.sequence import RequestOutput, TokenLogprob
-from engine.tokenizer import TokenText
-from gateway.http.response_bodies import (
+from loragw.engine.sequence import RequestOutput, TokenLogprob
+from loragw.engine.tokenizer import TokenText
+from loragw.gateway.http.response_bodies import (
     SSE_DONE,
     ErrorBody,
     ErrorResponse,
@@ -22,7 +22,7 @@ from gateway.http.response_bodies import (
     Usage,
     sse,
 )
-from gateway.jobs import Choice, TokenCounts
+from loragw.gateway.jobs import Choice, TokenCounts
 
 
 def usage(counts: TokenCounts) -> Usage:

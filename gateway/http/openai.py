@@ -8,19 +8,19 @@ from __future__ import annotations
 from litestar import Controller, Request, Response, get, post
 from litestar.openapi import ResponseSpec
 
-from gateway.errors import APIError
-from gateway.http.admin import remove, write
-from gateway.http.admission import serve_chat, serve_completion
-from gateway.http.auth import principal, require_admin_key, require_api_key
-from gateway.http.error_handlers import error_responses
-from gateway.http.openapi_docs import streamed
-from gateway.http.protocol import (
+from loragw.gateway.errors import APIError
+from loragw.gateway.http.admin import remove, write
+from loragw.gateway.http.admission import serve_chat, serve_completion
+from loragw.gateway.http.auth import principal, require_admin_key, require_api_key
+from loragw.gateway.http.error_handlers import error_responses
+from loragw.gateway.http.openapi_docs import streamed
+from loragw.gateway.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
 )
-from gateway.http.response_bodies import (
+from loragw.gateway.http.response_bodies import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionResponse,
@@ -28,9 +28,9 @@ from gateway.http.response_bodies import (
     ModelCard,
     ModelList,
 )
-from gateway.residency.info import AdapterInfo
-from gateway.runtime import Runtime
-from gateway.tenants.keys import Principal
+from loragw.gateway.residency.info import AdapterInfo
+from loragw.gateway.runtime import Runtime
+from loragw.gateway.tenants.keys import Principal
 
 OWNER = "lora-gateway"
 # a model may name an adapter fetched on first use (the Hub, the fleet's store) or held by

@@ -6,10 +6,10 @@ from __future__ import annotations
 from litestar import Controller, Response, get
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway.http.auth import require_metrics_key
-from gateway.http.error_handlers import error_responses
-from gateway.http.response_bodies import Health
-from gateway.runtime import Runtime
+from loragw.gateway.http.auth import require_metrics_key
+from loragw.gateway.http.error_handlers import error_responses
+from loragw.gateway.http.response_bodies import Health
+from loragw.gateway.runtime import Runtime
 
 
 class OpsController(Controller):

@@ -8,9 +8,9 @@ import asyncio
 from collections.abc import Callable
 from typing import TypeVar
 
-from engine.tokenizer import encode_chat, tokenize
-from gateway.errors import APIError
-from gateway.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from loragw.engine.tokenizer import encode_chat, tokenize
+from loragw.gateway.errors import APIError
+from loragw.gateway.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 # Prompts whose text is longer than this are tokenized on a worker thread, not the event loop.
 TOKENIZE_INLINE_MAX_CHARS = 16_384

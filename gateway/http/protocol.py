@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
-from gateway.http.openapi_docs import TOKEN_ID, bounds, openapi
+from loragw.gateway.http.openapi_docs import TOKEN_ID, bounds, openapi
 
 MAX_N = 128  # choices per request, as OpenAI
 MAX_LOGPROBS = 20

@@ -10,12 +10,12 @@ from dataclasses import replace
 
 import msgspec
 
-from adapters.errors import short_name
-from engine.sampling_params import InvalidParam, SamplingParams
-from engine.structured import GuidedDecoding
-from gateway.errors import APIError
-from gateway.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
-from gateway.http.tool_calls import tool_call_schema
+from loragw.adapters.errors import short_name
+from loragw.engine.sampling_params import InvalidParam, SamplingParams
+from loragw.engine.structured import GuidedDecoding
+from loragw.gateway.errors import APIError
+from loragw.gateway.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+from loragw.gateway.http.tool_calls import tool_call_schema
 
 MAX_TOKEN_ID_DIGITS = 18  # a logit_bias key longer than this is no token id (nor an int64)
 

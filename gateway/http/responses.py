@@ -17,18 +17,18 @@ import msgspec
 from litestar import Controller, Request, Response, post
 from litestar.openapi import ResponseSpec
 
-from gateway.errors import APIError
-from gateway.http import responses_protocol as rp
-from gateway.http.admission import serve
-from gateway.http.auth import require_api_key
-from gateway.http.error_handlers import error_responses
-from gateway.http.openapi_docs import streamed
-from gateway.http.prompts import chat_prompt, off_loop_if_large
-from gateway.http.protocol import ChatCompletionRequest, ChatMessage, ResponseFormat
-from gateway.http.request_params import guided_decoding, sampling_params, tool_names
-from gateway.http.responses_format import ResponsesFormat
-from gateway.http.responses_protocol import ResponseObject, ResponsesRequest
-from gateway.runtime import Runtime
+from loragw.gateway.errors import APIError
+from loragw.gateway.http import responses_protocol as rp
+from loragw.gateway.http.admission import serve
+from loragw.gateway.http.auth import require_api_key
+from loragw.gateway.http.error_handlers import error_responses
+from loragw.gateway.http.openapi_docs import streamed
+from loragw.gateway.http.prompts import chat_prompt, off_loop_if_large
+from loragw.gateway.http.protocol import ChatCompletionRequest, ChatMessage, ResponseFormat
+from loragw.gateway.http.request_params import guided_decoding, sampling_params, tool_names
+from loragw.gateway.http.responses_format import ResponsesFormat
+from loragw.gateway.http.responses_protocol import ResponseObject, ResponsesRequest
+from loragw.gateway.runtime import Runtime
 
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")  # output_text: an earlier answer sent back

@@ -23,10 +23,10 @@ import uuid
 
 import msgspec
 
-from engine.sequence import RequestOutput
-from engine.tokenizer import TokenText
-from gateway.http.formats import Format
-from gateway.http.responses_protocol import (
+from loragw.engine.sequence import RequestOutput
+from loragw.engine.tokenizer import TokenText
+from loragw.gateway.http.formats import Format
+from loragw.gateway.http.responses_protocol import (
     ContentPartAdded,
     ContentPartDone,
     ErrorEvent,
@@ -52,8 +52,8 @@ from gateway.http.responses_protocol import (
     ResponseObject,
     ResponseUsage,
 )
-from gateway.http.tool_calls import ToolCallParser, Update
-from gateway.jobs import Choice, TokenCounts
+from loragw.gateway.http.tool_calls import ToolCallParser, Update
+from loragw.gateway.jobs import Choice, TokenCounts
 
 ABORTED = ("generation stopped before it finished: the server is shutting down or the adapter "
            "was unloaded; retry the request")

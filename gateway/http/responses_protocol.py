@@ -12,7 +12,7 @@ from typing import Annotated, Any, ClassVar
 
 from msgspec import Meta, Struct
 
-from gateway.http.protocol import PositiveInt
+from loragw.gateway.http.protocol import PositiveInt
 
 
 # ---- the request ---------------------------------------------------------------------------

@@ -7,11 +7,11 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from engine.sequence import RequestOutput
-from gateway.errors import APIError
-from gateway.http.formats import Format
-from gateway.http.outcome import stream_failed
-from gateway.jobs import Choice, GenerationJob
+from loragw.engine.sequence import RequestOutput
+from loragw.gateway.errors import APIError
+from loragw.gateway.http.formats import Format
+from loragw.gateway.http.outcome import stream_failed
+from loragw.gateway.jobs import Choice, GenerationJob
 
 logger = logging.getLogger(__name__)
 

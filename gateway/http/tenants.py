@@ -15,14 +15,14 @@ import msgspec
 from litestar import Controller, Request, delete, get, post
 from litestar.params import Parameter
 
-from gateway.errors import APIError
-from gateway.http.auth import principal, require_admin_key
-from gateway.http.error_handlers import error_responses
-from gateway.runtime import Runtime
-from gateway.tenants.access import forbidden
-from gateway.tenants.audit import MAX_READ, AuditEntry, now_entry
-from gateway.tenants.keys import ROLES, KeyRecord, Principal, check_globs, valid_tenant
-from gateway.tenants.windows import Limits
+from loragw.gateway.errors import APIError
+from loragw.gateway.http.auth import principal, require_admin_key
+from loragw.gateway.http.error_handlers import error_responses
+from loragw.gateway.runtime import Runtime
+from loragw.gateway.tenants.access import forbidden
+from loragw.gateway.tenants.audit import MAX_READ, AuditEntry, now_entry
+from loragw.gateway.tenants.keys import ROLES, KeyRecord, Principal, check_globs, valid_tenant
+from loragw.gateway.tenants.windows import Limits
 
 MAX_GRACE_S = 30 * 24 * 3600
 

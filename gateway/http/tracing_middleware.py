@@ -12,9 +12,9 @@ from litestar.middleware import ASGIMiddleware
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from opentelemetry.trace import Status, StatusCode
 
-from gateway.residency.names import Location
-from gateway.runtime import Runtime
-from gateway.tracing import Tracing
+from loragw.gateway.residency.names import Location
+from loragw.gateway.runtime import Runtime
+from loragw.gateway.tracing import Tracing
 
 TRACED_PREFIX = "/v1/"
 _PROPAGATED = (b"traceparent", b"tracestate")

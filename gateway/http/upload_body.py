@@ -14,8 +14,8 @@ import asyncio
 from litestar.middleware import ASGIMiddleware
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.config import MB, ServerConfig
-from gateway.errors import APIError
+from loragw.gateway.config import MB, ServerConfig
+from loragw.gateway.errors import APIError
 
 
 def too_large(config: ServerConfig) -> APIError:
@@ -59,7 +59,7 @@ class UploadBody(ASGIMiddleware):
                 received = 0
             try:
                 message = await asyncio.wait_for(receive(), config.upload_timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise timed_out(config) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))

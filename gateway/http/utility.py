@@ -12,13 +12,13 @@ from importlib import metadata
 from litestar import Controller, Request, get, post
 from msgspec import Struct
 
-from gateway.errors import APIError
-from gateway.http.auth import principal, require_api_key
-from gateway.http.error_handlers import error_responses
-from gateway.http.prompts import chat_prompt, off_loop_if_large
-from gateway.http.protocol import ChatCompletionRequest, ChatMessage, TokenId
-from gateway.runtime import Runtime
-from gateway.tenants.keys import Principal
+from loragw.gateway.errors import APIError
+from loragw.gateway.http.auth import principal, require_api_key
+from loragw.gateway.http.error_handlers import error_responses
+from loragw.gateway.http.prompts import chat_prompt, off_loop_if_large
+from loragw.gateway.http.protocol import ChatCompletionRequest, ChatMessage, TokenId
+from loragw.gateway.runtime import Runtime
+from loragw.gateway.tenants.keys import Principal
 
 PACKAGE = "lora-gateway"
 UNKNOWN_VERSION = "0.0.0+unknown"  # not installed as a package (a bare checkout)

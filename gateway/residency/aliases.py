@@ -19,12 +19,19 @@ from __future__ import annotations
 
 import time
 
-from adapters.aliases import Alias, AliasConflict, AliasTarget, InvalidAlias, check_alias, target_id
-from adapters.errors import AdapterError
-from gateway.errors import APIError
-from gateway.residency.manager import AdapterManager
-from gateway.tenants.access import forbidden
-from gateway.tenants.keys import Principal, valid_tenant
+from loragw.adapters.aliases import (
+    Alias,
+    AliasConflict,
+    AliasTarget,
+    InvalidAlias,
+    check_alias,
+    target_id,
+)
+from loragw.adapters.errors import AdapterError
+from loragw.gateway.errors import APIError
+from loragw.gateway.residency.manager import AdapterManager
+from loragw.gateway.tenants.access import forbidden
+from loragw.gateway.tenants.keys import Principal, valid_tenant
 
 
 def alias_not_found(name: str) -> APIError:

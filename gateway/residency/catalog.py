@@ -22,18 +22,18 @@ import asyncio
 import logging
 from collections import defaultdict
 
-from adapters.object_store import ObjectStore
-from adapters.registry import (
+from loragw.adapters.object_store import ObjectStore
+from loragw.adapters.registry import (
     EVENT_DELETED,
     AdapterEvent,
     CatalogEntry,
     Registry,
 )
-from adapters.store_meta import StoredAdapter
-from gateway.residency.fetch import UPLOAD_SOURCE
-from gateway.residency.info import catalog_entry
-from gateway.residency.tiers import AdapterRecord, AdapterTiers
-from gateway.residency.versions import PinnedVersions, object_keys
+from loragw.adapters.store_meta import StoredAdapter
+from loragw.gateway.residency.fetch import UPLOAD_SOURCE
+from loragw.gateway.residency.info import catalog_entry
+from loragw.gateway.residency.tiers import AdapterRecord, AdapterTiers
+from loragw.gateway.residency.versions import PinnedVersions, object_keys
 
 logger = logging.getLogger(__name__)
 

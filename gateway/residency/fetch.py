@@ -23,11 +23,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from adapters.errors import AdapterError, StoreUnavailable
-from adapters.object_store import ObjectStore
-from adapters.registry import CatalogEntry
-from adapters.s3 import S3Options
-from adapters.sources import parse_source, read_adapter_files, resolve_source
+from loragw.adapters.errors import AdapterError, StoreUnavailable
+from loragw.adapters.object_store import ObjectStore
+from loragw.adapters.registry import CatalogEntry
+from loragw.adapters.s3 import S3Options
+from loragw.adapters.sources import parse_source, read_adapter_files, resolve_source
 
 logger = logging.getLogger(__name__)
 UPLOAD_SOURCE = "upload"

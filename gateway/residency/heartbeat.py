@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
-from adapters.registry import ReplicaState
-from engine.snapshot import EngineSnapshot
-from gateway.residency.tiers import AdapterRecord
+from loragw.adapters.registry import ReplicaState
+from loragw.engine.snapshot import EngineSnapshot
+from loragw.gateway.residency.tiers import AdapterRecord
 
 # Adapter ids a heartbeat lists as held beyond its slots: at most 128 characters each, so a
 # state stays under ~32 KB however many adapters its disk keeps; host copies go first.

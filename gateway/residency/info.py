@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import msgspec
 
-from adapters.registry import CatalogEntry
-from adapters.store_meta import StoredAdapter
-from engine.snapshot import EngineSnapshot
-from gateway.residency.tiers import AdapterRecord
+from loragw.adapters.registry import CatalogEntry
+from loragw.adapters.store_meta import StoredAdapter
+from loragw.engine.snapshot import EngineSnapshot
+from loragw.gateway.residency.tiers import AdapterRecord
 
 
 class AdapterInfo(msgspec.Struct):

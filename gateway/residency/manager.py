@@ -17,27 +17,27 @@ import os
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
-from adapters.alias_store import AliasBook
-from adapters.base_identity import base_identity
-from adapters.object_store import ObjectStore
-from adapters.registry import REGISTRY_PREFIX, make_registry
-from adapters.store_meta import StoredAdapter, StoredMeta
-from engine.core.client import EngineClient
-from engine.snapshot import EngineSnapshot
-from gateway.config import ServerConfig
-from gateway.errors import APIError
-from gateway.metrics import Metrics
-from gateway.residency.catalog import FleetCatalog
-from gateway.residency.fetch import UPLOAD_SOURCE, StoreHealth, can_fetch, check_store, in_store
-from gateway.residency.heartbeat import holders, replica_state, resident_on
-from gateway.residency.info import AdapterInfo, adapter_info, residency
-from gateway.residency.names import Location, check_free, check_new_id, on_demand
-from gateway.residency.tiers import AdapterRecord, AdapterTiers
-from gateway.residency.versions import PinnedVersions, object_keys, parse_pin, with_history
-from gateway.tenants.keys import OPERATOR, Principal
+from loragw.adapters.alias_store import AliasBook
+from loragw.adapters.base_identity import base_identity
+from loragw.adapters.object_store import ObjectStore
+from loragw.adapters.registry import REGISTRY_PREFIX, make_registry
+from loragw.adapters.store_meta import StoredAdapter, StoredMeta
+from loragw.engine.core.client import EngineClient
+from loragw.engine.snapshot import EngineSnapshot
+from loragw.gateway.config import ServerConfig
+from loragw.gateway.errors import APIError
+from loragw.gateway.metrics import Metrics
+from loragw.gateway.residency import fetch as sources
+from loragw.gateway.residency.catalog import FleetCatalog
+from loragw.gateway.residency.heartbeat import holders, replica_state, resident_on
+from loragw.gateway.residency.info import AdapterInfo, adapter_info, residency
+from loragw.gateway.residency.names import Location, check_free, check_new_id, on_demand
+from loragw.gateway.residency.tiers import AdapterRecord, AdapterTiers
+from loragw.gateway.residency.versions import PinnedVersions, object_keys, parse_pin, with_history
+from loragw.gateway.tenants.keys import OPERATOR, Principal
 
 if TYPE_CHECKING:  # imported only when tracing
-    from gateway.tracing import Tracing
+    from loragw.gateway.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 PUBLISH_INTERVAL_S = 1.0  # this replica's state, and a read of the whole catalog
@@ -55,7 +55,7 @@ class AdapterManager:
         self.adapter_dir = config.adapter_path
         self.object_store = (ObjectStore(config.adapter_store_url)
                              if config.adapter_store_url else None)
-        self.store_health = StoreHealth(config.adapter_store_url)
+        self.store_health = sources.StoreHealth(config.adapter_store_url)
         self.tiers = AdapterTiers(
             self.adapter_dir, engine, metrics or Metrics(),
             hub_endpoint=hub_endpoint or os.environ.get("HF_ENDPOINT") or None,
@@ -84,7 +84,7 @@ class AdapterManager:
     async def start(self) -> None:
         """Check the object store, open this base's disk store, join the registry, match this
         disk's adapters to the catalog, and start the heartbeat."""
-        await check_store(self.object_store, self.catalog.shared)
+        await sources.check_store(self.object_store, self.catalog.shared)
         stored_adapters = await self.tiers.open(self.base, self.versions_kept)
         await self.registry.start()
         self.registry.subscribe(self.catalog.on_event)
@@ -129,11 +129,11 @@ class AdapterManager:
             return older
         if record.stored is not None:
             return Location(adapter_id, True, version=record.entry.version)
-        if not can_fetch(record.entry, self.object_store):  # only its holder has the bytes
+        if not sources.can_fetch(record.entry, self.object_store):  # only its holder has the bytes
             holder = record.entry.holder
             return Location(adapter_id, False, (holder,) if holder != self.replica_id else (),
                             version=record.entry.version)
-        if in_store(record.entry, self.object_store) and not await self.store_health.reachable():
+        if sources.in_store(record.entry, self.object_store) and not await self.store_health.reachable():
             # the store is down: the replicas that hold it first, this one (a fetch) last
             states = await self.registry.replicas()
             return Location(adapter_id, True, holders(states, adapter_id, self.replica_id),
@@ -171,7 +171,7 @@ class AdapterManager:
         await self.catalog.refresh(adapter_id)
         async with self._locks[adapter_id]:
             check_free(self.records, adapter_id, replace, conflict=409)
-            meta = StoredMeta(UPLOAD_SOURCE, version=self._next_version(adapter_id),
+            meta = StoredMeta(sources.UPLOAD_SOURCE, version=self._next_version(adapter_id),
                               owner=self.catalog.owner_for(adapter_id, owner), draft_source=draft)
             await self._announce(await self.tiers.put(adapter_id, config_raw, weights_raw, meta))
         return await self.get(adapter_id)

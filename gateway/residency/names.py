@@ -8,9 +8,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from adapters.errors import AdapterNotFound
-from adapters.ids import validate_adapter_id
-from adapters.sources import (
+from loragw.adapters.errors import AdapterNotFound
+from loragw.adapters.ids import validate_adapter_id
+from loragw.adapters.sources import (
     HUB_SCHEME,
     InvalidSource,
     hub_allowed,
@@ -18,11 +18,11 @@ from adapters.sources import (
     s3_adapter_id,
     s3_allowed,
 )
-from adapters.store import AdapterExists
-from gateway.errors import APIError
+from loragw.adapters.store import AdapterExists
+from loragw.gateway.errors import APIError
 
 if TYPE_CHECKING:
-    from gateway.residency.tiers import AdapterRecord
+    from loragw.gateway.residency.tiers import AdapterRecord
 
 
 @dataclass(frozen=True, slots=True)

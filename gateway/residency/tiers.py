@@ -18,23 +18,23 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from adapters.base_identity import BaseIdentity
-from adapters.errors import AdapterNotFound, short_name
-from adapters.format import parse_adapter
-from adapters.object_store import ObjectStore
-from adapters.registry import CatalogEntry
-from adapters.sources import parse_source, resolve_source
-from adapters.store import AdapterStore
-from adapters.store_bases import open_base_store
-from adapters.store_meta import StoredAdapter, StoredMeta
-from engine.core.client import EngineClient
-from gateway.errors import APIError
-from gateway.metrics import Metrics
-from gateway.residency.drafts import attach_draft
-from gateway.residency.fetch import fetch_bytes
+from loragw.adapters.base_identity import BaseIdentity
+from loragw.adapters.errors import AdapterNotFound, short_name
+from loragw.adapters.format import parse_adapter
+from loragw.adapters.object_store import ObjectStore
+from loragw.adapters.registry import CatalogEntry
+from loragw.adapters.sources import parse_source, resolve_source
+from loragw.adapters.store import AdapterStore
+from loragw.adapters.store_bases import open_base_store
+from loragw.adapters.store_meta import StoredAdapter, StoredMeta
+from loragw.engine.core.client import EngineClient
+from loragw.gateway.errors import APIError
+from loragw.gateway.metrics import Metrics
+from loragw.gateway.residency.drafts import attach_draft
+from loragw.gateway.residency.fetch import fetch_bytes
 
 if TYPE_CHECKING:  # imported only when tracing
-    from gateway.tracing import Tracing
+    from loragw.gateway.tracing import Tracing
 
 
 def not_registered(adapter_id: str) -> AdapterNotFound:

@@ -19,14 +19,14 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
-from adapters.errors import short_name
-from adapters.registry import CatalogEntry
-from adapters.store import AdapterStore
-from adapters.store_meta import StoredAdapter
-from gateway.errors import APIError
-from gateway.residency.fetch import can_fetch, fetch_bytes
-from gateway.residency.names import Location
-from gateway.residency.tiers import AdapterTiers
+from loragw.adapters.errors import short_name
+from loragw.adapters.registry import CatalogEntry
+from loragw.adapters.store import AdapterStore
+from loragw.adapters.store_meta import StoredAdapter
+from loragw.gateway.errors import APIError
+from loragw.gateway.residency.fetch import can_fetch, fetch_bytes
+from loragw.gateway.residency.names import Location
+from loragw.gateway.residency.tiers import AdapterTiers
 
 logger = logging.getLogger(__name__)
 

@@ -10,13 +10,13 @@ an adapter moved to another tenant on any replica is judged by its current owner
 
 from __future__ import annotations
 
-from adapters.errors import AdapterNotFound, InvalidAdapterId
-from adapters.ids import validate_adapter_id
-from adapters.sources import InvalidSource, hub_allowed, parse_source, s3_allowed
-from gateway.errors import APIError
-from gateway.residency.manager import AdapterManager
-from gateway.residency.tiers import not_registered
-from gateway.tenants.keys import Principal, valid_tenant
+from loragw.adapters.errors import AdapterNotFound, InvalidAdapterId
+from loragw.adapters.ids import validate_adapter_id
+from loragw.adapters.sources import InvalidSource, hub_allowed, parse_source, s3_allowed
+from loragw.gateway.errors import APIError
+from loragw.gateway.residency.manager import AdapterManager
+from loragw.gateway.residency.tiers import not_registered
+from loragw.gateway.tenants.keys import Principal, valid_tenant
 
 
 def forbidden(message: str) -> APIError:

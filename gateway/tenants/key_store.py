@@ -22,8 +22,8 @@ import os
 import msgspec
 from redis.asyncio import Redis
 
-from adapters.durable_fs import fsync_dir
-from gateway.tenants.keys import KeyRecord
+from loragw.adapters.durable_fs import fsync_dir
+from loragw.gateway.tenants.keys import KeyRecord
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder(KeyRecord).decode

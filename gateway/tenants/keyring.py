@@ -15,9 +15,9 @@ import logging
 import time
 from dataclasses import replace
 
-from gateway.errors import APIError
-from gateway.tenants.keys import KeyRecord, digest, new_key_id, new_secret
-from gateway.tenants.windows import Limits
+from loragw.gateway.errors import APIError
+from loragw.gateway.tenants.keys import KeyRecord, digest, new_key_id, new_secret
+from loragw.gateway.tenants.windows import Limits
 
 logger = logging.getLogger(__name__)
 STORE_ERRORS = (OSError, ConnectionError, TimeoutError)

@@ -21,7 +21,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from gateway.tenants.windows import Limits
+from loragw.gateway.tenants.windows import Limits
 
 ROLES = ("admin", "member")
 KEY_PREFIX = "lgw-"

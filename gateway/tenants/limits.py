@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
-from gateway.tenants.windows import (
+from loragw.gateway.tenants.windows import (
     UNLIMITED,
     WINDOW_S,
     Decision,

@@ -16,17 +16,17 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from gateway.config import ServerConfig
-from gateway.errors import APIError
-from gateway.jobs import GenerationJob, spawn
-from gateway.metrics import Metrics
-from gateway.tenants.audit import AuditLog
-from gateway.tenants.forwarding import fleet_secret
-from gateway.tenants.key_store import FileKeyStore, RedisKeyStore
-from gateway.tenants.keyring import KeyRing
-from gateway.tenants.keys import Principal
-from gateway.tenants.limits import Limiter
-from gateway.tenants.windows import Decision, Reservation, rate_limit_headers
+from loragw.gateway.config import ServerConfig
+from loragw.gateway.errors import APIError
+from loragw.gateway.jobs import GenerationJob, spawn
+from loragw.gateway.metrics import Metrics
+from loragw.gateway.tenants.audit import AuditLog
+from loragw.gateway.tenants.forwarding import fleet_secret
+from loragw.gateway.tenants.key_store import FileKeyStore, RedisKeyStore
+from loragw.gateway.tenants.keyring import KeyRing
+from loragw.gateway.tenants.keys import Principal
+from loragw.gateway.tenants.limits import Limiter
+from loragw.gateway.tenants.windows import Decision, Reservation, rate_limit_headers
 
 logger = logging.getLogger(__name__)
 PREFIX = "loragw:"  # the registry's prefix (adapters.registry)

@@ -93,7 +93,8 @@ app.kubernetes.io/component: redis
 
 {{/* The gateway image reference; the tag defaults to the chart's appVersion. */}}
 {{- define "lora-gateway.image" -}}
-{{- $tag := .Values.image.tag | default .Chart.AppVersion | toString }}
+{{- $suffix := eq (include "lora-gateway.device" .) "cpu" | ternary "-cpu" "" }}
+{{- $tag := .Values.image.tag | default (printf "%s%s" .Chart.AppVersion $suffix) | toString }}
 {{- if .Values.image.digest }}
 {{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
 {{- else }}

@@ -17,8 +17,8 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from adapters.format import BaseModelSpec, LoraAdapter, parse_adapter
-from adapters.types import MODEL_TARGETS
+from loragw.adapters.format import BaseModelSpec, LoraAdapter, parse_adapter
+from loragw.adapters.types import MODEL_TARGETS
 
 TINY = dict(architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,

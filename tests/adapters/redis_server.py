@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.bench.server import free_port
+from loragw.gateway.bench.server import free_port
 
 REDIS_SERVER_BIN = "/usr/bin/redis-server"
 START_TIMEOUT_S = 10.0

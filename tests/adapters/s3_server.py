@@ -33,7 +33,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.bench.server import free_port
+from loragw.gateway.bench.server import free_port
 
 REGION = "us-east-1"
 START_TIMEOUT_S = 30.0  # moto's server in a process of its own: imports, then it listens

@@ -12,10 +12,10 @@ import pytest
 import safetensors.torch
 from peft_saving import load_edited
 
-from adapters.errors import AdapterError
-from adapters.format import BaseModelSpec, read_adapter
-from adapters.lora_config import parse_adapter_config
-from engine.models import adapter_spec
+from loragw.adapters.errors import AdapterError
+from loragw.adapters.format import BaseModelSpec, read_adapter
+from loragw.adapters.lora_config import parse_adapter_config
+from loragw.engine.models import adapter_spec
 
 LLAMA = "LlamaForCausalLM"
 HUB_ID = "meta-llama/Llama-3.1-8B"
@@ -111,7 +111,7 @@ def test_unknown_class_on_either_side_is_not_refused(bases, saved):
 
 def test_another_base_name_is_served_with_one_warning(bases, saved, caplog):
     spec = served(bases["llama"])
-    with caplog.at_level(logging.WARNING, logger="adapters.format"):
+    with caplog.at_level(logging.WARNING, logger="loragw.adapters.format"):
         adapter = read_adapter(saved["hub_named"], spec)
     assert adapter.modules and adapter.targets == ("q_proj", "v_proj")
     assert adapter.warnings == (

@@ -8,10 +8,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from adapters.errors import AdapterError
-from adapters.format import BaseModelSpec, parse_adapter, read_adapter
-from adapters.lora_config import parse_adapter_config
-from engine.models import adapter_spec
+from loragw.adapters.errors import AdapterError
+from loragw.adapters.format import BaseModelSpec, parse_adapter, read_adapter
+from loragw.adapters.lora_config import parse_adapter_config
+from loragw.engine.models import adapter_spec
 
 # hidden 32 != moe intermediate 48, so every factor's shape says which parameter it is for
 MIXTRAL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

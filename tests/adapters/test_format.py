@@ -12,11 +12,11 @@ import pytest
 import safetensors.torch
 import torch
 
-from adapters.errors import AdapterError, AdapterNotFound
-from adapters.format import parse_adapter, read_adapter
-from adapters.lora_config import parse_adapter_config
-from adapters.types import TARGET_MODULES, pattern_key
-from engine.models import adapter_spec
+from loragw.adapters.errors import AdapterError, AdapterNotFound
+from loragw.adapters.format import parse_adapter, read_adapter
+from loragw.adapters.lora_config import parse_adapter_config
+from loragw.adapters.types import TARGET_MODULES, pattern_key
+from loragw.engine.models import adapter_spec
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=128)  # fmt: skip

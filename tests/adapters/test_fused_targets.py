@@ -9,9 +9,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from adapters.errors import AdapterError
-from adapters.format import BaseModelSpec, parse_adapter
-from engine.models import adapter_spec
+from loragw.adapters.errors import AdapterError
+from loragw.adapters.format import BaseModelSpec, parse_adapter
+from loragw.engine.models import adapter_spec
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, vocab_size=512)

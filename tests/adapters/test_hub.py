@@ -7,12 +7,12 @@ import huggingface_hub.constants
 import pytest
 from hub_server import TINY_LLAMA, HubServer, peft_files
 
-from adapters.errors import AdapterError, AdapterNotFound
-from adapters.format import read_adapter
-from adapters.hub import HubUnavailable, fetch_hub_adapter
-from adapters.source_checks import InvalidSource
-from adapters.sources import AdapterSource, hub_allowed, parse_source, resolve_source
-from engine.models import adapter_spec
+from loragw.adapters.errors import AdapterError, AdapterNotFound
+from loragw.adapters.format import read_adapter
+from loragw.adapters.hub import HubUnavailable, fetch_hub_adapter
+from loragw.adapters.source_checks import InvalidSource
+from loragw.adapters.sources import AdapterSource, hub_allowed, parse_source, resolve_source
+from loragw.engine.models import adapter_spec
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 SPEC = adapter_spec(TINY_LLAMA, max_lora_rank=16)

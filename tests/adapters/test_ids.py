@@ -2,8 +2,8 @@ import re
 
 import pytest
 
-from adapters.errors import AdapterError, InvalidAdapterId
-from adapters.ids import MAX_ADAPTER_ID_LEN, validate_adapter_id
+from loragw.adapters.errors import AdapterError, InvalidAdapterId
+from loragw.adapters.ids import MAX_ADAPTER_ID_LEN, validate_adapter_id
 
 GOOD = [
     "a",

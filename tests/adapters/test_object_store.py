@@ -11,11 +11,11 @@ import time
 import pytest
 from hub_server import TINY_LLAMA, peft_files
 
-from adapters.errors import AdapterError, AdapterNotFound
-from adapters.format import parse_adapter
-from adapters.ids import validate_adapter_id
-from adapters.object_store import ObjectStore, digest, pair_digest
-from adapters.s3 import (
+from loragw.adapters.errors import AdapterError, AdapterNotFound
+from loragw.adapters.format import parse_adapter
+from loragw.adapters.ids import validate_adapter_id
+from loragw.adapters.object_store import ObjectStore, digest, pair_digest
+from loragw.adapters.s3 import (
     BucketNotFound,
     ObjectCorrupted,
     ObjectNotFound,
@@ -24,16 +24,16 @@ from adapters.s3 import (
     S3Options,
     s3_client,
 )
-from adapters.source_checks import InvalidSource
-from adapters.sources import (
+from loragw.adapters.source_checks import InvalidSource
+from loragw.adapters.sources import (
     AdapterSource,
     parse_source,
     resolve_source,
     s3_adapter_id,
     s3_allowed,
 )
-from engine.models import adapter_spec
-from gateway.bench.server import free_port
+from loragw.engine.models import adapter_spec
+from loragw.gateway.bench.server import free_port
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 SPEC = adapter_spec(TINY_LLAMA, max_lora_rank=16)
@@ -293,7 +293,7 @@ def test_s3_adapter_id():
 
 
 def test_importing_the_modules_does_not_import_boto3():
-    code = ("import sys, adapters.sources, adapters.object_store, adapters.s3;"
+    code = ("import sys, loragw.adapters.sources, loragw.adapters.object_store, loragw.adapters.s3;"
             " assert 'boto3' not in sys.modules and 'botocore' not in sys.modules")  # fmt: skip
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+    subprocess.run([sys.executable, "-P", "-c", code], check=True, cwd=root)

@@ -14,7 +14,7 @@ import time
 import pytest
 from redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
 
-from adapters.registry import (
+from loragw.adapters.registry import (
     EVENT_ADDED,
     EVENT_DELETED,
     EVENT_REPLACED,
@@ -25,7 +25,7 @@ from adapters.registry import (
     ReplicaState,
     make_registry,
 )
-from adapters.registry_redis import RedisRegistry
+from loragw.adapters.registry_redis import RedisRegistry
 
 HEARTBEAT_S = 0.2
 TTL_S = 3.0  # fifteen heartbeats: a stall of the event loop shorter than that expires no one

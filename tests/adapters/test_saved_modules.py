@@ -17,10 +17,10 @@ from peft_saving import (
     without_vocabulary,
 )
 
-from adapters.errors import AdapterError
-from adapters.format import BaseModelSpec, read_adapter
-from adapters.lora_config import parse_adapter_config
-from engine.models import adapter_spec
+from loragw.adapters.errors import AdapterError
+from loragw.adapters.format import BaseModelSpec, read_adapter
+from loragw.adapters.lora_config import parse_adapter_config
+from loragw.engine.models import adapter_spec
 
 FLAG = "--max-full-module-slots"
 # name -> (tie_word_embeddings, peft LoraConfig kwargs)

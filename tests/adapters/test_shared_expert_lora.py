@@ -10,9 +10,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from adapters.errors import AdapterError
-from adapters.format import BaseModelSpec, parse_adapter
-from engine.models import adapter_spec
+from loragw.adapters.errors import AdapterError
+from loragw.adapters.format import BaseModelSpec, parse_adapter
+from loragw.engine.models import adapter_spec
 
 H, INTER, SHARED, MOE_INTER = 32, 128, 80, 48  # hidden, dense MLP, shared expert, one expert
 QWEN2_MOE = dict(architectures=["Qwen2MoeForCausalLM"], hidden_size=H, intermediate_size=INTER,

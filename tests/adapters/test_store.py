@@ -10,14 +10,13 @@ import threading
 import pytest
 from hub_server import TINY_LLAMA, peft_files
 
-from adapters import store as store_mod
-from adapters.errors import AdapterNotFound, InvalidAdapterId
-from adapters.format import read_adapter
-from adapters.store import AdapterExists, AdapterStore
-from adapters.store_meta import StoredMeta
-from engine.models import adapter_spec
+from loragw.adapters import store as store_mod
+from loragw.adapters.errors import AdapterNotFound, InvalidAdapterId
+from loragw.adapters.format import read_adapter
+from loragw.adapters.store import AdapterExists, AdapterStore
+from loragw.adapters.store_meta import StoredMeta
+from loragw.engine.models import adapter_spec
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 SPEC = adapter_spec(TINY_LLAMA, max_lora_rank=16)
 A, B = peft_files(rank=4, seed=0), peft_files(rank=8, seed=1)
@@ -177,9 +176,8 @@ def test_failure_at_any_step_leaves_the_store_unchanged(root, monkeypatch, adapt
 
 _CRASH = """
 import os, sys
-sys.path.insert(0, {repo!r})
-from adapters import store as S
-from adapters.store_meta import StoredMeta
+from loragw.adapters import store as S
+from loragw.adapters.store_meta import StoredMeta
 root, n, exchange = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
 st = S.AdapterStore(root)
 calls = [0]
@@ -205,7 +203,7 @@ def test_crash_at_any_step_recovers_old_or_new(tmp_path, exchange):
     root = str(tmp_path / "adapters")
     (tmp_path / "w").write_bytes(B[WEIGHTS])
     (tmp_path / "c").write_bytes(B[CONFIG])
-    script = _CRASH.format(repo=REPO)
+    script = _CRASH
     old_sha, new_sha = (hashlib.sha256(f[WEIGHTS]).hexdigest() for f in (A, B))
     seen = set()
     for n in range(1, 100):
@@ -214,7 +212,7 @@ def test_crash_at_any_step_recovers_old_or_new(tmp_path, exchange):
             put(store, "org/x", replace=True)
         store.close()
         rc = subprocess.run(
-            [sys.executable, "-c", script, root, str(n), str(int(exchange))]
+            [sys.executable, "-P", "-c", script, root, str(n), str(int(exchange))]
         ).returncode
         recovered = AdapterStore(root)
         (meta,) = recovered.list()

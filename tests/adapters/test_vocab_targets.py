@@ -16,10 +16,10 @@ from peft_saving import (
     without_vocabulary,
 )
 
-from adapters.errors import AdapterError
-from adapters.format import read_adapter
-from adapters.lora_config import parse_adapter_config
-from engine.models import adapter_spec
+from loragw.adapters.errors import AdapterError
+from loragw.adapters.format import read_adapter
+from loragw.adapters.lora_config import parse_adapter_config
+from loragw.engine.models import adapter_spec
 
 # name -> (tie_word_embeddings, peft LoraConfig kwargs)
 VARIANTS = {

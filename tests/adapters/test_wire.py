@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from adapters.format import LoraAdapter, LoraModuleWeights
-from adapters.lora_config import parse_adapter_config
-from adapters.wire import pack, unpack
+from loragw.adapters.format import LoraAdapter, LoraModuleWeights
+from loragw.adapters.lora_config import parse_adapter_config
+from loragw.adapters.wire import pack, unpack
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 if TYPE_CHECKING:
-    from engine import LLM
+    from loragw.engine import LLM
 
 MAX_TOKENS = 10
 VOCAB, HIDDEN = 256, 64  # the base's vocabulary and hidden size (build_base)
@@ -258,7 +258,7 @@ class World:
 
     def llm(self, **options) -> LLM:
         """An engine on the base with every adapter added; `options` override its defaults."""
-        from engine import LLM
+        from loragw.engine import LLM
 
         defaults = dict(device="cpu", dtype="float32", max_loras=len(self.dirs),
                         max_full_module_slots=len(self.saved), max_lora_rank=16,

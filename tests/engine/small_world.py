@@ -8,9 +8,9 @@ import pytest
 import safetensors.torch
 import torch
 
-from engine import LLM
-from engine.config import Config
-from engine.llm_engine import LLMEngine
+from loragw.engine import LLM
+from loragw.engine.config import Config
+from loragw.engine.llm_engine import LLMEngine
 
 TARGETS = ("q_proj", "v_proj", "down_proj")
 SHAPES = {"q_proj": (64, 64), "v_proj": (64, 32), "down_proj": (128, 64)}  # (in, out)

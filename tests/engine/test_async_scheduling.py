@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from peft_reference import MAX_TOKENS, World
 
-from engine import LLM, SamplingParams
-from engine.sequence import PENDING
+from loragw.engine import LLM, SamplingParams
+from loragw.engine.sequence import PENDING
 
 
 def engines(checkpoint: str, **options) -> tuple[LLM, LLM]:

@@ -13,7 +13,13 @@ import time
 
 import pytest
 
-from engine.core.channel import HEADER, ChannelClosed, EngineChannel, FrameReader, ServerChannel
+from loragw.engine.core.channel import (
+    HEADER,
+    ChannelClosed,
+    EngineChannel,
+    FrameReader,
+    ServerChannel,
+)
 
 
 def payload(sender: int, index: int, size: int) -> bytes:

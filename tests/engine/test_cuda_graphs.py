@@ -10,7 +10,7 @@ import pytest
 import torch
 from peft_reference import MAX_TOKENS, World
 
-from engine import SamplingParams
+from loragw.engine import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

@@ -43,7 +43,7 @@ import pytest
 import torch
 from peft_reference import MAX_TOKENS, World
 
-from engine import SamplingParams
+from loragw.engine import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -5,9 +5,9 @@ import asyncio
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.core.client import EngineClient
-from engine.sampling_params import InvalidParam
+from loragw.engine import LLM, SamplingParams
+from loragw.engine.core.client import EngineClient
+from loragw.engine.sampling_params import InvalidParam
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from peft_reference import MAX_TOKENS
 
-from engine import SamplingParams
-from kernels import fused_triton as ft
+from loragw.engine import SamplingParams
+from loragw.kernels import fused_triton as ft
 
 
 def test_peft_greedy_tokens_through_the_fused_kernels(lora_world, monkeypatch):

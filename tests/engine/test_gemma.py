@@ -12,9 +12,9 @@ import torch
 from peft_reference import ALL_SEVEN, load_peft, peft_greedy, save_peft_adapters
 from window_parity import SCHEDULES, check_schedules, make_prompts
 
-from engine import LLM, SamplingParams
-from engine.models import adapter_spec, model_class
-from engine.models.gemma import FULL, SLIDING, GemmaArgs
+from loragw.engine import LLM, SamplingParams
+from loragw.engine.models import adapter_spec, model_class
+from loragw.engine.models.gemma import FULL, SLIDING, GemmaArgs
 
 # The two bases under every schedule; config variants batched only (the file stays fast).
 VARIANTS = {

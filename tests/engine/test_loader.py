@@ -8,7 +8,7 @@ import math
 import pytest
 from checkpoints import with_weight
 
-from engine import LLM, SamplingParams
+from loragw.engine import LLM, SamplingParams
 
 DOWN = "model.layers.1.mlp.down_proj.weight"
 K_PROJ = "model.layers.0.self_attn.k_proj.weight"  # a slice of the merged qkv_proj

@@ -11,7 +11,7 @@ import pytest
 from lora_steps import watch_lora_steps
 from peft_reference import ALL_SEVEN, MAX_TOKENS, World, needs_triton
 
-from engine import LLM, SamplingParams
+from loragw.engine import LLM, SamplingParams
 
 ADAPTERS = {
     "embed-r4": dict(r=4, lora_alpha=8, target_modules=["embed_tokens"]),

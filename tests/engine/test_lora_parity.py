@@ -14,8 +14,8 @@ import safetensors.torch
 import torch
 from peft_reference import MAX_TOKENS, World, needs_triton, save_peft_adapters
 
-from adapters.errors import AdapterError
-from engine import SamplingParams
+from loragw.adapters.errors import AdapterError
+from loragw.engine import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 

@@ -7,10 +7,10 @@ requests without an adapter never reach the LoRA kernels, and everything is free
 import pytest
 from small_world import NUM_ADAPTERS, make_engine, make_llm, prompts
 
-from engine import SamplingParams
-from engine.config import Config
-from engine.llm_engine import LLMEngine
-from kernels import LoRAKernels
+from loragw.engine import SamplingParams
+from loragw.engine.config import Config
+from loragw.engine.llm_engine import LLMEngine
+from loragw.kernels import LoRAKernels
 
 # Each test takes about a second; a scheduler that stalls would spin in generate() forever.
 pytestmark = pytest.mark.timeout(120)

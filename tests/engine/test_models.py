@@ -11,10 +11,10 @@ import torch
 from checkpoints import ARCHS
 from torch import nn
 
-from adapters.types import EMBED_TOKENS, EXPERT_TARGETS, LM_HEAD, ROUTER
-from engine.layers.norm import RMSNorm
-from engine.layers.parts import Block, Loadable
-from engine.models import adapter_spec, model_class
+from loragw.adapters.types import EMBED_TOKENS, EXPERT_TARGETS, LM_HEAD, ROUTER
+from loragw.engine.layers.norm import RMSNorm
+from loragw.engine.layers.parts import Block, Loadable
+from loragw.engine.models import adapter_spec, model_class
 
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 

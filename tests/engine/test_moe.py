@@ -14,10 +14,10 @@ import torch
 from peft_reference import MAX_TOKENS as PEFT_MAX_TOKENS
 from peft_reference import World, hf_greedy, load_peft, peft_greedy, save_peft_adapters
 
-from engine import LLM, SamplingParams
-from engine.distributed.shard import Shard
-from engine.models import adapter_spec
-from engine.models.moe import PER_EXPERT_KEY, MoeForCausalLM
+from loragw.engine import LLM, SamplingParams
+from loragw.engine.distributed.shard import Shard
+from loragw.engine.models import adapter_spec
+from loragw.engine.models.moe import PER_EXPERT_KEY, MoeForCausalLM
 
 MAX_TOKENS = 16
 PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -153,7 +153,7 @@ def test_router_and_shared_expert_are_lora_targets(tiny_checkpoint):
 def test_parameter_counts(tiny_checkpoint, arch):
     from transformers import AutoModelForCausalLM
 
-    from engine.snapshot import engine_info
+    from loragw.engine.snapshot import engine_info
 
     path = tiny_checkpoint(arch)
     hf = AutoModelForCausalLM.from_pretrained(path)
@@ -170,7 +170,7 @@ def test_parameter_counts(tiny_checkpoint, arch):
 
 
 def test_dense_models_count_every_parameter_active(tiny_checkpoint):
-    from engine.snapshot import engine_info
+    from loragw.engine.snapshot import engine_info
 
     info = engine_info(LLM(tiny_checkpoint("llama"), device="cpu", dtype="float32").engine)
     assert info.total_parameters == info.active_parameters > 0
@@ -203,7 +203,7 @@ def test_tensor_parallelism_and_unimplemented_switches_are_refused(tiny_checkpoi
 
 def test_the_graph_safe_expert_path_equals_the_grouped_one():
     """Under CUDA graph capture each expert runs over every row (no host sync); same result."""
-    from engine.layers.moe import Experts
+    from loragw.engine.layers.moe import Experts
 
     torch.manual_seed(0)
     experts = Experts(5, 16, 12)
@@ -224,9 +224,9 @@ def test_the_block_is_bit_exact_with_transformers_in_bfloat16(arch):
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
-    from engine.distributed.shard import ONE
-    from engine.layers.moe import Routing, SparseMoeBlock
-    from engine.models.llama import MLP, ModelArgs
+    from loragw.engine.distributed.shard import ONE
+    from loragw.engine.layers.moe import Routing, SparseMoeBlock
+    from loragw.engine.models.llama import MLP, ModelArgs
 
     torch.manual_seed(0)
     if arch == "mixtral":
@@ -271,7 +271,7 @@ SHARED_EXPERT_ADAPTERS = {
 
 
 def test_shared_expert_lora_matches_peft_beside_base_rows(tiny_checkpoint, tmp_path):
-    from adapters.format import read_adapter
+    from loragw.adapters.format import read_adapter
 
     base = tiny_checkpoint("qwen2_moe")
     world = World(str(tmp_path), SHARED_EXPERT_ADAPTERS, base=base)

@@ -6,7 +6,7 @@ import torch
 from peft_reference import hf_greedy
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
+from loragw.engine import LLM, SamplingParams
 
 MAX_TOKENS = 20
 VARIANTS = {

@@ -12,7 +12,7 @@ import torch
 from checkpoints import make_tiny_checkpoint
 from peft_reference import MAX_TOKENS, World, hf_greedy
 
-from engine import LLM, SamplingParams
+from loragw.engine import LLM, SamplingParams
 
 TOKENS = 20
 ORIGINAL = 64  # longrope's original_max_position_embeddings: every test sequence fits in it

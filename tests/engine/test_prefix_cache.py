@@ -6,10 +6,10 @@ import pytest
 import torch
 from peft_reference import hf_greedy
 
-from engine import LLM, SamplingParams
-from engine.kv.block_manager import BlockManager
-from engine.kv.prefix_cache import block_hash
-from engine.sequence import Sequence
+from loragw.engine import LLM, SamplingParams
+from loragw.engine.kv.block_manager import BlockManager
+from loragw.engine.kv.prefix_cache import block_hash
+from loragw.engine.sequence import Sequence
 
 BS = 4  # block size of every test here: prompts span many blocks while staying tiny
 MAX_TOKENS = 20  # greedy tokens per request

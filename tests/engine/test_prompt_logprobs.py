@@ -8,9 +8,9 @@ import pytest
 import torch
 from peft_reference import World, load_peft
 
-from engine import SamplingParams
-from engine.llm_engine import EngineRequest
-from engine.sampling_params import InvalidParam
+from loragw.engine import SamplingParams
+from loragw.engine.llm_engine import EngineRequest
+from loragw.engine.sampling_params import InvalidParam
 
 TOP = 3
 TOL = 1e-4

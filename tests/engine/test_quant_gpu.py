@@ -15,7 +15,7 @@ import pytest
 import torch
 from quant_checkpoints import ALL_SCHEMES, QuantWorld, build_world
 
-from engine import LLM, SamplingParams
+from loragw.engine import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -21,9 +21,9 @@ from quant_checkpoints import (
     with_unknown_method,
 )
 
-from engine import LLM, SamplingParams
-from engine.quant.scheme import SUPPORTED
-from engine.snapshot import engine_info
+from loragw.engine import LLM, SamplingParams
+from loragw.engine.quant.scheme import SUPPORTED
+from loragw.engine.snapshot import engine_info
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 QWEN2_SCHEMES = ("w4a16-asym-g32", "w8a16-channel", "fp8-block", "gptq-desc-act", "awq-g32")
@@ -163,7 +163,7 @@ def test_an_act_order_map_past_its_groups_is_refused_before_any_kernel_reads_it(
 
 def test_an_unknown_method_and_a_group_that_does_not_divide_are_refused_by_the_config(
         llama, tmp_path):
-    from engine.config import Config
+    from loragw.engine.config import Config
 
     src = llama.checkpoints["w4a16-g32"].dir
     with pytest.raises(ValueError) as refused:

@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from engine.config import Config
-from engine.quant.scheme import SUPPORTED, read_quantization
+from loragw.engine.config import Config
+from loragw.engine.quant.scheme import SUPPORTED, read_quantization
 
 W4_GROUP = {"quant_method": "compressed-tensors", "format": "pack-quantized",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {

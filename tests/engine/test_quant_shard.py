@@ -5,8 +5,8 @@ weight; a column split that would cut a quantization group, or an int4 byte, is 
 import pytest
 import torch
 
-from engine.quant.shard import columns, rows
-from kernels.quant import QuantWeight, dequantize, pack_int4
+from loragw.engine.quant.shard import columns, rows
+from loragw.kernels.quant import QuantWeight, dequantize, pack_int4
 
 
 def weight(group: int, act_order: bool = False, in_features: int = 128) -> QuantWeight:

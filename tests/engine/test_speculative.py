@@ -9,13 +9,13 @@ import torch
 from peft_reference import MAX_TOKENS
 from small_world import make_llm, prompts
 
-from engine import SamplingParams
-from engine.sampler import Sampler, draw
-from engine.sequence import Sequence
-from engine.spec import verify as verify_module
-from engine.spec.ngram import lookup
-from engine.spec.verify import verify
-from engine.speculative_config import parse_speculative_config
+from loragw.engine import SamplingParams
+from loragw.engine.sampler import Sampler, draw
+from loragw.engine.sequence import Sequence
+from loragw.engine.spec import verify as verify_module
+from loragw.engine.spec.ngram import lookup
+from loragw.engine.spec.verify import verify
+from loragw.engine.speculative_config import parse_speculative_config
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3, "disable_by_batch_size": 64}
@@ -181,8 +181,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 def test_text_stops_logprobs_and_grammars_as_without_speculation(demo_model):
     import json
 
-    from engine import LLM
-    from engine.structured import GuidedDecoding
+    from loragw.engine import LLM
+    from loragw.engine.structured import GuidedDecoding
 
     prompts = ["the cat sat on the mat, the cat sat on the mat, the cat",
                "one two three four one two three four one two",
@@ -218,8 +218,8 @@ def test_sampled_grammar_output_stays_valid(demo_model):
 
     import jsonschema
 
-    from engine import LLM
-    from engine.structured import GuidedDecoding
+    from loragw.engine import LLM
+    from loragw.engine.structured import GuidedDecoding
 
     with LLM(demo_model, max_model_len=512, speculative_config=NGRAM) as llm:
         params = [SamplingParams(max_tokens=120, temperature=1.0, seed=i,
@@ -234,8 +234,8 @@ def test_guided_rows_draft_and_keep_the_grammar(demo_model):
     """A greedy JSON row alone: its drafts are masked by the grammar at every position."""
     import json
 
-    from engine import LLM
-    from engine.structured import GuidedDecoding
+    from loragw.engine import LLM
+    from loragw.engine.structured import GuidedDecoding
 
     params = SamplingParams(max_tokens=200, temperature=0.0,
                             guided=GuidedDecoding("json_schema", SCHEMA))
@@ -370,7 +370,7 @@ def test_draft_model_sampling_is_seeded_and_refuses_another_vocabulary(checkpoin
 
 
 def test_a_request_whose_drafts_are_rejected_backs_off():
-    from engine.spec.speculator import Speculator
+    from loragw.engine.spec.speculator import Speculator
 
     speculator = Speculator(parse_speculative_config(NGRAM), None, 0, 0)
     seq = Sequence([1, 2, 3, 1, 2], SamplingParams(max_tokens=10))

@@ -16,8 +16,8 @@ from __future__ import annotations
 import pytest
 from peft_reference import MAX_TOKENS, World
 
-from engine import SamplingParams
-from engine.cuda_graphs import DecodeGraphs, GraphKey, graph_buckets
+from loragw.engine import SamplingParams
+from loragw.engine.cuda_graphs import DecodeGraphs, GraphKey, graph_buckets
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 

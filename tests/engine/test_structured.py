@@ -9,10 +9,10 @@ import re
 import jsonschema
 import pytest
 
-from engine import LLM
-from engine.sampling_params import SamplingParams
-from engine.structured import GuidedDecoding
-from gateway.http.tool_calls import parse_tool_call, tool_call_schema
+from loragw.engine import LLM
+from loragw.engine.sampling_params import SamplingParams
+from loragw.engine.structured import GuidedDecoding
+from loragw.gateway.http.tool_calls import parse_tool_call, tool_call_schema
 
 S = {"type": "string", "maxLength": 8}
 SCHEMAS = [
@@ -192,7 +192,7 @@ def test_tool_call_schema_and_parse(llm):
 
 
 def test_without_xgrammar_only_structured_output_is_refused(llm, monkeypatch):
-    import engine.structured as structured
+    import loragw.engine.structured as structured
 
     monkeypatch.setattr(structured, "xgr", None)
     with pytest.raises(ValueError, match="xgrammar"):

@@ -10,7 +10,7 @@ import torch
 from checkpoints import make_tiny_checkpoint
 from peft_reference import MAX_TOKENS, World
 
-from engine import LLM, SamplingParams
+from loragw.engine import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 60)), [100] * 17]

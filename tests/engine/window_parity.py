@@ -5,7 +5,7 @@ test_gemma. Prompts up to 40 tokens, longer than the tiny checkpoints' 8-token w
 import torch
 from peft_reference import hf_greedy
 
-from engine import LLM, SamplingParams
+from loragw.engine import LLM, SamplingParams
 
 MAX_TOKENS = 20
 WINDOW = 8

@@ -1,4 +1,4 @@
-"""A fleet on loopback, as production runs one: `python -m gateway.server` replica processes on
+"""A fleet on loopback, as production runs one: `python -P -m loragw.gateway.server` replica processes on
 one real redis-server (and, when given, one real S3 server), started with no --adapter flags:
 every adapter arrives through the admin API of whichever replica a test picks.
 
@@ -29,9 +29,9 @@ import httpx
 import redis
 from uploads import read_files
 
-from adapters.registry import ReplicaState, decode_state
-from gateway.bench.server import free_port
-from gateway.fleet.router import FORWARDED_HEADER
+from loragw.adapters.registry import ReplicaState, decode_state
+from loragw.gateway.bench.server import free_port
+from loragw.gateway.fleet.router import FORWARDED_HEADER
 
 REPO = Path(__file__).resolve().parents[2]
 KEY = "fleet-key"
@@ -82,7 +82,7 @@ class Fleet:
             store = ["--adapter-store-url", self.store_url] if self.store_url else []
             self.logs[rid] = open(self.workdir / f"{rid}.log", "ab")
             self.procs[rid] = subprocess.Popen(
-                [sys.executable, "-m", "gateway.server", "--model", self.model_dir,
+                [sys.executable, "-P", "-m", "loragw.gateway.server", "--model", self.model_dir,
                  "--served-model-name", "demo-base", "--device", "cpu",
                  "--max-model-len", "256", "--max-num-seqs", "4", "--max-loras", str(SLOTS),
                  "--port", port, "--redis-url", self.redis_server.url, "--replica-id", rid,

@@ -12,17 +12,17 @@ from dataclasses import replace
 
 import httpx
 import pytest
+from hub_server import HubServer
+from raw_http import RawRequest
+from uploads import read_files
 
-from adapters.types import TARGET_MODULES
-from engine.sampling_params import SamplingParams
-from gateway.config import MB, ServerConfig
-from gateway.http.app import create_app
-from gateway.metrics import Metrics
-from gateway.residency.manager import AdapterManager
-from gateway.server import BackgroundServer
-from tests.adapters.hub_server import HubServer
-from tests.gateway.raw_http import RawRequest
-from tests.gateway.uploads import read_files
+from loragw.adapters.types import TARGET_MODULES
+from loragw.engine.sampling_params import SamplingParams
+from loragw.gateway.config import MB, ServerConfig
+from loragw.gateway.http.app import create_app
+from loragw.gateway.metrics import Metrics
+from loragw.gateway.residency.manager import AdapterManager
+from loragw.gateway.server import BackgroundServer
 
 KEY = "admin-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}

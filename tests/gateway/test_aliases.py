@@ -19,10 +19,10 @@ import pytest
 from fleet_harness import running_fleet
 from uploads import read_files
 
-from adapters.aliases import Alias, AliasTarget, choose, sticky_point
-from gateway.config import ServerConfig
-from gateway.http.app import create_app
-from gateway.server import BackgroundServer
+from loragw.adapters.aliases import Alias, AliasTarget, choose, sticky_point
+from loragw.gateway.config import ServerConfig
+from loragw.gateway.http.app import create_app
+from loragw.gateway.server import BackgroundServer
 
 SIGMAS = 4.0
 N = 400

@@ -13,10 +13,10 @@ import httpx
 import openai
 import pytest
 
-from gateway.config import ServerConfig
-from gateway.flags import add_options
-from gateway.http.app import create_app
-from gateway.server import BackgroundServer
+from loragw.gateway.config import ServerConfig
+from loragw.gateway.flags import add_options
+from loragw.gateway.http.app import create_app
+from loragw.gateway.server import BackgroundServer
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "In a hole in the ground", "Hello"]
 MODELS = ["demo-base", "lora-1", "lora-2", "lora-1"]
@@ -48,7 +48,7 @@ def test_flag_and_environment_reach_the_engine(tmp_path):
 
 
 def test_concurrent_and_streamed_outputs_equal_the_synchronous_engine(async_server, offline):
-    from engine import SamplingParams
+    from loragw.engine import SamplingParams
 
     client = openai.OpenAI(base_url=async_server.url + "/v1", api_key="unused", max_retries=0,
                            timeout=120)

@@ -16,18 +16,18 @@ import os
 import httpx
 import pytest
 from checkpoints import make_tiny_checkpoint
-from conftest import write_random_adapter
 from fleet_harness import load_fixture_module
+from random_adapters import write_random_adapter
 from uploads import read_files
 
-from adapters.base_identity import base_identity
-from adapters.store import AdapterStore
-from adapters.store_bases import BASES_DIR, open_base_store
-from adapters.store_meta import StoredMeta
-from engine.models import adapter_spec
-from gateway.config import ServerConfig
-from gateway.http.app import create_app
-from gateway.server import BackgroundServer
+from loragw.adapters.base_identity import base_identity
+from loragw.adapters.store import AdapterStore
+from loragw.adapters.store_bases import BASES_DIR, open_base_store
+from loragw.adapters.store_meta import StoredMeta
+from loragw.engine.models import adapter_spec
+from loragw.gateway.config import ServerConfig
+from loragw.gateway.http.app import create_app
+from loragw.gateway.server import BackgroundServer
 
 redis_server = load_fixture_module("redis_server").redis_server  # the fixture
 PROMPT = {"prompt": "The quick brown fox", "max_tokens": 6, "temperature": 0.0,

@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-from gateway.bench.client import assign_models
-from gateway.bench.config import BenchConfig
-from gateway.bench.report import Latency, RequestResult, format_table, percentile, summarize
-from gateway.bench.server import free_port
-from gateway.cli import build_parser, main
+from loragw.gateway.bench.client import assign_models
+from loragw.gateway.bench.config import BenchConfig
+from loragw.gateway.bench.report import Latency, RequestResult, format_table, percentile, summarize
+from loragw.gateway.bench.server import free_port
+from loragw.gateway.cli import build_parser, main
 
 
 # ---- the math ------------------------------------------------------------------------------

@@ -19,9 +19,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.config import ServerConfig
-from gateway.http.app import create_app
-from gateway.server import BackgroundServer
+from loragw.gateway.config import ServerConfig
+from loragw.gateway.http.app import create_app
+from loragw.gateway.server import BackgroundServer
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "dashboards" / "lora-gateway.json"
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,

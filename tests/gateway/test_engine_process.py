@@ -19,8 +19,8 @@ import httpx
 import psutil
 import pytest
 
-from gateway.bench.server import free_port, wait_ready
-from gateway.config import ServerConfig, parse_cpu_list
+from loragw.gateway.bench.server import free_port, wait_ready
+from loragw.gateway.config import ServerConfig, parse_cpu_list
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,7 +46,7 @@ def test_a_killed_engine_process_ends_every_stream_and_the_server(model_dir, tmp
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w+b")
     server = subprocess.Popen(
-        [sys.executable, "-m", "gateway.server", "--model", model_dir, "--device", "cpu",
+        [sys.executable, "-P", "-m", "loragw.gateway.server", "--model", model_dir, "--device", "cpu",
          "--max-model-len", "512", "--port", str(port), "--adapter-dir", str(tmp_path / "s"),
          *pin],
         cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,
@@ -103,8 +103,8 @@ def test_a_killed_engine_process_ends_every_stream_and_the_server(model_dir, tmp
 
 
 def access_lines(log: str) -> list[dict]:
-    """The server's access-log lines (logger gateway.access: one JSON object each)."""
-    marker = " gateway.access: "
+    """The server's access-log lines (logger loragw.gateway.access: one JSON object each)."""
+    marker = " loragw.gateway.access: "
     return [json.loads(line.split(marker, 1)[1]) for line in log.splitlines() if marker in line]
 
 
@@ -120,7 +120,7 @@ def test_an_unsupported_architecture_fails_at_start_named(model_dir, tmp_path):
     config |= {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}
     (model / "config.json").write_text(json.dumps(config))
     done = subprocess.run(
-        [sys.executable, "-m", "gateway.server", "--model", str(model), "--device", "cpu",
+        [sys.executable, "-P", "-m", "loragw.gateway.server", "--model", str(model), "--device", "cpu",
          "--port", "0", "--adapter-dir", str(tmp_path / "s")],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0

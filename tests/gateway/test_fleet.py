@@ -1,7 +1,7 @@
 """A fleet for real (gateway/fleet/router.py, gateway/residency/): adapter-affinity routing, and
 a catalog every replica serves from one shared S3 store.
 
-Unit tests for `score` and `choose`, then three `python -m gateway.server` replicas on one
+Unit tests for `score` and `choose`, then three `python -P -m loragw.gateway.server` replicas on one
 redis-server and one S3 server (moto), started with no --adapter flags: every adapter arrives
 through the admin API of one replica, as in production, and every replica serves it. The tests
 run in order on one fleet: uploads and registrations, routing, a replace and a delete, a
@@ -14,11 +14,11 @@ import threading
 import time
 
 import pytest
-from conftest import write_random_adapter
 from fleet_harness import Fleet, load_fixture_module, running_fleet, served_by
+from random_adapters import write_random_adapter
 
-from adapters.registry import ReplicaState
-from gateway.fleet.router import (
+from loragw.adapters.registry import ReplicaState
+from loragw.gateway.fleet.router import (
     FORWARD_MARGIN,
     FORWARDED_HEADER,
     QUEUE_PENALTY,

@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 from fleet_harness import KEY, load_fixture_module, running_fleet, served_by
 
-from adapters.registry import ReplicaState
-from adapters.registry_types import encode
-from adapters.store_meta import StoredAdapter
-from engine.snapshot import EngineSnapshot
-from gateway.residency.heartbeat import HELD_PUBLISHED, holders, replica_state
-from gateway.residency.info import catalog_entry
-from gateway.residency.tiers import AdapterRecord
+from loragw.adapters.registry import ReplicaState
+from loragw.adapters.registry_types import encode
+from loragw.adapters.store_meta import StoredAdapter
+from loragw.engine.snapshot import EngineSnapshot
+from loragw.gateway.residency.heartbeat import HELD_PUBLISHED, holders, replica_state
+from loragw.gateway.residency.info import catalog_entry
+from loragw.gateway.residency.tiers import AdapterRecord
 
 s3_fixture = load_fixture_module("s3_server")
 ADAPTER = "held-by-a"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-LM_EVAL = [sys.executable, "-m", "lm_eval", "run"]
+LM_EVAL = [sys.executable, "-P", "-m", "lm_eval", "run"]
 ADAPTER = "lora-0"
 MC_DOCS = [
     {"question": "The sky is", "choices": [" blue", " green", " loud"], "answer": 0},

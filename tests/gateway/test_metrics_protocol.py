@@ -14,10 +14,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.http.app import create_app
-from gateway.metrics import Metrics
-from gateway.metrics_adapters import PROMOTION_MARGIN, overtakes
-from gateway.server import BackgroundServer
+from loragw.gateway.http.app import create_app
+from loragw.gateway.metrics import Metrics
+from loragw.gateway.metrics_adapters import PROMOTION_MARGIN, overtakes
+from loragw.gateway.server import BackgroundServer
 
 MAX_LORAS = 4  # conftest's --max-loras
 LONG = 480  # tokens a held request would generate (context 512): it outlives the test's reads

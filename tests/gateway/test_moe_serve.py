@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 
-from engine import LLM, SamplingParams
-from engine.snapshot import engine_info
-from gateway.bench.server import serve_subprocess
+from loragw.engine import LLM, SamplingParams
+from loragw.engine.snapshot import engine_info
+from loragw.gateway.bench.server import serve_subprocess
 
 PROMPT = [5, 17, 42, 99, 7, 300, 12, 64]
 

@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from engine import SamplingParams
-from engine.tokenizer import encode_chat
+from loragw.engine import SamplingParams
+from loragw.engine.tokenizer import encode_chat
 
 BASE = "demo-base"  # conftest's served model name
 ADAPTERS = [f"lora-{i}" for i in range(8)]  # conftest's adapters

@@ -19,9 +19,9 @@ import jsonschema
 import pytest
 from litestar.testing import TestClient
 
-from gateway.config import MB
-from gateway.http.app import create_app
-from gateway.runtime import Runtime
+from loragw.gateway.config import MB
+from loragw.gateway.http.app import create_app
+from loragw.gateway.runtime import Runtime
 
 BASE = "demo-base"  # conftest's served model name
 ADAPTER = "lora-2"

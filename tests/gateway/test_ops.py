@@ -15,13 +15,13 @@ import httpx
 import pytest
 from litestar.testing import AsyncTestClient, TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from raw_http import RawRequest
 
-from gateway.config import MB, ServerConfig
-from gateway.flags import add_options
-from gateway.http.app import create_app
-from gateway.runtime import Runtime
-from gateway.server import BackgroundServer, serve_main
-from tests.gateway.raw_http import RawRequest
+from loragw.gateway.config import MB, ServerConfig
+from loragw.gateway.flags import add_options
+from loragw.gateway.http.app import create_app
+from loragw.gateway.runtime import Runtime
+from loragw.gateway.server import BackgroundServer, serve_main
 
 BASE = "demo-base"  # conftest's served model name
 ADAPTER = "lora-0"

@@ -26,10 +26,10 @@ import httpx
 import psutil
 import pytest
 
-from gateway.bench.server import free_port, stop_server, wait_ready
-from gateway.config import ServerConfig
-from gateway.http.app import create_app
-from gateway.server import BackgroundServer
+from loragw.gateway.bench.server import free_port, stop_server, wait_ready
+from loragw.gateway.config import ServerConfig
+from loragw.gateway.http.app import create_app
+from loragw.gateway.server import BackgroundServer
 
 REPO = Path(__file__).resolve().parents[2]
 CONTEXT = 131_072
@@ -71,7 +71,7 @@ def serving(model: str, tmp_path: Path, *extra: str) -> Iterator[tuple[subproces
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w+b")
     server = subprocess.Popen(
-        [sys.executable, "-m", "gateway.server", "--model", model, "--port", str(port),
+        [sys.executable, "-P", "-m", "loragw.gateway.server", "--model", model, "--port", str(port),
          "--adapter-dir", str(tmp_path / "store"), *SERVE, *extra],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -9,9 +9,9 @@ import json
 
 import openai
 import pytest
-from conftest import ADAPTERS, BASE
+from random_adapters import ADAPTERS, BASE
 
-from engine import SamplingParams
+from loragw.engine import SamplingParams
 
 PROMPT = "The ocean is wide and the ships are"
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 
-from engine import LLM, SamplingParams
-from engine.snapshot import engine_info
-from gateway.bench.server import serve_subprocess
+from loragw.engine import LLM, SamplingParams
+from loragw.engine.snapshot import engine_info
+from loragw.gateway.bench.server import serve_subprocess
 
 SCHEME = "w4a16-asym-g32"
 
@@ -52,7 +52,7 @@ def test_a_quantized_base_serves_an_uploaded_adapter_as_offline(quant_llama, tmp
 
 def test_a_quantization_flag_that_contradicts_the_checkpoint_stops_the_server(quant_llama):
     model = quant_llama.checkpoints[SCHEME].dir
-    done = subprocess.run([sys.executable, "-m", "gateway.cli", "serve", "--model", model,
+    done = subprocess.run([sys.executable, "-P", "-m", "loragw.gateway.cli", "serve", "--model", model,
                            "--device", "cpu", "--quantization", "awq", "--port", "1"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0

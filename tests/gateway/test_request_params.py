@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.errors import APIError
-from gateway.http.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from gateway.http.request_params import (
+from loragw.gateway.errors import APIError
+from loragw.gateway.http.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from loragw.gateway.http.request_params import (
     chat_logprobs,
     check_completion_options,
     choice_params,

@@ -10,18 +10,18 @@ import weakref
 
 import httpx
 import pytest
+from redis_server import redis_server  # noqa: F401 (fixture)
+from uploads import read_files
 
-from engine.config import Config
-from engine.core.client import EngineClient
-from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from gateway.config import ServerConfig
-from gateway.http.app import create_app
-from gateway.metrics import Metrics
-from gateway.residency.manager import AdapterManager
-from gateway.server import BackgroundServer
-from tests.adapters.redis_server import redis_server  # noqa: F401 (fixture)
-from tests.gateway.uploads import read_files
+from loragw.engine.config import Config
+from loragw.engine.core.client import EngineClient
+from loragw.engine.llm_engine import LLMEngine
+from loragw.engine.sampling_params import SamplingParams
+from loragw.gateway.config import ServerConfig
+from loragw.gateway.http.app import create_app
+from loragw.gateway.metrics import Metrics
+from loragw.gateway.residency.manager import AdapterManager
+from loragw.gateway.server import BackgroundServer
 
 NUM = 10
 PROMPT = "Once upon a time"

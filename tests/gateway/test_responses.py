@@ -13,12 +13,12 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from engine.sequence import RequestOutput
-from gateway.http.responses import response_template
-from gateway.http.responses_format import ResponsesFormat
-from gateway.http.responses_protocol import ResponsesRequest
-from gateway.http.streaming import stream_sse
-from gateway.jobs import Choice, TokenCounts
+from loragw.engine.sequence import RequestOutput
+from loragw.gateway.http.responses import response_template
+from loragw.gateway.http.responses_format import ResponsesFormat
+from loragw.gateway.http.responses_protocol import ResponsesRequest
+from loragw.gateway.http.streaming import stream_sse
+from loragw.gateway.jobs import Choice, TokenCounts
 
 BASE = "demo-base"  # conftest's served model name
 ADAPTER = "lora-2"

@@ -16,14 +16,14 @@ import json
 import os
 
 import pytest
-from conftest import write_random_adapter
 from fleet_harness import load_fixture_module, running_fleet
 from prometheus_client.parser import text_string_to_metric_families
+from random_adapters import write_random_adapter
 
-from adapters.registry import CatalogEntry
-from engine import LLM, SamplingParams
-from gateway.errors import APIError
-from gateway.residency.versions import (
+from loragw.adapters.registry import CatalogEntry
+from loragw.engine import LLM, SamplingParams
+from loragw.gateway.errors import APIError
+from loragw.gateway.residency.versions import (
     Pin,
     object_keys,
     parse_pin,

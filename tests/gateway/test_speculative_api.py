@@ -15,10 +15,10 @@ import openai
 import pytest
 from fleet_harness import load_fixture_module, running_fleet
 
-from gateway.config import ServerConfig
-from gateway.flags import add_options
-from gateway.http.app import create_app
-from gateway.server import BackgroundServer
+from loragw.gateway.config import ServerConfig
+from loragw.gateway.flags import add_options
+from loragw.gateway.http.app import create_app
+from loragw.gateway.server import BackgroundServer
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
         "prompt_lookup_max": 3}
@@ -51,7 +51,7 @@ def test_flag_and_environment_reach_the_engine(tmp_path):
 
 
 def test_outputs_equal_the_engine_without_speculation(spec_server, offline):
-    from engine import SamplingParams
+    from loragw.engine import SamplingParams
 
     client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="unused", max_retries=0,
                            timeout=120)
@@ -103,7 +103,7 @@ def acceptance(text: str) -> dict[str, float]:
 
 def test_a_draft_adapter_registered_or_uploaded_drafts_for_its_adapter(draft_server, offline,
                                                                       adapter_dirs):
-    from engine import SamplingParams
+    from loragw.engine import SamplingParams
 
     lora1, lora2 = adapter_dirs["lora-1"], adapter_dirs["lora-2"]
     with httpx.Client(base_url=draft_server.url, timeout=120) as http:

@@ -17,9 +17,9 @@ from fleet_harness import load_fixture_module
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from gateway.tenants import limits as limits_module
-from gateway.tenants.limits import Limiter
-from gateway.tenants.windows import Decision, Limits, format_reset, rate_limit_headers
+from loragw.gateway.tenants import limits as limits_module
+from loragw.gateway.tenants.limits import Limiter
+from loragw.gateway.tenants.windows import Decision, Limits, format_reset, rate_limit_headers
 
 redis_fixture = load_fixture_module("redis_server")
 redis_server = redis_fixture.redis_server  # the fixture: a running, empty redis-server

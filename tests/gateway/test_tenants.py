@@ -14,13 +14,13 @@ from dataclasses import replace
 import httpx
 import pytest
 from litestar.testing import AsyncTestClient
+from uploads import read_files
 
-from gateway.config import ServerConfig
-from gateway.http.app import create_app
-from gateway.metrics import Metrics
-from gateway.server import BackgroundServer
-from gateway.tenants.service import Tenants
-from tests.gateway.uploads import read_files
+from loragw.gateway.config import ServerConfig
+from loragw.gateway.http.app import create_app
+from loragw.gateway.metrics import Metrics
+from loragw.gateway.server import BackgroundServer
+from loragw.gateway.tenants.service import Tenants
 
 OP, USER = "op-key", "user-key"
 BODY = {"prompt": "Hello there", "max_tokens": 4, "temperature": 0.0}

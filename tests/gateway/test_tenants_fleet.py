@@ -1,5 +1,5 @@
 """Tenants across a fleet, tested as an attacker would (DESIGN.md "Tenants"): two
-`python -m gateway.server` replicas (r1, r2) on one real redis-server, the operator's key
+`python -P -m loragw.gateway.server` replicas (r1, r2) on one real redis-server, the operator's key
 `op-key`, and keys minted through the API for two tenants, acme and globex.
 
 Every refused write is checked to change nothing: the catalog in Redis and the operator's view
@@ -21,12 +21,12 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from conftest import write_random_adapter
 from fleet_harness import Fleet, running_fleet, served_by
+from random_adapters import write_random_adapter
 from uploads import read_files
 
-from gateway.fleet.router import FORWARDED_HEADER
-from gateway.tenants.forwarding import IDENTITY_HEADER, sign
+from loragw.gateway.fleet.router import FORWARDED_HEADER
+from loragw.gateway.tenants.forwarding import IDENTITY_HEADER, sign
 
 OP = "op-key"
 RIDS = ("r1", "r2")

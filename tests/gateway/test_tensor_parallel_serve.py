@@ -20,8 +20,8 @@ import httpx
 import psutil
 import pytest
 
-from engine import SamplingParams
-from gateway.bench.server import free_port, wait_ready
+from loragw.engine import SamplingParams
+from loragw.gateway.bench.server import free_port, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "Once upon a time"
@@ -30,7 +30,7 @@ STOP_S = 10.0  # SIGTERM, then this long to exit, then SIGKILL
 
 @pytest.fixture
 def tp2_server(model_dir, tmp_path) -> Iterator[tuple[subprocess.Popen, str]]:
-    """(process, url) of `python -m gateway.server --tensor-parallel-size 2`, ready, logging to
+    """(process, url) of `python -P -m loragw.gateway.server --tensor-parallel-size 2`, ready, logging to
     tmp_path/server.log. It leads a process group of its own, and on every way out (a failed
     assert, a timeout, a start-up that never got ready) that group and every process the server
     started are stopped and the log is closed."""
@@ -38,7 +38,7 @@ def tp2_server(model_dir, tmp_path) -> Iterator[tuple[subprocess.Popen, str]]:
     url = f"http://127.0.0.1:{port}"
     with open(tmp_path / "server.log", "w+b") as log:
         server = subprocess.Popen(
-            [sys.executable, "-m", "gateway.server", "--model", model_dir, "--device", "cpu",
+            [sys.executable, "-P", "-m", "loragw.gateway.server", "--model", model_dir, "--device", "cpu",
              "--max-model-len", "512", "--port", str(port), "--adapter-dir", str(tmp_path / "s"),
              "--tensor-parallel-size", "2"],
             cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log,

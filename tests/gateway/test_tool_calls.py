@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from gateway.http.tool_calls import ToolCallParser, Update
+from loragw.gateway.http.tool_calls import ToolCallParser, Update
 
 NAMES = ["get_weather", "add"]
 WEATHER = '{"name":"get_weather","arguments":{"city":"a}b\\"{","unit":"c"}}'

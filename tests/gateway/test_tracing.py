@@ -27,8 +27,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanProto
 
-from gateway.config import ServerConfig
-from gateway.tracing import traces_url
+from loragw.gateway.config import ServerConfig
+from loragw.gateway.tracing import traces_url
 
 SERVER, CLIENT = SpanProto.SPAN_KIND_SERVER, SpanProto.SPAN_KIND_CLIENT
 
@@ -256,9 +256,9 @@ def test_an_adapter_fetched_for_a_request_is_a_load_span_per_tier(fleet, receive
 
 OFF_SCRIPT = """
 import json, sys, httpx
-from gateway.config import ServerConfig
-from gateway.http.app import create_app
-from gateway.server import BackgroundServer
+from loragw.gateway.config import ServerConfig
+from loragw.gateway.http.app import create_app
+from loragw.gateway.server import BackgroundServer
 config = ServerConfig(model=sys.argv[1], served_model_name="demo-base", device="cpu",
                       adapter_dir=sys.argv[2], max_model_len=128, max_num_seqs=2,
                       engine_process=False)
@@ -267,7 +267,7 @@ with BackgroundServer(app) as server:
     server.wait_ready()
     reply = httpx.post(server.url + "/v1/completions", timeout=60, json={
         "model": "demo-base", "prompt": "Hello", "max_tokens": 2})
-    tracing_modules = ("gateway.tracing", "gateway.http.tracing_middleware",
+    tracing_modules = ("loragw.gateway.tracing", "loragw.gateway.http.tracing_middleware",
                        "opentelemetry.sdk.trace", "opentelemetry.exporter")
     loaded = sorted(m for m in sys.modules if m.startswith(tracing_modules))
     print(json.dumps({"status": reply.status_code, "tracing": app.state.runtime.tracing is None,
@@ -281,7 +281,7 @@ def test_without_the_flag_the_request_path_imports_no_tracing(model_dir, tmp_pat
     itself whenever they are installed, to see whether they are: not ours to avoid.)"""
     # its own process: this one imported opentelemetry-proto for the receiver
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    run = subprocess.run([sys.executable, "-c", OFF_SCRIPT, model_dir, str(tmp_path)],
+    run = subprocess.run([sys.executable, "-P", "-c", OFF_SCRIPT, model_dir, str(tmp_path)],
                          cwd=REPO, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]

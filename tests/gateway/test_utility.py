@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 from litestar.testing import AsyncTestClient
 
-from gateway.http.app import create_app
-from gateway.http.utility import UNKNOWN_VERSION, package_version
+from loragw.gateway.http.app import create_app
+from loragw.gateway.http.utility import UNKNOWN_VERSION, package_version
 
 BASE = "demo-base"  # conftest's served model name
 ADAPTER = "lora-3"

@@ -383,7 +383,7 @@ def test_speculative_config_reaches_the_server_as_json_only_when_set():
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
     (text,) = flag(gateway(render({"engine": {"speculativeConfig": spec}})), "--speculative-config")
     assert json.loads(text) == spec
-    from engine.speculative_config import parse_speculative_config
+    from loragw.engine.speculative_config import parse_speculative_config
     assert parse_speculative_config(text).num_speculative_tokens == 4
     raw = '{"method": "ngram", "num_speculative_tokens": 2}'
     container = gateway(render({"engine": {"speculativeConfig": raw}}))
@@ -412,7 +412,7 @@ def serve_args(container: dict[str, Any]):
     placeholder left out)."""
     import argparse
 
-    from gateway.config import add_serve_arguments
+    from loragw.gateway.config import add_serve_arguments
 
     args = container["args"][1:]  # after "serve"
     kept = [a for i, a in enumerate(args)
@@ -444,6 +444,15 @@ def test_large_numbers_and_numeric_tags_render_as_written():
     container = gateway(rendered)
     assert flag(container, "--max-model-len") == ["1000000"]
     assert container["image"] == "ghcr.io/lora-gateway/lora-gateway:7"
+
+
+def test_the_default_image_is_what_make_image_builds_for_the_device():
+    """`make image` tags the CUDA image with the appVersion and the CPU one with -cpu."""
+    repo = "ghcr.io/lora-gateway/lora-gateway"
+    assert gateway(render({"gpu": {"count": 1}}))["image"] == f"{repo}:0.1.0"
+    assert gateway(render({"engine": {"device": "cpu"}}))["image"] == f"{repo}:0.1.0-cpu"
+    assert gateway(render({"engine": {"device": "cpu"}, "image": {"tag": "x"}}))["image"] == \
+        f"{repo}:x"
 
 
 def test_served_model_name_overrides_the_model_path():
@@ -531,7 +540,7 @@ def test_each_s3_allow_pattern_becomes_its_own_flag():
 def test_the_store_and_s3_allow_flags_parse_as_the_servers_own():
     import argparse
 
-    from gateway.config import add_serve_arguments
+    from loragw.gateway.config import add_serve_arguments
 
     args = gateway(render(load_set("adapter-store")))["args"][1:]
     kept = [a for i, a in enumerate(args)

@@ -161,8 +161,8 @@ def run_checks(problem: Problem, case: Case, backend: str, meta, shrink_into=Non
 
     shrink_into(x, lora_a, ranks, meta, y): the backend's own shrink, called on a y that is NaN
     where it must write and zero elsewhere (skip it for split-K, which adds into zeros)."""
-    from kernels import apply_lora, lora_expand, lora_shrink
-    from kernels.reference import oracle_expand, oracle_shrink
+    from loragw.kernels import apply_lora, lora_expand, lora_shrink
+    from loragw.kernels.reference import oracle_expand, oracle_shrink
 
     p, dev = problem, problem.x.device
     untouched = p.untouched().to(dev)

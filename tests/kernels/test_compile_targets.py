@@ -19,9 +19,9 @@ from dataclasses import fields
 import pytest
 import torch
 
-from kernels import apply_lora, embedding_lora, make_lora_meta
-from kernels import compile_targets as ct
-from kernels.aot_compile import (
+from loragw.kernels import apply_lora, embedding_lora, make_lora_meta
+from loragw.kernels import compile_targets as ct
+from loragw.kernels.aot_compile import (
     TARGETS,
     Resources,
     compile_all,
@@ -29,13 +29,13 @@ from kernels.aot_compile import (
     problems,
     targets_for,
 )
-from kernels.elementwise_targets import elementwise_variants
-from kernels.quant import FP8_MIN_CAPABILITY, QuantWeight
+from loragw.kernels.elementwise_targets import elementwise_variants
+from loragw.kernels.quant import FP8_MIN_CAPABILITY, QuantWeight
 
-lt = importlib.import_module("kernels.lora_triton")
-pa = importlib.import_module("kernels.paged_attention")
-qt = importlib.import_module("kernels.quant_triton")
-ft = importlib.import_module("kernels.fused_triton")
+lt = importlib.import_module("loragw.kernels.lora_triton")
+pa = importlib.import_module("loragw.kernels.paged_attention")
+qt = importlib.import_module("loragw.kernels.quant_triton")
+ft = importlib.import_module("loragw.kernels.fused_triton")
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -284,7 +284,7 @@ def test_fused_elementwise_launches_are_listed(model, variants, launches):
 
 
 def test_bounds_cover_the_engine_defaults():
-    from engine.config import EngineOptions
+    from loragw.engine.config import EngineOptions
 
     defaults = {name: f.default for name, f in EngineOptions.__dataclass_fields__.items()}
     assert defaults["block_size"] == ct.KV_BLOCK_SIZE

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import backends
-from engine.backends import AttentionShape
-from kernels import cpu_attention, native
-from kernels.reference import oracle_paged_attention
+from loragw.engine import backends
+from loragw.engine.backends import AttentionShape
+from loragw.kernels import cpu_attention, native
+from loragw.kernels.reference import oracle_paged_attention
 
 CPU = torch.device("cpu")
 

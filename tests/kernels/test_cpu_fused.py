@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import backends
-from engine.backends import Backends
-from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
-from engine.layers.norm import GemmaRMSNorm, RMSNorm
-from engine.layers.rotary import apply_rotary
-from kernels import cpu_fused
+from loragw.engine import backends
+from loragw.engine.backends import Backends
+from loragw.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
+from loragw.engine.layers.norm import GemmaRMSNorm, RMSNorm
+from loragw.engine.layers.rotary import apply_rotary
+from loragw.kernels import cpu_fused
 
 CPU = torch.device("cpu")
 

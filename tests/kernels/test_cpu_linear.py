@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import backends
-from engine.layers.linear import Linear
-from kernels import cpu_linear
+from loragw.engine import backends
+from loragw.engine.layers.linear import Linear
+from loragw.kernels import cpu_linear
 
 CPU = torch.device("cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # of the output's largest magnitude

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_lora
+from loragw.kernels import cpu_lora
 
 
 def test_the_kernel_is_checked_and_serves_float32_rows():
@@ -30,7 +30,7 @@ def test_a_kernel_that_cannot_build_leaves_the_bags_serving(monkeypatch, caplog)
 def test_a_tokens_delta_does_not_depend_on_the_tokens_walked_beside_it():
     """Threads walk up to four tokens side by side: every token count (partial groups too), with
     an index of rows, gives each token the bits it gets alone, and float64's sums."""
-    from kernels.cpu_dispatch import GatherGroup, _build_tables
+    from loragw.kernels.cpu_dispatch import GatherGroup, _build_tables
 
     g = torch.Generator().manual_seed(5)
     S, H, edges = 6, 40, (0, 24, 36, 52)

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import backends
-from engine.layers.rotary import apply_rotary
-from kernels import fused_triton as ft
-from kernels.elementwise_reference import (
+from loragw.engine import backends
+from loragw.engine.layers.rotary import apply_rotary
+from loragw.kernels import fused_triton as ft
+from loragw.kernels.elementwise_reference import (
     oracle_add_rms_norm,
     oracle_rotary,
     oracle_silu_and_mul,

@@ -6,8 +6,8 @@ import torch
 from lora_cases import DTYPES, POPULARITIES, RANKS, covering_cases, make_problem, run_checks
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import apply_lora, cpu_dispatch, make_lora_meta, reference
-from kernels.cpu_dispatch import (
+from loragw.kernels import apply_lora, cpu_dispatch, make_lora_meta, reference
+from loragw.kernels.cpu_dispatch import (
     GATHER_MIN_SLOTS,
     LOOP_MIN_RUN,
     TABLES_STABLE_CALLS,

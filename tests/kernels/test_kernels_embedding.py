@@ -6,8 +6,8 @@ import pytest
 import torch
 from lora_cases import DTYPES, POPULARITIES, TOLERANCE, token_slots
 
-from kernels import BACKENDS, embedding_lora, make_lora_meta
-from kernels.reference import oracle_embedding_lora
+from loragw.kernels import BACKENDS, embedding_lora, make_lora_meta
+from loragw.kernels.reference import oracle_embedding_lora
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CASES = [(popularity, dtype, mixed) for popularity in POPULARITIES for dtype in DTYPES

@@ -7,7 +7,7 @@ import pytest
 import torch
 from lora_cases import Case, make_problem
 
-from kernels import apply_lora, make_lora_meta
+from loragw.kernels import apply_lora, make_lora_meta
 
 pytestmark = [
     pytest.mark.gpu,
@@ -17,7 +17,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def lt():
-    module = importlib.import_module("kernels.lora_triton")
+    module = importlib.import_module("loragw.kernels.lora_triton")
     if module.INTERPRET:
         pytest.skip("TRITON_INTERPRET=1 is set: unset it to test the compiled kernels")
     return module

@@ -4,8 +4,8 @@ import pytest
 import torch
 from lora_cases import POPULARITIES, token_slots
 
-from kernels import LoRAMeta, make_lora_meta
-from kernels.meta import DECODE_MAX_TOKENS, num_tiles_bound, tile_m_for
+from loragw.kernels import LoRAMeta, make_lora_meta
+from loragw.kernels.meta import DECODE_MAX_TOKENS, num_tiles_bound, tile_m_for
 
 
 def test_groups_tokens_by_slot_stably_with_no_adapter_last():

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from kernels import BACKENDS, apply_lora, lora_expand, lora_shrink, make_lora_meta
+from loragw.kernels import BACKENDS, apply_lora, lora_expand, lora_shrink, make_lora_meta
 
 
 def small(T=3, S=2, H=16, R=4, widths=(8, 4)):
@@ -18,8 +18,8 @@ def small(T=3, S=2, H=16, R=4, widths=(8, 4)):
 
 
 def test_importing_kernels_does_not_import_triton():
-    code = "import sys, kernels; assert 'triton' not in sys.modules, 'triton imported eagerly'"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    code = "import sys, loragw.kernels; assert 'triton' not in sys.modules, 'triton imported eagerly'"
+    subprocess.run([sys.executable, "-P", "-c", code], check=True)
 
 
 def test_unknown_backend_names_the_choices():

@@ -15,7 +15,7 @@ from lora_cases import (
     run_checks,
 )
 
-from kernels import make_lora_meta, reference
+from loragw.kernels import make_lora_meta, reference
 
 # Every popularity x rank x dtype, and every tokens x slots x hidden x widths; the rest drawn.
 CASES = (covering_cases({"popularity": POPULARITIES, "rank": RANKS, "dtype": DTYPES}, seed=1)

@@ -22,10 +22,10 @@ from lora_cases import (
     run_checks,
 )
 
-from kernels import apply_lora, make_lora_meta
-from kernels.reference import oracle_apply
+from loragw.kernels import apply_lora, make_lora_meta
+from loragw.kernels.reference import oracle_apply
 
-lt = importlib.import_module("kernels.lora_triton")
+lt = importlib.import_module("loragw.kernels.lora_triton")
 DEVICE = "cpu" if lt.INTERPRET else "cuda"
 pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
                                 reason="TRITON_INTERPRET is off and there is no CUDA device")

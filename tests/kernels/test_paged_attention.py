@@ -13,9 +13,9 @@ from itertools import product
 import pytest
 import torch
 
-from kernels.reference import oracle_paged_attention
+from loragw.kernels.reference import oracle_paged_attention
 
-pa = importlib.import_module("kernels.paged_attention")
+pa = importlib.import_module("loragw.kernels.paged_attention")
 DEVICE = "cpu" if pa.INTERPRET else "cuda"
 on_device = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
                                reason="TRITON_INTERPRET is off and there is no CUDA device")
@@ -162,7 +162,7 @@ def test_split_rule_and_fixed_grid():
 
 
 def test_backend_option(monkeypatch, tiny_checkpoint):
-    backends = importlib.import_module("engine.backends")
+    backends = importlib.import_module("loragw.engine.backends")
     monkeypatch.setattr(pa, "self_check", lambda *args: None)  # the kernel passed its check
     shape = backends.AttentionShape(4, 2, 16)
     resolve = lambda name, device: backends.resolve_attention_backend(
@@ -170,7 +170,7 @@ def test_backend_option(monkeypatch, tiny_checkpoint):
     assert resolve("auto", "cpu") == "cpu"  # the C kernel (tests/kernels/test_cpu_attention.py)
     assert resolve("auto", "cuda") == "triton"
     assert resolve("triton", "cpu") == "triton"
-    from engine import Config
+    from loragw.engine import Config
 
     with pytest.raises(ValueError, match="torch, triton, cpu"):
         Config(tiny_checkpoint("llama"), attention_backend="flash")
@@ -180,7 +180,7 @@ def test_backend_option(monkeypatch, tiny_checkpoint):
 def test_engine_greedy_tokens_match_torch_backend(tiny_checkpoint, monkeypatch):
     """A tiny Llama (4 q / 2 kv heads, head_dim 16) decodes the same greedy tokens through the
     Triton kernel as through the torch gather+SDPA path, with ragged contexts over 4-token blocks."""
-    from engine import LLM, SamplingParams
+    from loragw.engine import LLM, SamplingParams
 
     path = tiny_checkpoint("llama")
     prompts = [[5], [9, 3, 200, 17], [11] * 7, list(range(30, 43))]
@@ -270,7 +270,7 @@ def test_self_check_passes_a_correct_kernel_and_names_a_wrong_one(monkeypatch):
 
 
 def test_auto_keeps_torch_when_the_self_check_fails(monkeypatch, caplog):
-    from engine.backends import AttentionShape, resolve_attention_backend
+    from loragw.engine.backends import AttentionShape, resolve_attention_backend
 
     monkeypatch.setattr(pa, "self_check", lambda *args: "RuntimeError: no luck")
     shape, cuda = AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16), torch.device("cuda")

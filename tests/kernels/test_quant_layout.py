@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.quant import (
+from loragw.kernels.quant import (
     QuantWeight,
     dequant_linear,
     dequantize,

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.meta import DECODE_MAX_TOKENS
-from kernels.quant import FP8_MIN_CAPABILITY, KINDS, QuantWeight, oracle_linear, pack_int4
+from loragw.kernels.meta import DECODE_MAX_TOKENS
+from loragw.kernels.quant import FP8_MIN_CAPABILITY, KINDS, QuantWeight, oracle_linear, pack_int4
 
-qt = importlib.import_module("kernels.quant_triton")
+qt = importlib.import_module("loragw.kernels.quant_triton")
 DEVICE = "cpu" if qt.INTERPRET else "cuda"
 pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
                                 reason="TRITON_INTERPRET is off and there is no CUDA device")
