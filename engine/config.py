@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from loragw.adapters.types import BaseModelSpec
-from loragw.engine.layers.rotary import longrope_context
-from loragw.engine.models import adapter_spec, model_class
+from loragw.engine.models import base_spec, model_args
+from loragw.engine.models.args import ModelArgs
 from loragw.engine.quant.scheme import CHOICES as QUANTIZATION_CHOICES
 from loragw.engine.quant.scheme import QuantConfig, read_quantization
 from loragw.engine.speculative_config import SpeculativeConfig, as_json, parse_speculative_config
@@ -46,12 +46,12 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device, hf_config: dict) -> torch.dtype:
+def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
     """`auto`: the checkpoint's dtype on CUDA; float32 on CPU (bf16 matmuls there are ~100x slower)."""
     if dtype == "auto":
         if device.type == "cpu":
             return torch.float32
-        return DTYPES.get(str(hf_config.get("torch_dtype") or hf_config.get("dtype")), torch.bfloat16)
+        return DTYPES.get(str(checkpoint_dtype), torch.bfloat16)
     return DTYPES[dtype]
 
 
@@ -187,17 +187,20 @@ class Config(EngineOptions):
     """`Config(model_dir, max_loras=8, ...)`: the model directory, then any EngineOptions."""
 
     model: str
-    hf_config: dict = field(default_factory=dict, compare=False, repr=False)  # its config.json
-    # the checkpoint's quantization, read with hf_config (None: floating point)
+    # every fact of the model, from its config.json, read here once (engine/models/args.py)
+    args: ModelArgs = field(default=None, init=False, compare=False, repr=False)
+    # the checkpoint's quantization, read with the args (None: floating point)
     quant: QuantConfig | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        object.__setattr__(self, "hf_config", read_hf_config(self.model))
-        cls = model_class(self.hf_config)  # an architecture not served fails here, named
-        object.__setattr__(self, "quant", _read_quant(self.hf_config, self.quantization, cls))
+        hf_config = read_hf_config(self.model)
+        args = model_args(hf_config)  # an architecture not served fails here, named
+        object.__setattr__(self, "args", args)
+        raw = hf_config.get("quantization_config") or hf_config.get("compression_config")
+        object.__setattr__(self, "quant", _read_quant(raw, self.quantization, args))
         if self.max_model_len is None:
-            object.__setattr__(self, "max_model_len", _default_context(self.hf_config))
+            object.__setattr__(self, "max_model_len", _default_context(args))
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -209,12 +212,12 @@ class Config(EngineOptions):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return resolve_dtype(self.dtype, self.torch_device, self.hf_config)
+        return resolve_dtype(self.dtype, self.torch_device, self.args.checkpoint_dtype)
 
     def adapter_spec(self) -> BaseModelSpec:
         """What this base model offers adapters: every adapter is checked against it."""
-        return adapter_spec(self.hf_config, self.max_lora_rank, self.max_full_module_slots,
-                            self.model, str(self.torch_dtype).removeprefix("torch."))
+        return base_spec(self.args, self.max_lora_rank, self.max_full_module_slots,
+                         self.model, str(self.torch_dtype).removeprefix("torch."))
 
     @property
     def max_host_loras(self) -> int:
@@ -234,13 +237,12 @@ def read_hf_config(model_dir: str) -> dict:
         return json.load(f)
 
 
-def _read_quant(hf_config: dict, requested: str, cls) -> QuantConfig | None:
-    """The checkpoint's quantization, refused here (before any process or weight) when the
-    engine cannot serve it on this model."""
-    quant = read_quantization(hf_config, requested)
+def _read_quant(raw: dict | None, requested: str, args: ModelArgs) -> QuantConfig | None:
+    """The checkpoint's quantization (config.json's quantization_config), refused here (before
+    any process or weight) when the engine cannot serve it on this model."""
+    quant = read_quantization(raw, requested)
     if quant is None:
         return None
-    args = cls.make_args(hf_config)
     if args.num_experts:
         raise ValueError(f"quantized Mixture-of-Experts bases ({quant.method}) are not served "
                          "yet; serve the unquantized checkpoint")
@@ -252,14 +254,12 @@ def _read_quant(hf_config: dict, requested: str, cls) -> QuantConfig | None:
     return quant
 
 
-def _default_context(hf_config: dict) -> int:
-    """The model's context window; under longrope no more than the length served exactly."""
-    window = hf_config.get("max_position_embeddings", 4096)
-    exact = longrope_context(hf_config)
-    if exact is not None and exact < window:
+def _default_context(args: ModelArgs) -> int:
+    """The model's context window (ModelArgs.context_window), saying why when it is shorter
+    than max_position_embeddings."""
+    if args.context_window < args.max_position_embeddings:
         logger.warning(
             "longrope model: max_model_len defaults to %d (original_max_position_embeddings), not "
             "%d: past it Hugging Face switches to long_factor, which this engine does not serve",
-            exact, window)
-        return exact
-    return window
+            args.context_window, args.max_position_embeddings)
+    return args.context_window

@@ -30,6 +30,7 @@ from tqdm import tqdm
 from loragw.engine.distributed.shard import ONE, Shard
 from loragw.engine.layers.parts import Loadable
 from loragw.engine.models import model_class
+from loragw.engine.models.args import ModelArgs
 from loragw.engine.models.base import CausalLM
 from loragw.engine.quant import shard as quant_shard
 from loragw.engine.quant.formats import PARTS, convert
@@ -56,12 +57,12 @@ def checkpoint_files(model_dir: str) -> list[str]:
     raise ValueError(f"{model_dir} has no model.safetensors or model.safetensors.index.json")
 
 
-def load_model(model_dir: str, hf_config: dict, dtype: torch.dtype, device: torch.device,
+def load_model(model_dir: str, args: ModelArgs, dtype: torch.dtype, device: torch.device,
                shard: Shard = ONE, quant: QuantConfig | None = None) -> CausalLM:
     """The model, or under tensor parallelism this rank's part of every layer (each tensor
     read whole, cut by the module it fills); `quant`: the checkpoint's quantization."""
     with torch.device("meta"):
-        model = model_class(hf_config)(hf_config, shard)
+        model = model_class(args)(args, shard)
     model.to(dtype)  # on the meta device: no memory yet
     quantized = _quantize(model, quant) if quant is not None else {}
     model.to_empty(device=device)

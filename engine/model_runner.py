@@ -49,7 +49,7 @@ class ModelRunner:
         self.block_size = config.block_size
         if self.device.type == "cpu":
             keep_freed_memory()  # a step's large transients reuse pages (engine/host_memory.py)
-        self.model = load_model(config.model, config.hf_config, self.dtype, self.device, shard,
+        self.model = load_model(config.model, config.args, self.dtype, self.device, shard,
                                 config.quant)
         self.args = self.model.args
         attn = self.model.attention_layers()[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from loragw.adapters.types import BaseModelSpec
 from loragw.engine.lora.state import (
     LoadTimes,  # a field msgspec rebuilds across the process boundary
 )
@@ -24,6 +25,7 @@ class EngineInfo:
     block_size: int
     num_kv_blocks: int
     limits: RequestLimits  # what a server checks a request against before sending it
+    adapter_spec: BaseModelSpec  # what the base offers adapters: each is checked against it
     # the base's parameters, and of them what one token multiplies by (MoE: top_k of E
     # experts per sparse layer; dense: all); defaults for EngineInfos built without a model
     total_parameters: int = 0
@@ -39,12 +41,13 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
 
     from loragw.engine.models import model_class
 
-    hf_config = engine.config.hf_config
+    args = engine.config.args
     with torch.device("meta"):  # the whole model, not this rank's part under TP; no memory
-        total, active = model_class(hf_config)(hf_config).parameter_counts()
+        total, active = model_class(args)(args).parameter_counts()
     quant = engine.config.quant
     return EngineInfo(engine.vocab_size, engine.config.max_model_len, engine.config.block_size,
-                      engine.block_manager.num_blocks, engine.limits, total, active,
+                      engine.block_manager.num_blocks, engine.limits, engine.lora.spec,
+                      total, active,
                       engine.runner.local.model.weight_bytes(),
                       "none" if quant is None else quant.describe())
 

@@ -14,7 +14,7 @@ import socket
 from dataclasses import dataclass
 
 from loragw.demo import DEMO_DIR
-from loragw.engine.config import Config, EngineOptions, option
+from loragw.engine.config import EngineOptions, option
 from loragw.gateway.flags import add_options, options_from
 
 DEFAULT_ADAPTER_DIR = os.path.join("~", ".cache", "lora-gateway", "adapters")
@@ -152,10 +152,13 @@ class ServerConfig(EngineOptions):
                              f"{sorted(allowed)}")
         return cpus
 
-    def engine_config(self) -> Config:
-        """The engine's Config: the model directory (checked here) and the engine options."""
+    def check_model_dir(self) -> None:
+        """A --model that is no directory fails before a port is bound; what is inside it is
+        the engine's to read (its Ready says what the server needs)."""
         assert self.model is not None, "resolve --demo into a model path before starting"
-        return Config(self.model, **self.engine_options())
+        if not os.path.isdir(self.model):
+            raise ValueError(f"--model {self.model!r} is not a directory; give a local "
+                             "checkpoint directory (config.json, safetensors, tokenizer)")
 
     @property
     def model_name(self) -> str:

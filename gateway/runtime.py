@@ -23,7 +23,6 @@ from tqdm import tqdm
 
 from loragw.engine.core import pin_threads
 from loragw.engine.core.client import EngineClient, EngineDied
-from loragw.engine.llm_engine import LLMEngine
 from loragw.engine.snapshot import EngineInfo, EngineSnapshot
 from loragw.engine.tokenizer import TokenText, try_load_tokenizer
 from loragw.gateway.config import ServerConfig
@@ -128,17 +127,18 @@ class Runtime:
                     config.model_name, len(sources), self.info.max_model_len)
 
     async def _start_engine(self) -> EngineClient:
-        engine_config = self.config.engine_config()
+        """The engine reads the model and checks the options itself: its Ready (EngineInfo)
+        tells this server all it needs, the adapter spec and the request limits among it."""
+        model, options = self.config.model, self.config.engine_options()
         if self.config.engine_process:
             cpus = self.config.engine_cpu_set()
-            engine = await EngineClient.in_process(engine_config, on_death=self._engine_died,
+            engine = await EngineClient.in_process(model, options, on_death=self._engine_died,
                                                    cpus=cpus)
             rest = os.sched_getaffinity(0) - cpus if cpus else None
             if rest:  # the HTTP server keeps off the engine's CPUs (it spawned it first)
                 pin_threads(rest)
             return engine
-        return EngineClient.on_thread(await asyncio.to_thread(LLMEngine, engine_config),
-                                      owned=True)
+        return await EngineClient.in_thread(model, options)
 
     def _engine_died(self, exc: EngineDied) -> None:
         """The engine is gone (its process, a rank): not ready any more, and the server should

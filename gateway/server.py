@@ -47,7 +47,7 @@ def serve_main(argv: list[str] | None = None) -> int:
             names = [spec.split("=", 1)[0] for spec in config.adapter]
             sys.stdout.write(demo_examples(config.host, config.port, config.model_name, names))
             sys.stdout.flush()
-        config.engine_config()  # checks the model directory before we bind a port
+        config.check_model_dir()
     except ValueError as exc:
         logger.error("%s", exc)
         return 2

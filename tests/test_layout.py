@@ -61,22 +61,26 @@ def test_config_json_and_probe_checks_can_fail(tmp_path):
         'from pathlib import Path\nPath("m/config.json").read_text()\n'
         'open("adapter_config.json")\n')
     (tmp_path / "adapters" / "types.py").write_text("def spec(hf_config):\n    return 1\n")
+    (tmp_path / "engine" / "layers").mkdir()
+    (tmp_path / "engine" / "layers" / "rotary.py").write_text("def rope(hf_config):\n    return 1\n")
+    (tmp_path / "engine" / "models").mkdir()
+    (tmp_path / "engine" / "models" / "args.py").write_text("def read(hf_config):\n    return 1\n")
     (tmp_path / "engine" / "loader.py").write_text(
         "def f(owner, model):\n    isinstance(owner, Linear)\n"
         '    hasattr(owner, "checkpoint_keys")\n    getattr(model, "expert_modules", None)\n'
         '    getattr(model, "expert_modules")\n    isinstance(owner, int)\n')
-    (tmp_path / "engine" / "layers").mkdir()
     (tmp_path / "engine" / "layers" / "moe.py").write_text('hasattr(x, "shared_expert")\n')
     found = [*layout.config_json_problems(tmp_path), *layout.probe_problems(tmp_path)]
     text = "\n".join(found)
     assert "demo/model.py:3 reads config.json" in text
     assert "gateway/a.py:2 reads config.json" in text
     assert "adapters/types.py:1 names hf_config" in text
+    assert "engine/layers/rotary.py:1 names hf_config" in text
     assert "engine/loader.py:2 probes the model's Linear with isinstance()" in text
     assert "engine/loader.py:3 probes the model's checkpoint_keys with hasattr()" in text
     assert "engine/loader.py:4 probes the model's expert_modules with getattr()" in text
-    assert len(found) == 6, text  # not engine/config.py, adapter_config.json, a plain getattr,
-    # isinstance(owner, int), nor engine/layers (which declares the interface)
+    assert len(found) == 7, text  # not engine/config.py, engine/models, adapter_config.json, a
+    # plain getattr, isinstance(owner, int), nor engine/layers' probe (it declares the interface)
 
 
 def test_the_layer_check_can_fail(tmp_path):

@@ -190,7 +190,8 @@ def readme_problems(root: Path = ROOT) -> Iterator[str]:
 
 # The one module that opens config.json; the model's args are read from the dict it returns.
 CONFIG_READER = "engine/config.py"
-CONFIG_DICT = "hf_config"  # that dict's name: only engine/ holds it (adapters get a spec)
+CONFIG_DICT = "hf_config"  # that dict's name: read into ModelArgs, it goes no further
+CONFIG_DICT_OWNERS = ("engine/models/", CONFIG_READER)  # the only modules that may name it
 # A model part's class or attribute: what hasattr / isinstance / getattr(.., default) must not
 # probe outside engine/models and engine/layers, which declare the interface that answers it.
 MODEL_PARTS = frozenset({
@@ -216,8 +217,9 @@ def _names_config_json(node: ast.AST, bound: set[str]) -> bool:
 
 def config_json_problems(root: Path = ROOT) -> Iterator[str]:
     """Only CONFIG_READER opens config.json (an open() / read_text() whose path mentions it,
-    directly or through a name assigned from it); and outside engine/ nothing names the dict
-    read from it: adapters/ and gateway/ get what they need from the engine's nouns."""
+    directly or through a name assigned from it); and outside CONFIG_DICT_OWNERS nothing names
+    the dict read from it: the layers take ModelArgs, adapters/ and gateway/ the engine's
+    nouns."""
     for m in modules(root).values():
         rel = m.path.relative_to(root).as_posix()
         tree = ast.parse(m.path.read_text(), str(m.path))
@@ -233,12 +235,13 @@ def config_json_problems(root: Path = ROOT) -> Iterator[str]:
                                      for a in [*n.args, *receiver]):
                 yield (f"{rel}:{n.lineno} reads config.json: only {CONFIG_READER} does "
                        "(read_hf_config); take the model's facts from the engine")
-        if not rel.startswith("engine/"):
+        if not rel.startswith(CONFIG_DICT_OWNERS):
             for n in ast.walk(tree):
                 name = getattr(n, "id", None) or getattr(n, "arg", None) or getattr(n, "attr", None)
                 if name == CONFIG_DICT:
                     yield (f"{rel}:{n.lineno} names {CONFIG_DICT}, the config.json dict: only "
-                           "engine/ reads it; use the engine's BaseModelSpec or EngineInfo")
+                           f"{' and '.join(CONFIG_DICT_OWNERS)} read it; take the fact from "
+                           "ModelArgs (engine), the BaseModelSpec or EngineInfo")
                     break
 
 

@@ -21,6 +21,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
+from typing import Any
 
 import msgspec
 
@@ -66,12 +67,21 @@ class EngineClient:
         self._loop = asyncio.get_running_loop()
 
     @classmethod
-    async def in_process(cls, config: Config, on_death: Callable[[EngineDied], None] | None = None,
+    async def in_process(cls, model: str, options: dict[str, Any],
+                         on_death: Callable[[EngineDied], None] | None = None,
                          cpus: frozenset[int] | None = None) -> EngineClient:
-        """The engine in a process of its own, started and ready."""
-        client = cls(ProcessTransport(config, cpus), on_death)
+        """The engine of `model` (its directory) and `options` (EngineOptions' fields) in a
+        process of its own, started and ready."""
+        client = cls(ProcessTransport(model, options, cpus), on_death)
         await client.transport.start(client._loop, client._on_message, client._on_closed)
         return client
+
+    @classmethod
+    async def in_thread(cls, model: str, options: dict[str, Any]) -> EngineClient:
+        """The engine of `model` and `options` built here (off the event loop) and stepped by
+        a thread of this process."""
+        engine = await asyncio.to_thread(LLMEngine, Config(model, **options))
+        return cls.on_thread(engine, owned=True)
 
     @classmethod
     def on_thread(cls, engine: LLMEngine, owned: bool = False) -> EngineClient:
@@ -87,7 +97,7 @@ class EngineClient:
 
     @property
     def adapter_spec(self) -> BaseModelSpec:
-        return self.transport.adapter_spec
+        return self.transport.info.adapter_spec
 
     # ---- messages from the engine (on the owner loop) --------------------------------------
     def _on_message(self, message: FromEngine) -> None:

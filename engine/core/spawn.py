@@ -16,12 +16,11 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
-from loragw.adapters.types import BaseModelSpec
 from loragw.adapters.wire import pack
-from loragw.engine.config import Config
 from loragw.engine.core.channel import ChannelClosed, ServerChannel
 from loragw.engine.core.messages import (
     AddAdapter,
@@ -43,9 +42,10 @@ STOP_TIMEOUT_S = 10.0
 class ProcessTransport:
     kind = "process"  # what an EngineDied message calls the engine
 
-    def __init__(self, config: Config, cpus: frozenset[int] | None = None):
-        self.config, self.cpus = config, cpus
-        self.adapter_spec: BaseModelSpec = config.adapter_spec()
+    def __init__(self, model: str, options: dict[str, Any], cpus: frozenset[int] | None = None):
+        """model: its directory; options: EngineOptions' fields (Config's other arguments),
+        read and checked by the engine process, which alone reads the model's config.json."""
+        self.model, self.options, self.cpus = model, options, cpus
         self.info: EngineInfo | None = None  # from the engine's Ready
         self.proc: subprocess.Popen | None = None
         self.channel: ServerChannel | None = None
@@ -92,9 +92,9 @@ class ProcessTransport:
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         theirs.close()
         self.channel = ServerChannel(ours, loop, on_frame, on_eof)
-        self.channel.send(msgspec.msgpack.encode({"model": self.config.model,
+        self.channel.send(msgspec.msgpack.encode({"model": self.model,
                                                   "cpus": sorted(self.cpus or ()),
-                                                  **self.config.engine_options()}))
+                                                  **self.options}))
         await ready
         logger.info("engine process %d ready", self.proc.pid)
 

@@ -56,7 +56,6 @@ class ThreadTransport:
         self.engine = engine  # the LLMEngine the thread steps (tests reach into it)
         self.owned = owned  # shutdown() closes the engine too
         self.info: EngineInfo = engine_info(engine)
-        self.adapter_spec = engine.lora.spec
         self.inbox = ThreadInbox()
         self._thread: threading.Thread | None = None
         self._stopping = False  # shutdown() asked: the loop ending is no death

@@ -11,6 +11,7 @@ This engine does not switch, so it serves longrope only up to that length (see `
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,67 +19,59 @@ from torch import nn
 from loragw.engine.forward_context import fused_elementwise
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
-ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs
 
 
-def rope_parameters(hf_config: dict) -> dict:
-    """The rope dict of a config.json, old style (`rope_theta` + `rope_scaling`) or new
-    (`rope_parameters`), normalised to one dict with `rope_type` and `rope_theta`."""
-    params = dict(hf_config.get("rope_parameters") or {})
-    scaling = hf_config.get("rope_scaling") or {}
-    params = {**scaling, **params}
-    params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    rope_type = ROPE_TYPE_ALIASES.get(rope_type, rope_type)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope scaling type {rope_type!r} is not supported; "
-                         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    params["rope_type"] = rope_type
-    params.setdefault("partial_rotary_factor", hf_config.get("partial_rotary_factor", 1.0))
-    if rope_type == "longrope":  # Phi-3 keeps the pretraining length outside rope_scaling
-        max_len = hf_config.get("max_position_embeddings", 4096)
-        original = hf_config.get("original_max_position_embeddings",
-                                 params.get("original_max_position_embeddings", max_len))
-        params["original_max_position_embeddings"] = original
-        factor = params.get("factor") or max_len / original
-        if params.get("attention_factor") is None:
-            params["attention_factor"] = (1.0 if factor <= 1.0 else
-                                          math.sqrt(1 + math.log(factor) / math.log(original)))
-    return params
+@dataclass(frozen=True)
+class RopeArgs:
+    """One rope schedule, as a checkpoint describes it (engine/models/args.py reads it from
+    config.json, old style or new, once). Frequencies follow `rope_type`; each names the
+    fields it reads."""
+
+    rope_type: str = "default"  # SUPPORTED_ROPE_TYPES
+    theta: float = 10000.0
+    partial_rotary_factor: float = 1.0  # of each head's dimensions, the share that rotates
+    max_position_embeddings: int = 4096
+    factor: float | None = None  # linear, llama3
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    # llama3: the pretraining length its smoothing is keyed to; longrope: the length whose
+    # short factors hold (see the module docstring)
+    original_max_position_embeddings: int | None = None
+    short_factor: tuple[float, ...] = ()  # longrope
+    attention_factor: float = 1.0  # longrope's scale of cos and sin
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"rope scaling type {self.rope_type!r} is not supported; "
+                             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+    @property
+    def exact_context(self) -> int | None:
+        """The longest sequence this engine serves the schedule exactly for: longrope's
+        original_max_position_embeddings (the module docstring); None for the others."""
+        return self.original_max_position_embeddings if self.rope_type == "longrope" else None
 
 
-def longrope_context(hf_config: dict) -> int | None:
-    """The longest sequence this engine serves a longrope config.json for (its
-    original_max_position_embeddings: see the module docstring); None for other rope types."""
-    params = {**(hf_config.get("rope_scaling") or {}), **(hf_config.get("rope_parameters") or {})}
-    rope_type = params.get("rope_type") or params.get("type") or "default"
-    if ROPE_TYPE_ALIASES.get(rope_type, rope_type) != "longrope":
-        return None
-    return rope_parameters(hf_config)["original_max_position_embeddings"]
-
-
-def rotary_dim(head_dim: int, params: dict) -> int:
+def rotary_dim(head_dim: int, rope: RopeArgs) -> int:
     """How many of a head's dimensions rotate (the rest pass through)."""
-    return int(head_dim * params["partial_rotary_factor"])
+    return int(head_dim * rope.partial_rotary_factor)
 
 
-def inverse_frequencies(dim: int, params: dict, max_position_embeddings: int) -> torch.Tensor:
+def inverse_frequencies(dim: int, rope: RopeArgs) -> torch.Tensor:
     """[dim / 2] for the `dim` rotating dimensions of a head."""
-    base = params["rope_theta"]
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    if params["rope_type"] == "longrope":  # the short factors: see the module docstring
-        short = torch.tensor(params["short_factor"], dtype=torch.float32, device="cpu")
+    if rope.rope_type == "longrope":  # the short factors: see the module docstring
+        short = torch.tensor(rope.short_factor, dtype=torch.float32, device="cpu")
         if short.shape != exponents.shape:
             raise ValueError(f"rope_scaling short_factor has {short.numel()} entries; "
                              f"{dim} rotating dimensions need {exponents.numel()}")
-        return 1.0 / (short * base ** exponents)
-    inv_freq = 1.0 / (base ** exponents)  # [dim / 2]
-    if params["rope_type"] == "linear":
-        inv_freq /= params["factor"]
-    elif params["rope_type"] == "llama3":
-        factor = params["factor"]
-        low, high = params["low_freq_factor"], params["high_freq_factor"]
-        old_len = params.get("original_max_position_embeddings", max_position_embeddings)
+        return 1.0 / (short * rope.theta ** exponents)
+    inv_freq = 1.0 / (rope.theta ** exponents)  # [dim / 2]
+    if rope.rope_type == "linear":
+        inv_freq /= rope.factor
+    elif rope.rope_type == "llama3":
+        factor, low, high = rope.factor, rope.low_freq_factor, rope.high_freq_factor
+        old_len = rope.original_max_position_embeddings or rope.max_position_embeddings
         low_wavelen, high_wavelen = old_len / low, old_len / high
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
@@ -90,17 +83,13 @@ def inverse_frequencies(dim: int, params: dict, max_position_embeddings: int) ->
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, hf_config: dict):
+    def __init__(self, head_dim: int, rope: RopeArgs):
         super().__init__()
         self.head_dim = head_dim
-        self.max_positions = hf_config.get("max_position_embeddings", 4096)
-        params = rope_parameters(hf_config)
-        self.inv_freq = inverse_frequencies(rotary_dim(head_dim, params), params,
-                                            self.max_positions)
-        self.attention_factor = params.get("attention_factor", 1.0)  # cos and sin scale
-        # longrope's short factors hold for sequences up to this many tokens
-        self.short_only = (params["original_max_position_embeddings"]
-                           if params["rope_type"] == "longrope" else None)
+        self.max_positions = rope.max_position_embeddings
+        self.inv_freq = inverse_frequencies(rotary_dim(head_dim, rope), rope)
+        self.attention_factor = rope.attention_factor  # cos and sin scale
+        self.short_only = rope.exact_context  # longrope's short factors hold up to this
         # (device, dtype, cos, sin) with cos, sin: [max_positions, rotary dim], built on first use
         self._table: tuple[torch.device, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 

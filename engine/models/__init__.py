@@ -3,12 +3,14 @@ what each offers adapters.
 
 Each family module declares the classes it builds; `model_class` is the one place a checkpoint's
 architecture is decided, and an architecture nobody declares fails here, named, with the list.
-`adapter_spec` is the one way to a BaseModelSpec: the model class reads its args from the
-config.json dict (engine/config.py opens the file, nowhere else does) and derives the spec from
-them, so adapters are checked against the shapes the engine builds.
+`model_args` reads a config.json dict (engine/config.py opens the file, nowhere else does) into
+the family's args once: every fact the model, its layers and the engine use is one of their
+fields, and the dict goes no further. `adapter_spec` derives what adapters may target from the
+same args, so adapters are checked against the shapes the engine builds.
 
 The contract, as code with defaults (engine/models/base.py CausalLM, engine/layers/parts.py):
     make_args(hf_config)      the family's args (engine/models/args.py ModelArgs and subclasses)
+    __init__(args, shard)     built from them alone
     adapter_spec(...)         what adapters may target: shapes, fused layout, experts, ties
     model.embed_tokens        VocabEmbedding;  lm_head: LMHead;  model.layers: Layers
     merged_projections        checkpoint name fragment -> (our module, slice name); {} default
@@ -32,11 +34,11 @@ import os
 
 from loragw.adapters.types import BaseModelSpec
 from loragw.engine.models import gemma, llama, moe, phi3
-from loragw.engine.models.args import architecture
+from loragw.engine.models.args import ModelArgs, architecture
 from loragw.engine.models.base import CausalLM
 
 __all__ = ["ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "adapter_spec", "architecture",
-           "model_class"]
+           "base_spec", "model_args", "model_class"]
 
 FAMILIES = (llama, phi3, gemma, moe)  # each with ARCHITECTURES: {config.json name: model class}
 ARCHITECTURES: dict[str, type[CausalLM]] = {
@@ -44,19 +46,33 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
-def model_class(hf_config: dict) -> type[CausalLM]:
-    """The model class that serves this config.json, or a ValueError naming what is served."""
-    arch = architecture(hf_config)
+def model_class(config: dict | ModelArgs) -> type[CausalLM]:
+    """The model class that serves this config.json (as a dict) or these args, or a ValueError
+    naming what is served."""
+    arch = config.architecture if isinstance(config, ModelArgs) else architecture(config)
     if arch not in ARCHITECTURES:
         raise ValueError(f"architecture {arch!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     return ARCHITECTURES[arch]
 
 
+def model_args(hf_config: dict) -> ModelArgs:
+    """The family's args of this config.json (as a dict): read once, the dict goes no further."""
+    return model_class(hf_config).make_args(hf_config)
+
+
+def base_spec(args: ModelArgs, max_lora_rank: int, max_full_module_slots: int = 0,
+              model_path: str | os.PathLike | None = None,
+              dtype: str = "float32") -> BaseModelSpec:
+    """What the base these args describe offers adapters; model_path is the served model's
+    directory, for its name; dtype the served dtype's name ("bfloat16")."""
+    return model_class(args).adapter_spec(args, max_lora_rank, max_full_module_slots,
+                                          model_path, dtype)
+
+
 def adapter_spec(hf_config: dict, max_lora_rank: int, max_full_module_slots: int = 0,
                  model_path: str | os.PathLike | None = None,
                  dtype: str = "float32") -> BaseModelSpec:
-    """What the base of this config.json (as a dict) offers adapters; model_path is the served
-    model's directory, for its name; dtype the served dtype's name ("bfloat16")."""
-    return model_class(hf_config).adapter_spec(hf_config, max_lora_rank, max_full_module_slots,
-                                               model_path, dtype)
+    """base_spec of a config.json dict's args (for tools and tests that hold only the dict)."""
+    return base_spec(model_args(hf_config), max_lora_rank, max_full_module_slots, model_path,
+                     dtype)

@@ -5,8 +5,12 @@ adapters' BaseModelSpec is derived from it (engine/models/base.py), so the two n
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from loragw.engine.layers.rotary import RopeArgs
+
+ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs
 
 def architecture(cfg: dict) -> str:
     """The class config.json names (architectures[0]), else its model_type."""
@@ -41,6 +45,10 @@ class ModelArgs:
     max_position_embeddings: int
     layer_windows: tuple[int | None, ...] = ()  # per layer: its sliding window, None = full
     clip_qkv: float | None = None  # q, k and v clamped to [-clip, clip] (OLMoE)
+    rope: RopeArgs = RopeArgs()
+    architecture: str = ""  # the class config.json names (engine/models/__init__.py serves it)
+    checkpoint_dtype: str | None = None  # the weights' dtype as saved ("bfloat16"), if stated
+    name_or_path: str | None = None  # the name the checkpoint was saved under (_name_or_path)
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelArgs:
@@ -63,7 +71,21 @@ class ModelArgs:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             layer_windows=layer_windows(cfg, arch),
+            rope=read_rope(cfg),
+            architecture=arch,
+            checkpoint_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            name_or_path=cfg["_name_or_path"] if isinstance(cfg.get("_name_or_path"), str)
+            else None,
         )
+
+    @property
+    def context_window(self) -> int:
+        """The longest sequence served by default: max_position_embeddings, or less where the
+        rope schedule is exact only up to a shorter length (longrope)."""
+        exact = self.rope.exact_context
+        if exact is not None and exact < self.max_position_embeddings:
+            return exact
+        return self.max_position_embeddings
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
         """Adapter target -> (out, in) of a decoder layer's projections, the whole model's (not
@@ -100,3 +122,33 @@ def layer_windows(cfg: dict, arch: str) -> tuple[int | None, ...]:
         first = cfg.get("max_window_layers", 28)
         return tuple(window if i >= first else None for i in range(num_layers))
     return (None,) * num_layers
+
+
+def read_rope(cfg: dict) -> RopeArgs:
+    """The rope of a config.json, old style (`rope_theta` + `rope_scaling`) or new
+    (`rope_parameters`); the keys of either override the top-level ones."""
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    rope_type = ROPE_TYPE_ALIASES.get(rope_type, rope_type)
+    max_len = cfg.get("max_position_embeddings", 4096)
+    original = params.get("original_max_position_embeddings")
+    attention = 1.0
+    if rope_type == "longrope":  # Phi-3 keeps the pretraining length outside rope_scaling
+        original = cfg.get("original_max_position_embeddings", original or max_len)
+        factor = params.get("factor") or max_len / original
+        attention = params.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeArgs(
+        rope_type=rope_type,
+        theta=params.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+        partial_rotary_factor=params.get("partial_rotary_factor",
+                                         cfg.get("partial_rotary_factor", 1.0)),
+        max_position_embeddings=max_len,
+        factor=params.get("factor"),
+        low_freq_factor=params.get("low_freq_factor"),
+        high_freq_factor=params.get("high_freq_factor"),
+        original_max_position_embeddings=original,
+        short_factor=tuple(params.get("short_factor") or ()),
+        attention_factor=attention,
+    )

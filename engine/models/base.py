@@ -19,7 +19,7 @@ from loragw.engine.layers.embedding import LMHead
 from loragw.engine.layers.linear import Linear
 from loragw.engine.layers.moe import Experts
 from loragw.engine.layers.parts import Block
-from loragw.engine.models.args import ModelArgs, architecture
+from loragw.engine.models.args import ModelArgs
 from loragw.kernels import cpu_linear
 
 Fused = dict[str, tuple[tuple[str, int], ...]]  # module -> (slice, its rows) of each slice
@@ -46,13 +46,13 @@ class CausalLM(nn.Module):
     # checkpoint module holding several of our slices -> those slices, in row order (Phi-3's)
     fused_modules: dict[str, tuple[str, ...]] = {}
 
-    def __init__(self, hf_config: dict, shard: Shard = ONE):
+    def __init__(self, args: ModelArgs, shard: Shard = ONE):
         super().__init__()
-        self.args = self.make_args(hf_config)
+        self.args = args
         self.shard = shard
         # checkpoint module -> its slices in row order, each (slice name, rows in the checkpoint)
         self.fused_projections = fused_layout(self.fused_modules, self.args)
-        self.model = self.make_model(hf_config, shard)
+        self.model = self.make_model(shard)
         # tied: no weight of its own ("lm_head.weight" is not a parameter), only its LoRA pool
         self.lm_head = LMHead(self.args.hidden_size, self.args.vocab_size, shard,
                               tied_to=self.model.embed_tokens if self.args.tie_word_embeddings
@@ -64,8 +64,8 @@ class CausalLM(nn.Module):
         are both built from them."""
         raise NotImplementedError
 
-    def make_model(self, hf_config: dict, shard: Shard) -> nn.Module:
-        """The backbone: embed_tokens, layers, norm, rotary_emb."""
+    def make_model(self, shard: Shard) -> nn.Module:
+        """The backbone, from self.args: embed_tokens, layers, norm, rotary_emb."""
         raise NotImplementedError
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -130,24 +130,23 @@ class CausalLM(nn.Module):
         return held
 
     @classmethod
-    def adapter_spec(cls, hf_config: dict, max_lora_rank: int, max_full_module_slots: int = 0,
+    def adapter_spec(cls, args: ModelArgs, max_lora_rank: int, max_full_module_slots: int = 0,
                      model_path: str | os.PathLike | None = None,
                      dtype: str = "float32") -> BaseModelSpec:
         """What this base offers adapters (model_path: the served directory, for its name;
         dtype: the served dtype's name), from the args the model is built from."""
         if max_lora_rank < 1:
             raise ValueError(f"--max-lora-rank must be >= 1, got {max_lora_rank}")
-        args = cls.make_args(hf_config)
         fused = fused_layout(cls.fused_modules, args)
         hidden, vocab = args.hidden_size, args.vocab_size
         shapes = fuse(args.projection_shapes(), fused)
         shapes |= {EMBED_TOKENS: (hidden, vocab), LM_HEAD: (vocab, hidden)}
         names = [os.path.basename(os.path.abspath(model_path))] if model_path else []
-        if isinstance(hf_config.get("_name_or_path"), str):
-            names.append(hf_config["_name_or_path"])
+        if args.name_or_path is not None:
+            names.append(args.name_or_path)
         names = tuple(dict.fromkeys(n for n in names if base_name(n)))  # distinct, in order
         return BaseModelSpec(args.num_layers, shapes, max_lora_rank, args.tie_word_embeddings,
-                             max_full_module_slots, architecture(hf_config), names, dtype, fused,
+                             max_full_module_slots, args.architecture, names, dtype, fused,
                              args.num_experts, args.moe_layers)
 
 

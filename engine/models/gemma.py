@@ -20,7 +20,7 @@ What Gemma changes (checked against transformers' modeling_gemma2.py / modeling_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +29,8 @@ from torch import nn
 from loragw.engine.distributed.shard import Shard
 from loragw.engine.layers.embedding import VocabEmbedding
 from loragw.engine.layers.norm import GemmaRMSNorm
-from loragw.engine.layers.rotary import RotaryEmbedding
-from loragw.engine.models.args import ModelArgs, architecture
+from loragw.engine.layers.rotary import RopeArgs, RotaryEmbedding
+from loragw.engine.models.args import ModelArgs, architecture, read_rope
 from loragw.engine.models.base import Layer
 from loragw.engine.models.llama import MLP, Attention, LlamaForCausalLM
 
@@ -53,6 +53,7 @@ class GemmaArgs(ModelArgs):
     attn_softcap: float | None = None
     final_softcap: float | None = None
     activation: str = "gelu_pytorch_tanh"
+    ropes: dict[str, RopeArgs] = field(default_factory=dict)  # per layer kind
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> GemmaArgs:
@@ -72,6 +73,7 @@ class GemmaArgs(ModelArgs):
         window = cfg.get("sliding_window") or defaults["sliding_window"]
         base = ModelArgs.from_hf_config({**cfg, "head_dim": cfg.get("head_dim") or 256,
                                          "sliding_window": None})
+        ropes = {kind: read_rope(rope) for kind, rope in rope_configs(cfg).items()}
         return cls(**{**base.__dict__, **dict(
             attention_bias=cfg.get("attention_bias", False),
             qk_norm="head" if arch == "Gemma3ForCausalLM" else None,
@@ -82,11 +84,11 @@ class GemmaArgs(ModelArgs):
             attn_softcap=cfg.get("attn_logit_softcapping", defaults["attn_logit_softcapping"])
             if arch == "Gemma2ForCausalLM" else None,  # Gemma 3 ignores it (module docstring)
             final_softcap=cfg.get("final_logit_softcapping", defaults["final_logit_softcapping"]),
-            activation=activation)})
+            activation=activation, ropes=ropes, rope=ropes[FULL])})
 
 
 def rope_configs(cfg: dict) -> dict[str, dict]:
-    """The rope settings of each layer kind, as a config dict engine/layers/rotary.py reads.
+    """The rope settings of each layer kind, each as the config.json keys read_rope reads.
     Gemma 3 written by transformers 5 nests them (`rope_parameters: {full_attention: {...},
     sliding_attention: {...}}`); on the Hub it has rope_theta + rope_scaling for full layers and
     rope_local_base_freq for sliding ones. Gemma 2 has one rope for both."""
@@ -105,10 +107,9 @@ def rope_configs(cfg: dict) -> dict[str, dict]:
 class LayerRopes(nn.Module):
     """One RotaryEmbedding per layer kind; `reserve` as RotaryEmbedding's (the model runner's)."""
 
-    def __init__(self, head_dim: int, hf_config: dict):
+    def __init__(self, head_dim: int, ropes: dict[str, RopeArgs]):
         super().__init__()
-        self.ropes = {kind: RotaryEmbedding(head_dim, cfg)
-                      for kind, cfg in rope_configs(hf_config).items()}
+        self.ropes = {kind: RotaryEmbedding(head_dim, rope) for kind, rope in ropes.items()}
 
     def reserve(self, num_positions: int) -> None:
         for rope in self.ropes.values():
@@ -140,13 +141,13 @@ class GemmaDecoderLayer(Layer):
 
 
 class GemmaModel(nn.Module):
-    def __init__(self, args: GemmaArgs, hf_config: dict, shard: Shard):
+    def __init__(self, args: GemmaArgs, shard: Shard):
         super().__init__()
         self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size, shard)
         self.layers = nn.ModuleList(GemmaDecoderLayer(args, shard, i)
                                     for i in range(args.num_layers))
         self.norm = GemmaRMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.rotary_emb = LayerRopes(args.head_dim, hf_config)
+        self.rotary_emb = LayerRopes(args.head_dim, args.ropes)
         self.hidden_size = args.hidden_size
         self._scales: dict[torch.dtype, float] = {}
 
@@ -174,8 +175,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def make_args(cls, hf_config: dict) -> GemmaArgs:
         return GemmaArgs.from_hf_config(hf_config)
 
-    def make_model(self, hf_config: dict, shard: Shard) -> nn.Module:
-        return GemmaModel(self.args, hf_config, shard)
+    def make_model(self, shard: Shard) -> nn.Module:
+        return GemmaModel(self.args, shard)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)  # [B, vocab] float32

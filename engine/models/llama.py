@@ -113,15 +113,14 @@ class DecoderLayer(Layer):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: ModelArgs, hf_config: dict, shard: Shard,
-                 layers: list[nn.Module] | None = None):
+    def __init__(self, args: ModelArgs, shard: Shard, layers: list[nn.Module] | None = None):
         """layers: a family's own decoder layers (MoE's), else Llama's."""
         super().__init__()
         self.embed_tokens = VocabEmbedding(args.vocab_size, args.hidden_size, shard)
         self.layers = nn.ModuleList(layers if layers is not None else (
             DecoderLayer(args, shard, window) for window in args.layer_windows))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(args.head_dim, hf_config)  # shared by every layer
+        self.rotary_emb = RotaryEmbedding(args.head_dim, args.rope)  # shared by every layer
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
@@ -143,8 +142,8 @@ class LlamaForCausalLM(CausalLM):
     def make_args(cls, hf_config: dict) -> ModelArgs:
         return ModelArgs.from_hf_config(hf_config)
 
-    def make_model(self, hf_config: dict, shard: Shard) -> nn.Module:
-        return LlamaModel(self.args, hf_config, shard)
+    def make_model(self, shard: Shard) -> nn.Module:
+        return LlamaModel(self.args, shard)
 
 
 # config.json "architectures" -> the class that serves it (engine/models/__init__.py)

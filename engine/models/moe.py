@@ -136,19 +136,19 @@ class MoeForCausalLM(LlamaForCausalLM):
     logits are Llama's (the layers yield their router, shared expert and Experts); the parameter
     counts and the per-expert checkpoint placement below are the MoE's own."""
 
-    def __init__(self, hf_config: dict, shard: Shard = ONE):
+    def __init__(self, args: MoeArgs, shard: Shard = ONE):
         if shard.size > 1:
-            raise ValueError(f"{architecture(hf_config)}: Mixture-of-Experts bases are not "
+            raise ValueError(f"{args.architecture}: Mixture-of-Experts bases are not "
                              "split across ranks; serve them with tensor_parallel_size 1")
-        super().__init__(hf_config, shard)
+        super().__init__(args, shard)
 
     @classmethod
     def make_args(cls, hf_config: dict) -> MoeArgs:
         return MoeArgs.from_hf_config(hf_config)
 
-    def make_model(self, hf_config: dict, shard: Shard) -> nn.Module:
+    def make_model(self, shard: Shard) -> nn.Module:
         layers = [MoeDecoderLayer(self.args, i, shard) for i in range(self.args.num_layers)]
-        return LlamaModel(self.args, hf_config, shard, layers)
+        return LlamaModel(self.args, shard, layers)
 
     def parameter_counts(self) -> tuple[int, int]:
         """(total, active): of each sparse layer's experts only top_k of E are active."""

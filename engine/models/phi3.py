@@ -15,8 +15,21 @@ transformers (engine/models/args.py layer_windows; the attention layer applies i
 
 from __future__ import annotations
 
-from loragw.engine.distributed.shard import ONE, Shard
+from dataclasses import dataclass
+
+from loragw.engine.models.args import ModelArgs
 from loragw.engine.models.llama import LlamaForCausalLM
+
+
+@dataclass(frozen=True)
+class Phi3Args(ModelArgs):
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> Phi3Args:
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"Phi-3 config.json has hidden_act {act!r}; only 'silu' is served")
+        # Phi3Config's default when config.json has none; it overrides rope_scaling's own
+        return super().from_hf_config({"original_max_position_embeddings": 4096, **cfg})
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -25,13 +38,9 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     fused_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                      "gate_up_proj": ("gate_proj", "up_proj")}
 
-    def __init__(self, hf_config: dict, shard: Shard = ONE):
-        act = hf_config.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"Phi-3 config.json has hidden_act {act!r}; only 'silu' is served")
-        # Phi3Config's default when config.json has none; it overrides rope_scaling's own
-        hf_config = {"original_max_position_embeddings": 4096, **hf_config}
-        super().__init__(hf_config, shard)
+    @classmethod
+    def make_args(cls, hf_config: dict) -> Phi3Args:
+        return Phi3Args.from_hf_config(hf_config)
 
 
 # config.json "architectures" -> the class that serves it (engine/models/__init__.py)

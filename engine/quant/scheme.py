@@ -2,7 +2,7 @@
 when the Config is built, so that anything the engine cannot serve fails there, before any
 process starts or any weight is read, naming the method or scheme and what is supported.
 
-    quant = read_quantization(hf_config, "auto")      # QuantConfig | None
+    quant = read_quantization(section, "auto")  # config.json's quantization_config -> QuantConfig | None
     quant.scheme("model.layers.0.self_attn.q_proj")    # WeightScheme | None (not quantized)
 
 Methods (vLLM's `--quantization` names): `compressed-tensors` (llm-compressor's formats),
@@ -102,12 +102,12 @@ def _matches(pattern: str, module: str) -> bool:
     return module == pattern or module.endswith("." + pattern)
 
 
-def read_quantization(hf_config: dict, requested: str) -> QuantConfig | None:
-    """The checkpoint's quantization (None: a floating-point checkpoint), checked against
-    `--quantization` (auto takes what the checkpoint says)."""
+def read_quantization(raw: dict | None, requested: str) -> QuantConfig | None:
+    """The checkpoint's quantization from config.json's quantization_config (None: a
+    floating-point checkpoint), checked against `--quantization` (auto takes what the
+    checkpoint says)."""
     if requested not in CHOICES:
         raise QuantizationError(f"--quantization {requested!r} is not one of {', '.join(CHOICES)}")
-    raw = hf_config.get("quantization_config") or hf_config.get("compression_config")
     method = None if raw is None else str(raw.get("quant_method", "")).lower().replace("_", "-")
     if method is None:
         if requested not in ("auto", "none"):

@@ -13,7 +13,7 @@ from peft_reference import ALL_SEVEN, load_peft, peft_greedy, save_peft_adapters
 from window_parity import SCHEDULES, check_schedules, make_prompts
 
 from loragw.engine import LLM, SamplingParams
-from loragw.engine.models import adapter_spec, model_class
+from loragw.engine.models import adapter_spec, model_args, model_class
 from loragw.engine.models.gemma import FULL, SLIDING, GemmaArgs
 
 # The two bases under every schedule; config variants batched only (the file stays fast).
@@ -70,7 +70,7 @@ def test_the_adapter_spec_takes_gemmas_defaults_as_the_engine_does():
         assert (shapes["q_proj"], shapes["k_proj"], shapes["o_proj"]) == ((512, 8), (256, 8),
                                                                           (8, 512))
         with torch.device("meta"):
-            model = model_class(hf_config)(hf_config)
+            model = model_class(hf_config)(model_args(hf_config))
         attention = model.model.layers[0].self_attn
         assert model.lm_head.tied and attention.head_dim == 256
         assert attention.qkv_proj.out_features == 512 + 2 * 256

@@ -14,7 +14,7 @@ from torch import nn
 from loragw.adapters.types import EMBED_TOKENS, EXPERT_TARGETS, LM_HEAD, ROUTER
 from loragw.engine.layers.norm import RMSNorm
 from loragw.engine.layers.parts import Block, Loadable
-from loragw.engine.models import adapter_spec, model_class
+from loragw.engine.models import adapter_spec, model_args, model_class
 
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
@@ -24,7 +24,7 @@ def built(path: str):
     with open(os.path.join(path, "config.json")) as f:
         hf_config = json.load(f)
     with torch.device("meta"):
-        return hf_config, model_class(hf_config)(hf_config)
+        return hf_config, model_class(hf_config)(model_args(hf_config))
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

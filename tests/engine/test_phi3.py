@@ -75,6 +75,26 @@ def test_longrope_serves_up_to_the_original_length_and_refuses_past_it(tiny_chec
         LLM(path, device="cpu", dtype="float32", max_model_len=ORIGINAL + 1)
 
 
+def test_phi3s_default_original_length_is_the_one_the_context_defaults_to(tiny_checkpoint,
+                                                                       tmp_path):
+    """A longrope config.json without original_max_position_embeddings: Phi3Config's 4096 is
+    both the rotary table's exact length and the default context (they were two readings of
+    the dict, and the context missed the default, so the engine refused its own default)."""
+    import json
+
+    from loragw.engine.config import Config
+
+    path = tmp_path / "phi3"
+    shutil.copytree(tiny_checkpoint("phi3", rope_scaling=longrope(16),
+                                    max_position_embeddings=8192), path)
+    config = json.loads((path / "config.json").read_text())
+    config.pop("original_max_position_embeddings", None)
+    (path / "config.json").write_text(json.dumps(config))
+    engine_config = Config(str(path), device="cpu", dtype="float32")
+    assert engine_config.max_model_len == engine_config.args.rope.exact_context == 4096
+    assert LLM(str(path), device="cpu", dtype="float32").engine.config.max_model_len == 4096
+
+
 @pytest.fixture(scope="module")
 def phi3_world(tmp_path_factory) -> World:
     root = tmp_path_factory.mktemp("phi3-lora")

@@ -102,14 +102,14 @@ def test_a_quantized_lm_head_and_a_quantized_moe_base_are_refused(configured, ti
 
 
 def test_schemes_by_target_and_ignore():
-    quant = read_quantization({"quantization_config": {
+    quant = read_quantization({
         "quant_method": "compressed-tensors", "format": "pack-quantized",
         "ignore": ["lm_head", "re:.*layers\\.1\\.mlp\\..*"],
         "config_groups": {
             "attn": {"targets": ["re:.*self_attn\\..*"], "weights": {
                 "num_bits": 8, "type": "int", "strategy": "channel"}},
             "rest": {"targets": ["Linear"], "weights": {
-                "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}}}}},
+                "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32}}}},
         "auto")
     assert quant.scheme("model.layers.0.self_attn.q_proj").kind == "int8"
     assert quant.scheme("model.layers.0.mlp.up_proj").kind == "int4"
@@ -118,19 +118,19 @@ def test_schemes_by_target_and_ignore():
 
 
 def test_gptq_awq_and_fp8_configs():
-    gptq = read_quantization({"quantization_config": {
-        "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": True}},
+    gptq = read_quantization({
+        "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": True},
         "auto")
     assert gptq.describe() == "gptq (gptq: int4 group 128 act-order)" and gptq.zero_minus_one
-    v2 = read_quantization({"quantization_config": {
-        "quant_method": "gptq", "bits": 8, "group_size": -1, "checkpoint_format": "gptq_v2"}},
+    v2 = read_quantization({
+        "quant_method": "gptq", "bits": 8, "group_size": -1, "checkpoint_format": "gptq_v2"},
         "gptq")
     assert v2.describe() == "gptq (gptq_v2: int8 per channel)" and not v2.zero_minus_one
-    awq = read_quantization({"quantization_config": {
+    awq = read_quantization({
         "quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
-        "version": "gemm"}}, "auto")
+        "version": "gemm"}, "auto")
     assert awq.describe() == "awq (gemm: int4 group 64 asym)"
-    fp8 = read_quantization({"quantization_config": {
-        "quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}},
+    fp8 = read_quantization({
+        "quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"},
         "fp8")
     assert fp8.describe() == "fp8 (fp8: fp8 block [128, 128], activations fp8 dynamic)"

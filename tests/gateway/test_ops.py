@@ -392,9 +392,9 @@ def test_full_module_slots_flag_reaches_the_engine(tmp_path):
     """Saved modules (modules_to_save) are opt-in: off by default, on with the flag or env."""
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
     off = serve_config(["--model", str(tmp_path)], {})
-    assert off.engine_config().max_full_module_slots == 0
+    assert off.engine_options()["max_full_module_slots"] == 0
     on = serve_config(["--model", str(tmp_path), "--max-full-module-slots", "2"], {})
-    assert on.engine_config().max_full_module_slots == 2
+    assert on.engine_options()["max_full_module_slots"] == 2
     env = serve_config(["--model", str(tmp_path)], {"LORAGW_MAX_FULL_MODULE_SLOTS": "1"})
     assert env.max_full_module_slots == 1
     with pytest.raises(ValueError, match=r"--max-full-module-slots must be in \[0, --max-loras=4\]"):
