@@ -31,7 +31,7 @@ from loragw.adapters.store import AdapterStore
 from loragw.adapters.store_meta import StoredMeta
 from loragw.engine.config import Config
 from loragw.engine.llm_engine import LLMEngine
-from loragw.engine.sampling_params import SamplingParams
+from loragw.engine.request.params import SamplingParams
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "tests" / "adapters")]  # the tests' loopback servers

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from loragw.engine.config import Config
 from loragw.engine.core.client import EngineClient
 from loragw.engine.llm_engine import LLMEngine
-from loragw.engine.sampling_params import SamplingParams
+from loragw.engine.request.params import SamplingParams
 from loragw.gateway.bench.server import free_port, stop_server
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -39,7 +39,7 @@ from common import (  # noqa: E402
 )
 
 from loragw.engine import LLM, SamplingParams  # noqa: E402
-from loragw.engine.forward_context import get_forward_context  # noqa: E402
+from loragw.engine.forward.context import get_forward_context  # noqa: E402
 
 logger = logging.getLogger("bench_moe")
 

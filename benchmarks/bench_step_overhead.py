@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import build_random_llama, machine, write_adapters  # noqa: E402
 
 from loragw.engine import LLM, SamplingParams  # noqa: E402
-from loragw.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
+from loragw.engine.request.detokenizer import IncrementalDetokenizer  # noqa: E402
 
 LAYERS, HIDDEN = 32, 64
 PARTS = ("schedule", "prepare", "forward", "sample", "detokenize")

@@ -29,8 +29,8 @@ from tqdm import tqdm
 
 from loragw.demo.model import build_demo_model
 from loragw.engine import LLM
-from loragw.engine.sampling_params import SamplingParams
-from loragw.engine.structured import GuidedDecoding
+from loragw.engine.request.params import SamplingParams
+from loragw.engine.request.structured import GuidedDecoding
 
 BATCH = 32
 GRAMMARS = {  # longer than any run: no row ends early

@@ -2,6 +2,6 @@
 
 from loragw.engine.config import Config
 from loragw.engine.llm import LLM, GenerationOutput
-from loragw.engine.sampling_params import SamplingParams
+from loragw.engine.request.params import SamplingParams
 
 __all__ = ["LLM", "Config", "GenerationOutput", "SamplingParams"]

@@ -28,10 +28,10 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEVICES = ("auto", "cpu", "cuda")
-BACKENDS = ("auto", "torch", "triton")  # LoRA kernels (engine/backends.py)
-ATTENTION_BACKENDS = (*BACKENDS, "cpu")  # decode attention (engine/backends.py)
-LINEAR_BACKENDS = ("auto", "torch", "onednn")  # dense projections (engine/backends.py)
-ELEMENTWISE_BACKENDS = ("auto", "torch", "cpu", "triton")  # norms, rotary, SiLU (engine/backends.py)
+BACKENDS = ("auto", "torch", "triton")  # LoRA kernels (engine/forward/backends.py)
+ATTENTION_BACKENDS = (*BACKENDS, "cpu")  # decode attention (engine/forward/backends.py)
+LINEAR_BACKENDS = ("auto", "torch", "onednn")  # dense projections (engine/forward/backends.py)
+ELEMENTWISE_BACKENDS = ("auto", "torch", "cpu", "triton")  # norms, rotary, SiLU (engine/forward/backends.py)
 
 
 def option(default: Any, help: str, **meta: Any) -> Any:
@@ -110,7 +110,7 @@ class EngineOptions:
                                  "its kernels from Python (CUDA graphs are CUDA-only, so on "
                                  "the CPU this changes nothing)")
     # vLLM's flag. Off by default: on the CPU the forward pass holds the host, so nothing
-    # overlaps; on a GPU it hides the host's share of a decode step (engine/pipeline.py).
+    # overlaps; on a GPU it hides the host's share of a decode step (engine/sched/pipeline.py).
     async_scheduling: bool = option(False, "schedule and launch each step before the host "
                                     "reads the step before's tokens, so the host's work "
                                     "overlaps the device's (not with speculative decoding or "

@@ -8,8 +8,8 @@ from tqdm import tqdm
 
 from loragw.engine.config import Config
 from loragw.engine.llm_engine import EngineRequest, LLMEngine, Prompt
-from loragw.engine.sampling_params import SamplingParams
-from loragw.engine.sequence import TokenLogprob
+from loragw.engine.request.params import SamplingParams
+from loragw.engine.request.sequence import TokenLogprob
 
 
 @dataclass

@@ -16,24 +16,30 @@ import torch
 
 from loragw.engine.adapter_calls import AdapterCalls
 from loragw.engine.config import Config
-from loragw.engine.detokenizer import IncrementalDetokenizer
 from loragw.engine.kv.block_manager import BlockManager
 from loragw.engine.lora.manager import LoRAManager
-from loragw.engine.model_runner import ModelRunner
-from loragw.engine.pipeline import InFlight, drop_pending
-from loragw.engine.prompt_logprobs import record_prompt_logprobs
-from loragw.engine.request_checks import RequestLimits, check_request
-from loragw.engine.request_state import RequestState
-from loragw.engine.sampler import Sampler
-from loragw.engine.sampling_params import SamplingParams
-from loragw.engine.scheduler import Scheduler
-from loragw.engine.sequence import EngineRequest, Prompt, RequestOutput, Sequence, SequenceStatus
+from loragw.engine.request.checks import RequestLimits, check_request
+from loragw.engine.request.detokenizer import IncrementalDetokenizer
+from loragw.engine.request.params import SamplingParams
+from loragw.engine.request.sequence import (
+    EngineRequest,
+    Prompt,
+    RequestOutput,
+    Sequence,
+    SequenceStatus,
+)
+from loragw.engine.request.state import RequestState
+from loragw.engine.request.stops import StopRule
+from loragw.engine.request.structured import GrammarCompiler, GuidedState
+from loragw.engine.request.tokenizer import eos_token_ids, tokenize, try_load_tokenizer
+from loragw.engine.runner.model_runner import ModelRunner
+from loragw.engine.runner.prompt_logprobs import record_prompt_logprobs
+from loragw.engine.runner.sampler import Sampler
+from loragw.engine.sched.pipeline import InFlight, drop_pending
+from loragw.engine.sched.plan import plan_step
+from loragw.engine.sched.scheduler import Scheduler
 from loragw.engine.spec.speculator import Speculator
 from loragw.engine.spec.verify import NewTokens, sample_plain
-from loragw.engine.step_plan import plan_step
-from loragw.engine.stopping import StopRule
-from loragw.engine.structured import GrammarCompiler, GuidedState
-from loragw.engine.tokenizer import eos_token_ids, tokenize, try_load_tokenizer
 from loragw.kernels.meta import host_to_device
 
 logger = logging.getLogger(__name__)
@@ -76,11 +82,8 @@ class LLMEngine(AdapterCalls):
         self.in_flight: InFlight | None = None  # a step whose tokens are not read (pipeline.py)
         logger.info("engine ready in %.1f s: %s", time.perf_counter() - started, config.model)
 
-    def tokenize(self, prompt: Prompt) -> list[int]:
-        return tokenize(self.tokenizer, prompt)
-
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """The engine's admission rules (engine/request_checks.py), run on every request before
+        """The engine's admission rules (engine/request/checks.py), run on every request before
         any is queued: the gateway and the offline API get the same refusals."""
         check_request(self.limits, prompt_ids, params)
 
@@ -112,7 +115,7 @@ class LLMEngine(AdapterCalls):
         self._check_open()
         staged = []
         for r in requests:
-            prompt_ids = self.tokenize(r.prompt)
+            prompt_ids = tokenize(self.tokenizer, r.prompt)
             self.check_request(prompt_ids, r.params)
             if r.request_id is not None and r.request_id in self.requests:
                 raise ValueError(f"request id {r.request_id!r} is already in use")
@@ -165,7 +168,7 @@ class LLMEngine(AdapterCalls):
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one step; the outputs of the tokens read back in it (under
-        async scheduling, engine/pipeline.py, the step before's, and this one's when it does
+        async scheduling, engine/sched/pipeline.py, the step before's, and this one's when it does
         not stay in flight)."""
         self._check_open()
         if self.speculator is not None:

@@ -12,7 +12,7 @@ from loragw.adapters.types import BaseModelSpec
 from loragw.engine.lora.state import (
     LoadTimes,  # a field msgspec rebuilds across the process boundary
 )
-from loragw.engine.request_checks import RequestLimits
+from loragw.engine.request.checks import RequestLimits
 
 if TYPE_CHECKING:
     from loragw.engine.llm_engine import LLMEngine

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 
 from loragw.engine.core.client import EngineClient
-from loragw.engine.sequence import RequestOutput
+from loragw.engine.request.sequence import RequestOutput
 from loragw.gateway.metrics import Metrics
 from loragw.gateway.tenants.windows import Reservation
 

@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 from loragw.engine.core import pin_threads
 from loragw.engine.core.client import EngineClient, EngineDied
+from loragw.engine.request.tokenizer import TokenText, try_load_tokenizer
 from loragw.engine.snapshot import EngineInfo, EngineSnapshot
-from loragw.engine.tokenizer import TokenText, try_load_tokenizer
 from loragw.gateway.config import ServerConfig
 from loragw.gateway.errors import APIError
 from loragw.gateway.fleet.router import Router

@@ -39,7 +39,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from loragw.engine.sequence import RequestOutput, RequestTimes
+from loragw.engine.request.sequence import RequestOutput, RequestTimes
 
 if TYPE_CHECKING:
     from loragw.gateway.residency.names import Location

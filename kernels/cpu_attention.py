@@ -2,7 +2,7 @@
 (kernels/csrc/paged_decode.c, built by kernels/native.py), where the torch path gathers every
 row's blocks into a padded copy and then runs SDPA over it: that copy, written and read back,
 was most of a decode step's attention time (engine/layers/attention.py). No compiler, a failed
-build or a wrong result in `self_check` leaves the torch path serving (engine/backends.py).
+build or a wrong result in `self_check` leaves the torch path serving (engine/forward/backends.py).
 float32 only.
 """
 

@@ -3,7 +3,7 @@ kernels/native.py): residual add + RMSNorm and rotary over q and k, each one cal
 torch layers run a chain of 4-12 small ops (at batch 32 on the bench Llama: add + norm 20 ->
 9 us, rotary 45 -> 12 us, most of what remains the call itself). float32 only; the layers keep
 their torch path for other dtypes and for Gemma's norm. Serves once `self_check` passed
-(engine/backends.py).
+(engine/forward/backends.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Grids, one program per:
     rotary         (token, head) of q, k  (T, n_q + n_k)  BLOCK_D = next power of 2 >= D / 2
     silu_and_mul   (row, column tile)     (T, cdiv(I, BLOCK_I))
 
-Serves once `self_check` passed on the device (engine/backends.py). On the CPU only under
+Serves once `self_check` passed on the device (engine/forward/backends.py). On the CPU only under
 TRITON_INTERPRET=1 (the tests).
 """
 

@@ -39,7 +39,7 @@ throughout.
 
 CUDA graphs: call once before capturing (compiles the kernels and caches the slice-offset
 tensor), capture with a static LoRAMeta, then `make_lora_meta(..., out=static_meta)` per step
-(engine/model_runner.py does). Under TRITON_INTERPRET=1 operands are cast
+(engine/runner/model_runner.py does). Under TRITON_INTERPRET=1 operands are cast
 to fp32 before `tl.dot` (the interpreter's bf16 dot returns garbage).
 """
 

@@ -76,9 +76,9 @@ def test_config_json_and_probe_checks_can_fail(tmp_path):
     assert "gateway/a.py:2 reads config.json" in text
     assert "adapters/types.py:1 names hf_config" in text
     assert "engine/layers/rotary.py:1 names hf_config" in text
-    assert "engine/loader.py:2 probes the model's Linear with isinstance()" in text
-    assert "engine/loader.py:3 probes the model's checkpoint_keys with hasattr()" in text
-    assert "engine/loader.py:4 probes the model's expert_modules with getattr()" in text
+    assert "engine/models/loader.py:2 probes the model's Linear with isinstance()" in text
+    assert "engine/models/loader.py:3 probes the model's checkpoint_keys with hasattr()" in text
+    assert "engine/models/loader.py:4 probes the model's expert_modules with getattr()" in text
     assert len(found) == 7, text  # not engine/config.py, engine/models, adapter_config.json, a
     # plain getattr, isinstance(owner, int), nor engine/layers' probe (it declares the interface)
 

@@ -264,24 +264,25 @@ def probe_problems(root: Path = ROOT) -> Iterator[str]:
                        "engine/models/base.py declare")
 
 
-# engine/'s layers, lowest first, each by the first component of its modules' names under
-# engine ("" is engine/__init__): a module imports modules of its own layer or lower ones only.
+# engine/'s layers, lowest first, each the folders (or the few modules at engine/'s root, by
+# name; "" is engine/__init__) that make it: a module imports its own layer or lower ones only.
 ENGINE_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("nouns", ("sampling_params", "structured", "sequence", "tokenizer", "detokenizer",
-               "decode_stream", "token_bytes", "stopping", "request_state", "backends",
-               "lora_step", "forward_context", "speculative_config")),
+    ("request", ("request",)),  # a request's nouns: params, sequence, stops, checks, text
+    ("forward", ("forward",)),  # what a forward pass reads: context, backends, LoRA metas
     ("distributed", ("distributed",)),  # shard and group primitives, below the layers
-    ("layers", ("layers", "quant")),  # quant: the quantized layout the layers hold
-    ("models", ("models", "loader")),
-    ("config", ("config",)),  # reads config.json into the models' description
-    ("kv", ("kv", "request_checks", "scheduled_batch", "scheduler", "step_plan", "pipeline")),
+    ("quant", ("quant",)),  # the quantized layout the layers hold
+    ("layers", ("layers",)),
+    ("models", ("models",)),  # the architectures, their args and their loader
+    ("config", ("config", "speculative_config")),  # reads config.json into ModelArgs
+    ("kv", ("kv",)),
+    ("sched", ("sched",)),
     ("lora", ("lora",)),
-    ("runner", ("model_runner", "cuda_graphs", "step_inputs", "prompt_logprobs", "sampler",
-                "host_memory")),
+    ("runner", ("runner",)),
     ("parallel", ("parallel",)),  # the tensor-parallel runner, above the model runner
     ("spec", ("spec",)),  # speculative decoding: proposals and verification around the step
     ("engine", ("llm_engine", "adapter_calls", "snapshot")),
-    ("fronts", ("llm", "core", "")),  # the offline API, the engine loop and its transports
+    ("core", ("core",)),  # the engine loop and its two transports
+    ("fronts", ("llm", "api", "")),  # the offline API and what the gateway may import
 )
 
 

@@ -44,8 +44,8 @@ from loragw.engine.core.messages import (
 from loragw.engine.core.spawn import ProcessTransport
 from loragw.engine.core.thread import ThreadTransport
 from loragw.engine.llm_engine import LLMEngine
-from loragw.engine.sampling_params import SamplingParams
-from loragw.engine.sequence import EngineRequest, Prompt, RequestOutput
+from loragw.engine.request.params import SamplingParams
+from loragw.engine.request.sequence import EngineRequest, Prompt, RequestOutput
 from loragw.engine.snapshot import EngineInfo, EngineSnapshot
 
 logger = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from typing import Any
 import msgspec
 
 from loragw.adapters import errors as adapter_errors
-from loragw.engine.sampling_params import InvalidParam
-from loragw.engine.sequence import EngineRequest, RequestOutput
+from loragw.engine.request.params import InvalidParam
+from loragw.engine.request.sequence import EngineRequest, RequestOutput
 from loragw.engine.snapshot import EngineInfo
 
 

@@ -31,18 +31,8 @@ from collections import deque
 from collections.abc import Sequence as Ids
 
 from loragw.engine.kv.prefix_cache import Block, PrefixCache, block_hash
-from loragw.engine.sequence import Sequence
-
-
-def peak_blocks(num_tokens: int, block_size: int, window: int | None,
-                max_chunk: int | None) -> int:
-    """The most blocks a sequence of num_tokens tokens holds at once: all of them, or under a
-    window the window's (window - 1 keys before a chunk) plus one chunk's, + 1 for the
-    alignment of their ends to blocks."""
-    held = -(-num_tokens // block_size)
-    if window is None or max_chunk is None:
-        return held
-    return min(held, -(-(window - 1 + max_chunk) // block_size) + 1)
+from loragw.engine.request.checks import peak_blocks
+from loragw.engine.request.sequence import Sequence
 
 
 class BlockManager:

@@ -3,7 +3,7 @@
 New keys/values are scattered into the cache by slot; queries then read their whole context
 back through the sequence's block table. Prefill rows run one SDPA call per sequence, causal
 within the chunk and full over the cached prefix. Decode rows (one query each) run on the
-kernel the engine chose at start-up (ForwardContext.backends.decode_attention, engine/backends.py):
+kernel the engine chose at start-up (ForwardContext.backends.decode_attention, engine/forward/backends.py):
 
     triton  kernels/paged_attention.py: one flash-decoding kernel reads each K/V block in place
             through the padded block tables (AttentionMetadata.decode_block_tables and
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loragw.engine.forward_context import get_forward_context
+from loragw.engine.forward.context import get_forward_context
 
 # Query rows per score matrix in soft-capped layers: [n_heads, 256, L] fp32 at a time.
 CAPPED_QUERY_ROWS = 256

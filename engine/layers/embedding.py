@@ -30,10 +30,10 @@ from torch import nn
 
 from loragw.engine.distributed import group
 from loragw.engine.distributed.shard import ONE, Shard
-from loragw.engine.forward_context import get_forward_context
+from loragw.engine.forward.context import get_forward_context
+from loragw.engine.forward.lora import embed_full_rows, head_logits
 from loragw.engine.layers.linear import LoRABuffers
 from loragw.engine.layers.parts import Loadable
-from loragw.engine.lora_step import embed_full_rows, head_logits
 from loragw.kernels import cpu_linear
 
 

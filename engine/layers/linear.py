@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loragw.engine.distributed import group
-from loragw.engine.forward_context import get_forward_context
+from loragw.engine.forward.context import get_forward_context
 from loragw.engine.layers.parts import Loadable
 from loragw.engine.quant import shard as quant_shard
 from loragw.engine.quant.scheme import WeightScheme

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loragw.engine.forward_context import get_forward_context
+from loragw.engine.forward.context import get_forward_context
 
 # Most factor elements one chunk of rows gathers (fp32: 4 bytes each): a bound on the scratch
 # memory of one call, whatever the number of rows.
@@ -73,7 +73,7 @@ def apply_expert_lora(lora: dict[str, ExpertLoRABuffers] | None, name: str, y: t
     or "down_proj"   y: [N, out]   x: [N, in]   expert_ids, token_index: [N] int64, the expert
     and the step's token row of each grouped row. Returns at once when no row of the step has
     an adapter with expert LoRA (LoRAStep.experts). Steps that have one never run in a CUDA
-    graph (engine/cuda_graphs.py), so the rows and ranks are picked on the host.
+    graph (engine/runner/graphs.py), so the rows and ranks are picked on the host.
     """
     if lora is None or name not in lora:
         return

@@ -1,11 +1,11 @@
 """RMSNorm, computed the way Hugging Face Llama and Gemma do (float32 statistics); Llama's as
 one fused kernel where the step's backend has one (kernels/cpu_fused.py in C on a float32 CPU
-engine, kernels/fused_triton.py on CUDA; chosen in engine/backends.py)."""
+engine, kernels/fused_triton.py on CUDA; chosen in engine/forward/backends.py)."""
 
 import torch
 from torch import nn
 
-from loragw.engine.forward_context import fused_elementwise
+from loragw.engine.forward.context import fused_elementwise
 from loragw.engine.layers.parts import Loadable
 
 

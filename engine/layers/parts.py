@@ -1,6 +1,6 @@
 """What the loader and the model ask of the model's parts, declared once, with its defaults.
 
-`Loadable`: every module that owns parameters. The loader (engine/loader.py) asks it which
+`Loadable`: every module that owns parameters. The loader (engine/models/loader.py) asks it which
 checkpoint keys fill each of its parameters (`checkpoint_keys`) and which part of a checkpoint
 tensor this rank holds (`checkpoint_part`). Defaults: the parameter's own name, and all of the
 tensor (a replicated parameter: the norms). Linear (one key per merged slice, its rank's rows or
@@ -23,7 +23,7 @@ from torch import nn
 
 
 class Loadable:
-    """Mixin of a module that owns parameters (engine/loader.py asks it)."""
+    """Mixin of a module that owns parameters (engine/models/loader.py asks it)."""
 
     def checkpoint_keys(self, param_name: str) -> Iterator[str]:
         """The keys a checkpoint must fill for parameter `param_name` (its full name)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loragw.engine.forward_context import fused_elementwise
+from loragw.engine.forward.context import fused_elementwise
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 

@@ -1,4 +1,4 @@
-"""Slot aging, the LoRA manager's answer to the scheduler's `drain_for` (engine/scheduler.py):
+"""Slot aging, the LoRA manager's answer to the scheduler's `drain_for` (engine/sched/scheduler.py):
 which resident adapter stops admitting new sequences so that its slot drains for a request that
 has waited too long for one.
 """

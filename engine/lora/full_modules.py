@@ -8,7 +8,7 @@ reference goes with them), since each is vocabulary-sized (~1 GB per module on a
 bf16). Saved copies PEFT ties to one tensor (ensure_weight_tying) stay one tensor here.
 
 Per step, rows whose adapter replaces a module are grouped by adapter (FullModuleStep, built
-by engine/lora_step.py from the copies of the slots the step uses, which also holds the math):
+by engine/forward/lora.py from the copies of the slots the step uses, which also holds the math):
     embed_tokens   y[t] = E_a[ids[t]]          for every new token t of adapter a
     lm_head        logits[b] = h[b] @ W_a.T    for every sampling row b of adapter a
 """

@@ -20,15 +20,15 @@ from loragw.adapters.errors import AdapterError, AdapterNotFound
 from loragw.adapters.format import LoraAdapter, read_adapter
 from loragw.adapters.saved_modules import FLAG, full_modules_off
 from loragw.engine.config import Config
+from loragw.engine.forward.lora import LoRARows
 from loragw.engine.lora.aging import slot_to_drain
 from loragw.engine.lora.pool import SlotPool, SlotSink
 from loragw.engine.lora.reads import HostReads
 from loragw.engine.lora.state import LoRAStats, RegisteredAdapter, Slot, host_copy
 from loragw.engine.lora.versions import StartedVersions
-from loragw.engine.lora_step import LoRARows
 from loragw.engine.models.llama import LlamaForCausalLM
-from loragw.engine.scheduled_batch import ScheduledBatch
-from loragw.engine.sequence import Sequence
+from loragw.engine.request.sequence import Sequence
+from loragw.engine.sched.batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ Adapters with saved modules (modules_to_save) also hold a full-module slot, keye
 LoRA slot, whose copies are allocated per adapter (engine/lora/full_modules.py).
 `num_bytes` reports what each kind holds.
 
-Per step, `rows(batch)` gives the slot of every row (LoRARows: engine/lora_step.py): of every
+Per step, `rows(batch)` gives the slot of every row (LoRARows: engine/forward/lora.py): of every
 new token for the projections and embed_tokens, of every sampling row for lm_head; the model
 runner makes the step's metas from it. The embed_tokens and lm_head LoRA run only when some
 row's slot adapts them; the replaced rows only when some row's adapter has a saved module.
@@ -32,13 +32,13 @@ import torch
 
 from loragw.adapters.format import LoraAdapter
 from loragw.adapters.types import EMBED_TOKENS, LM_HEAD
+from loragw.engine.forward.lora import LoRARows
 from loragw.engine.layers.embedding import EmbeddingLoRABuffers
 from loragw.engine.layers.linear import LoRABuffers
 from loragw.engine.lora.expert_slots import ExpertSlots
 from loragw.engine.lora.full_modules import FullModuleSlots
-from loragw.engine.lora_step import LoRARows
 from loragw.engine.models.llama import LlamaForCausalLM
-from loragw.engine.scheduled_batch import ScheduledBatch
+from loragw.engine.sched.batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 
 from loragw.engine.lora.state import RegisteredAdapter
-from loragw.engine.sequence import Sequence
+from loragw.engine.request.sequence import Sequence
 
 
 class StartedVersions:

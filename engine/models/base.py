@@ -39,7 +39,7 @@ class Layer(Block):
 
 class CausalLM(nn.Module):
     """args; model: the backbone (embed_tokens, layers: Layers, norm, rotary_emb); lm_head.
-    Built on any device (the meta device first), filled by engine/loader.py."""
+    Built on any device (the meta device first), filled by engine/models/loader.py."""
 
     # checkpoint name fragment -> (our merged module, its slice): none here (Llama's: llama.py)
     merged_projections: dict[str, tuple[str, str]] = {}

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loragw.engine.distributed.shard import Shard
-from loragw.engine.forward_context import fused_elementwise
+from loragw.engine.forward.context import fused_elementwise
 from loragw.engine.layers.attention import PagedAttention
 from loragw.engine.layers.embedding import VocabEmbedding
 from loragw.engine.layers.linear import Linear

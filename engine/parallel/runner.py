@@ -5,7 +5,7 @@ The engine (scheduler, block manager, LoRA manager, sampler) lives on rank 0 onl
 heads) and their part of every adapter slot. Rank 0 tells them, in one control message each
 (group.broadcast, a gloo collective), everything that touches their state, in its order:
     Run(plan)                      a step: the StepPlan rank 0's own ModelRunner.prepare reads
-                                   (engine/step_plan.py); every rank runs the same forward and
+                                   (engine/sched/plan.py); every rank runs the same forward and
                                    only rank 0's logits are sampled
     SlotChange(op, args, table)    a slot-pool reserve / fill / clear that rank 0 has applied
                                    (RankSink, the pool's replicas); the worker applies it and
@@ -36,8 +36,8 @@ from loragw.engine.config import Config
 from loragw.engine.distributed import group
 from loragw.engine.distributed.shard import Shard
 from loragw.engine.lora.pool import SlotPool
-from loragw.engine.model_runner import ModelRunner, StepLogits
-from loragw.engine.step_plan import StepPlan
+from loragw.engine.runner.model_runner import ModelRunner, StepLogits
+from loragw.engine.sched.plan import StepPlan
 
 logger = logging.getLogger(__name__)
 

@@ -27,11 +27,11 @@ from loragw.adapters.format import read_adapter
 from loragw.engine.config import Config
 from loragw.engine.kv.block_manager import BlockManager
 from loragw.engine.lora.manager import LoRAManager
-from loragw.engine.model_runner import ModelRunner
-from loragw.engine.sampler import Sampler, argmax_rows, draw
-from loragw.engine.scheduled_batch import ScheduledBatch
-from loragw.engine.sequence import Sequence, SequenceStatus
-from loragw.engine.step_plan import plan_step
+from loragw.engine.request.sequence import Sequence, SequenceStatus
+from loragw.engine.runner.model_runner import ModelRunner
+from loragw.engine.runner.sampler import Sampler, argmax_rows, draw
+from loragw.engine.sched.batch import ScheduledBatch
+from loragw.engine.sched.plan import plan_step
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from loragw.engine.sequence import Sequence
+from loragw.engine.request.sequence import Sequence
 
 
 class TokenHistory:

@@ -25,15 +25,15 @@ import torch
 from torch import Tensor
 
 from loragw.engine.config import Config
-from loragw.engine.sampler import Sampler
-from loragw.engine.sequence import Sequence, TokenLogprob
+from loragw.engine.request.sequence import Sequence, TokenLogprob
+from loragw.engine.request.structured import TokenMask
+from loragw.engine.runner.sampler import Sampler
 from loragw.engine.spec.ngram import NgramProposer
 from loragw.engine.spec.verify import NewTokens, sample_plain, verify
 from loragw.engine.speculative_config import SpeculativeConfig
-from loragw.engine.structured import TokenMask
 
 if TYPE_CHECKING:
-    from loragw.engine.model_runner import StepLogits
+    from loragw.engine.runner.model_runner import StepLogits
 
 MAX_BACKOFF_STEPS = 16
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from loragw.engine.sampler import Sampler, argmax_rows, draw, gather_logprobs
-from loragw.engine.sequence import Sequence, TokenLogprob
-from loragw.engine.structured import TokenMask
+from loragw.engine.request.sequence import Sequence, TokenLogprob
+from loragw.engine.request.structured import TokenMask
+from loragw.engine.runner.sampler import Sampler, argmax_rows, draw, gather_logprobs
 
 
 class DraftView:

@@ -44,8 +44,8 @@ from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from loragw.engine.llm_engine import EngineRequest
-from loragw.engine.request_checks import check_request
-from loragw.engine.sampling_params import InvalidParam, SamplingParams
+from loragw.engine.request.checks import check_request
+from loragw.engine.request.params import InvalidParam, SamplingParams
 from loragw.gateway.errors import APIError
 from loragw.gateway.http.auth import RATE_LIMIT_HEADERS, principal
 from loragw.gateway.http.format_chat import ChatFormat

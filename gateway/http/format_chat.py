@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from msgspec import UNSET
 
-from loragw.engine.sequence import RequestOutput, TokenLogprob
+from loragw.engine.request.sequence import RequestOutput, TokenLogprob
 from loragw.gateway.http.formats import Format, usage, vllm_prompt_logprobs
 from loragw.gateway.http.response_bodies import (
     AssistantMessage,

@@ -10,8 +10,8 @@ import time
 
 from msgspec import UNSET, UnsetType
 
-from loragw.engine.sequence import RequestOutput, TokenLogprob
-from loragw.engine.tokenizer import TokenText
+from loragw.engine.request.sequence import RequestOutput, TokenLogprob
+from loragw.engine.request.tokenizer import TokenText
 from loragw.gateway.http.response_bodies import (
     SSE_DONE,
     ErrorBody,

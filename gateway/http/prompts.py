@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Callable
 from typing import TypeVar
 
-from loragw.engine.tokenizer import encode_chat, tokenize
+from loragw.engine.request.tokenizer import encode_chat, tokenize
 from loragw.gateway.errors import APIError
 from loragw.gateway.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 

@@ -11,8 +11,8 @@ from dataclasses import replace
 import msgspec
 
 from loragw.adapters.errors import short_name
-from loragw.engine.sampling_params import InvalidParam, SamplingParams
-from loragw.engine.structured import GuidedDecoding
+from loragw.engine.request.params import InvalidParam, SamplingParams
+from loragw.engine.request.structured import GuidedDecoding
 from loragw.gateway.errors import APIError
 from loragw.gateway.http.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from loragw.gateway.http.tool_calls import tool_call_schema

@@ -23,8 +23,8 @@ import uuid
 
 import msgspec
 
-from loragw.engine.sequence import RequestOutput
-from loragw.engine.tokenizer import TokenText
+from loragw.engine.request.sequence import RequestOutput
+from loragw.engine.request.tokenizer import TokenText
 from loragw.gateway.http.formats import Format
 from loragw.gateway.http.responses_protocol import (
     ContentPartAdded,

@@ -7,7 +7,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from loragw.engine.sequence import RequestOutput
+from loragw.engine.request.sequence import RequestOutput
 from loragw.gateway.errors import APIError
 from loragw.gateway.http.formats import Format
 from loragw.gateway.http.outcome import stream_failed

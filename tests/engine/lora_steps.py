@@ -1,4 +1,4 @@
-"""The LoRAStep each step runs with, as the model runner builds it (engine/lora_step.py), for
+"""The LoRAStep each step runs with, as the model runner builds it (engine/forward/lora.py), for
 tests that check what a step's LoRA work is made of."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Async scheduling (engine/pipeline.py): a step is launched before the host reads the step
+"""Async scheduling (engine/sched/pipeline.py): a step is launched before the host reads the step
 before's tokens, and nothing a user sees changes: the same tokens, text, finish and stop
 reasons as the synchronous engine (and PEFT's greedy tokens), through stops, aborts,
 preemption, prefix caching, and batches that mix requests the pipeline cannot hold."""
@@ -9,7 +9,7 @@ import pytest
 from peft_reference import MAX_TOKENS, World
 
 from loragw.engine import LLM, SamplingParams
-from loragw.engine.sequence import PENDING
+from loragw.engine.request.sequence import PENDING
 
 
 def engines(checkpoint: str, **options) -> tuple[LLM, LLM]:

@@ -21,13 +21,13 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-import loragw.engine.detokenizer
+import loragw.engine.request.detokenizer
 from loragw.demo.model import build_tokenizer
-from loragw.engine.decode_stream import DecodeStream, renders_stably
-from loragw.engine.detokenizer import IncrementalDetokenizer
-from loragw.engine.sampling_params import SamplingParams
-from loragw.engine.token_bytes import table_for, token_bytes
-from loragw.engine.tokenizer import load_tokenizer
+from loragw.engine.request.decode_stream import DecodeStream, renders_stably
+from loragw.engine.request.detokenizer import IncrementalDetokenizer
+from loragw.engine.request.params import SamplingParams
+from loragw.engine.request.token_bytes import table_for, token_bytes
+from loragw.engine.request.tokenizer import load_tokenizer
 
 LINES = ["hello world, hello there", "the stop word is STOP here", "héllo wörld wide web",
          "  two spaces and\ttabs\nnew lines", "numbers 12345 and symbols !?"] * 3
@@ -112,9 +112,9 @@ def run(tok, prompt, chunks, params, stream: bool, table: bool = False):
     path (`table`, where the tokenizer has one), DecodeStream (`stream`) or the window."""
     with contextlib.ExitStack() as paths:
         if not table:
-            paths.enter_context(patch("loragw.engine.detokenizer.table_for", return_value=None))
+            paths.enter_context(patch("loragw.engine.request.detokenizer.table_for", return_value=None))
         if not stream:
-            paths.enter_context(patch("loragw.engine.detokenizer.can_stream", return_value=False))
+            paths.enter_context(patch("loragw.engine.request.detokenizer.can_stream", return_value=False))
         detok = IncrementalDetokenizer(tok, prompt, params)
     # (a one-token chunk as a decode step gives it)
     deltas = [detok.step_token(c[0]) if len(c) == 1 else detok.step(c) for c in chunks]
@@ -173,7 +173,7 @@ def test_stream_and_bytes_paths_match_window_path(family, seed):
 def test_stream_path_keeps_encoded_text_whole(family, text):
     tok, streams, _ = family
     ids = tok.encode(text, add_special_tokens=False)
-    with patch("loragw.engine.detokenizer.table_for", return_value=None):
+    with patch("loragw.engine.request.detokenizer.table_for", return_value=None):
         detok = IncrementalDetokenizer(tok, [], SamplingParams())
     deltas = [detok.step([i]) for i in ids]
     assert (detok.stream is not None) is streams  # never had to leave it
@@ -191,8 +191,8 @@ def test_byte_run_broken_by_a_later_byte_falls_back_then_reopens(tmp_path):
     with pytest.raises(Exception, match="(?i)invalid prefix"):
         for i in ids:
             stream.step(tok.backend_tokenizer, i)
-    with patch("loragw.engine.detokenizer.open_decode_stream",
-               wraps=loragw.engine.detokenizer.open_decode_stream) as opened:
+    with patch("loragw.engine.request.detokenizer.open_decode_stream",
+               wraps=loragw.engine.request.detokenizer.open_decode_stream) as opened:
         deltas, tail, *_ = run(tok, [], [[i] for i in ids], SamplingParams(), stream=True)
     assert opened.call_count == 2  # at the start, and after the window path's emission
     assert (deltas, tail) == run(tok, [], [[i] for i in ids], SamplingParams(), stream=False)[:2]
@@ -256,7 +256,7 @@ def test_tokenizer_without_a_decoder_keeps_the_window_path():
 def test_the_bytes_path_serves_only_where_it_reproduces_decode():
     tok = byte_level_bpe()
     wrong = {tok.convert_ids_to_tokens(tok.encode("e", add_special_tokens=False)[0])}
-    with patch("loragw.engine.token_bytes.token_bytes",
+    with patch("loragw.engine.request.token_bytes.token_bytes",
                side_effect=lambda t: b"?" if t in wrong else token_bytes(t)):
         assert table_for(tok.backend_tokenizer) is None  # its check caught the wrong byte
         detok = IncrementalDetokenizer(tok, [], SamplingParams())

@@ -12,9 +12,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from loragw.engine.detokenizer import IncrementalDetokenizer
-from loragw.engine.sampling_params import SamplingParams
-from loragw.engine.tokenizer import encode_chat, load_tokenizer
+from loragw.engine.request.detokenizer import IncrementalDetokenizer
+from loragw.engine.request.params import SamplingParams
+from loragw.engine.request.tokenizer import encode_chat, load_tokenizer
 
 TRAINING_LINES = [
     "héllo wörld 日本語 🙂",

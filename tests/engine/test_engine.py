@@ -7,7 +7,7 @@ import pytest
 
 from loragw.engine import LLM, SamplingParams
 from loragw.engine.core.client import EngineClient
-from loragw.engine.sampling_params import InvalidParam
+from loragw.engine.request.params import InvalidParam
 
 
 @pytest.fixture(scope="module")

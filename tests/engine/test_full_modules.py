@@ -177,8 +177,8 @@ def test_rows_use_their_own_adapters_copy():
     """FullModuleSlots and LoRAStep.build against the one-line meaning, row by row: a token of an adapter with a
     saved embed_tokens takes its row of that copy, a sampling row of an adapter with a saved
     lm_head its logits from that copy, every other row the base's."""
+    from loragw.engine.forward.lora import LoRARows, LoRAStep, embed_full_rows, head_logits
     from loragw.engine.lora.full_modules import FullModuleSlots
-    from loragw.engine.lora_step import LoRARows, LoRAStep, embed_full_rows, head_logits
 
     def full_step(token_slots: list[int], sample_slots: list[int]):
         rows = LoRARows(token_slots, sample_slots, 4, embed=False, head=False, experts=False,

@@ -1,4 +1,4 @@
-"""Loading a checkpoint (engine/loader.py): a tensor that is not finite in the served dtype,
+"""Loading a checkpoint (engine/models/loader.py): a tensor that is not finite in the served dtype,
 NaN or inf in the file, or a value past float16's range under --dtype float16, is refused at
 load with an error naming the tensor, its largest magnitude and the dtypes that hold it; the
 same checkpoint loads in bfloat16 and float32."""

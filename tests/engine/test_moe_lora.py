@@ -12,11 +12,11 @@ import torch
 from peft_reference import MAX_TOKENS, World
 
 from loragw.engine import SamplingParams
-from loragw.engine.cuda_graphs import DecodeGraphs
-from loragw.engine.forward_context import ForwardContext, forward_context
+from loragw.engine.forward.context import ForwardContext, forward_context
+from loragw.engine.forward.lora import LoRARows, LoRAStep
 from loragw.engine.layers import moe_lora
 from loragw.engine.layers.moe_lora import ExpertLoRABuffers, apply_expert_lora
-from loragw.engine.lora_step import LoRARows, LoRAStep
+from loragw.engine.runner.graphs import DecodeGraphs
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 S, E, R, IN, OUT = 4, 5, 8, 24, 40

@@ -9,7 +9,7 @@ from peft_reference import hf_greedy
 from loragw.engine import LLM, SamplingParams
 from loragw.engine.kv.block_manager import BlockManager
 from loragw.engine.kv.prefix_cache import block_hash
-from loragw.engine.sequence import Sequence
+from loragw.engine.request.sequence import Sequence
 
 BS = 4  # block size of every test here: prompts span many blocks while staying tiny
 MAX_TOKENS = 20  # greedy tokens per request

@@ -1,4 +1,4 @@
-"""Prompt logprobs (engine/prompt_logprobs.py): equal to transformers + PEFT's log_softmax of the
+"""Prompt logprobs (engine/runner/prompt_logprobs.py): equal to transformers + PEFT's log_softmax of the
 same forward, per adapter, in mixed batches, under chunked prefill, whatever the prefix cache
 holds, and with a LoRA on lm_head."""
 
@@ -10,7 +10,7 @@ from peft_reference import World, load_peft
 
 from loragw.engine import SamplingParams
 from loragw.engine.llm_engine import EngineRequest
-from loragw.engine.sampling_params import InvalidParam
+from loragw.engine.request.params import InvalidParam
 
 TOP = 3
 TOL = 1e-4

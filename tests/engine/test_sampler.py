@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from loragw.engine.sampler import Sampler, apply_penalties
-from loragw.engine.sampling_params import SamplingParams
-from loragw.engine.sequence import Sequence
-from loragw.engine.structured import GuidedDecoding
+from loragw.engine.request.params import SamplingParams
+from loragw.engine.request.sequence import Sequence
+from loragw.engine.request.structured import GuidedDecoding
+from loragw.engine.runner.sampler import Sampler, apply_penalties
 
 V = 64
 
@@ -236,7 +236,7 @@ def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
 
 
 def test_rows_without_these_parameters_build_nothing(monkeypatch):
-    import loragw.engine.sampler as sampler_module
+    import loragw.engine.runner.sampler as sampler_module
 
     def fail(*args, **kwargs):
         raise AssertionError("no row asked for logit_bias, allowed_token_ids or min_tokens")

@@ -14,7 +14,7 @@ from peft_reference import hf_greedy
 from window_parity import GREEDY, MAX_TOKENS, WINDOW, check_schedules, make_prompts
 
 from loragw.engine import LLM, SamplingParams
-from loragw.engine.backends import AttentionShape, attention_shape
+from loragw.engine.forward.backends import AttentionShape, attention_shape
 from loragw.engine.layers.attention import PagedAttention
 
 VARIANTS = {
@@ -34,7 +34,7 @@ def test_greedy_matches_transformers(tiny_checkpoint, variant):
 def test_window_mask_is_transformers_convention():
     """Prefill (explicit mask) and decode (gathered blocks) both let the query at p see exactly
     the keys p - W < k <= p: attention with window W equals full attention over those keys."""
-    from loragw.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
+    from loragw.engine.forward.context import AttentionMetadata, ForwardContext, forward_context
 
     torch.manual_seed(0)
     heads, kv_heads, dim, block, length, window = 4, 2, 8, 4, 11, 3
@@ -65,7 +65,7 @@ def test_window_mask_is_transformers_convention():
 def test_capped_prefill_in_query_chunks(monkeypatch):
     """Soft-capped scores (tanh(s / C) * C before a float32 softmax), windowed, computed a few
     query rows at a time: the same as one eager computation over the whole prompt."""
-    from loragw.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
+    from loragw.engine.forward.context import AttentionMetadata, ForwardContext, forward_context
     from loragw.engine.layers import attention
 
     monkeypatch.setattr(attention, "CAPPED_QUERY_ROWS", 4)

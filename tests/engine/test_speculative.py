@@ -10,8 +10,8 @@ from peft_reference import MAX_TOKENS
 from small_world import make_llm, prompts
 
 from loragw.engine import SamplingParams
-from loragw.engine.sampler import Sampler, draw
-from loragw.engine.sequence import Sequence
+from loragw.engine.request.sequence import Sequence
+from loragw.engine.runner.sampler import Sampler, draw
 from loragw.engine.spec import verify as verify_module
 from loragw.engine.spec.ngram import lookup
 from loragw.engine.spec.verify import verify
@@ -182,7 +182,7 @@ def test_text_stops_logprobs_and_grammars_as_without_speculation(demo_model):
     import json
 
     from loragw.engine import LLM
-    from loragw.engine.structured import GuidedDecoding
+    from loragw.engine.request.structured import GuidedDecoding
 
     prompts = ["the cat sat on the mat, the cat sat on the mat, the cat",
                "one two three four one two three four one two",
@@ -219,7 +219,7 @@ def test_sampled_grammar_output_stays_valid(demo_model):
     import jsonschema
 
     from loragw.engine import LLM
-    from loragw.engine.structured import GuidedDecoding
+    from loragw.engine.request.structured import GuidedDecoding
 
     with LLM(demo_model, max_model_len=512, speculative_config=NGRAM) as llm:
         params = [SamplingParams(max_tokens=120, temperature=1.0, seed=i,
@@ -235,7 +235,7 @@ def test_guided_rows_draft_and_keep_the_grammar(demo_model):
     import json
 
     from loragw.engine import LLM
-    from loragw.engine.structured import GuidedDecoding
+    from loragw.engine.request.structured import GuidedDecoding
 
     params = SamplingParams(max_tokens=200, temperature=0.0,
                             guided=GuidedDecoding("json_schema", SCHEMA))

@@ -1,5 +1,5 @@
-"""Decode steps from static buffers (engine/step_inputs.py) and their CUDA-graph path
-(engine/cuda_graphs.py), on the CPU.
+"""Decode steps from static buffers (engine/runner/inputs.py) and their CUDA-graph path
+(engine/runner/graphs.py), on the CPU.
 
 A CUDA graph replays the kernels it recorded over the tensors it recorded: whatever a step
 changes must be written into those same tensors. `ReplayDouble` stands in for the CUDA calls
@@ -17,7 +17,7 @@ import pytest
 from peft_reference import MAX_TOKENS, World
 
 from loragw.engine import SamplingParams
-from loragw.engine.cuda_graphs import DecodeGraphs, GraphKey, graph_buckets
+from loragw.engine.runner.graphs import DecodeGraphs, GraphKey, graph_buckets
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 

@@ -117,7 +117,7 @@ def test_an_adapter_read_from_disk_never_stalls_running_streams(checkpoint, monk
 def test_chunked_decode_attention_gives_the_batched_tokens(checkpoint, monkeypatch):
     """One row per chunk (the smallest budget) against the single padded gather, on prompts of
     different lengths, so chunks differ in width and rows leave their batch order."""
-    from loragw.engine import step_inputs
+    from loragw.engine.runner import inputs as step_inputs
 
     base, _ = checkpoint
     ps = [long_prompt(n, seed) for seed, n in enumerate((3, 37, 12, 70, 21))]

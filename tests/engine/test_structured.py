@@ -10,8 +10,8 @@ import jsonschema
 import pytest
 
 from loragw.engine import LLM
-from loragw.engine.sampling_params import SamplingParams
-from loragw.engine.structured import GuidedDecoding
+from loragw.engine.request.params import SamplingParams
+from loragw.engine.request.structured import GuidedDecoding
 from loragw.gateway.http.tool_calls import parse_tool_call, tool_call_schema
 
 S = {"type": "string", "maxLength": 8}
@@ -192,7 +192,7 @@ def test_tool_call_schema_and_parse(llm):
 
 
 def test_without_xgrammar_only_structured_output_is_refused(llm, monkeypatch):
-    import loragw.engine.structured as structured
+    import loragw.engine.request.structured as structured
 
     monkeypatch.setattr(structured, "xgr", None)
     with pytest.raises(ValueError, match="xgrammar"):

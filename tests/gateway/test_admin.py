@@ -17,7 +17,7 @@ from raw_http import RawRequest
 from uploads import read_files
 
 from loragw.adapters.types import TARGET_MODULES
-from loragw.engine.sampling_params import SamplingParams
+from loragw.engine.request.params import SamplingParams
 from loragw.gateway.config import MB, ServerConfig
 from loragw.gateway.http.app import create_app
 from loragw.gateway.metrics import Metrics

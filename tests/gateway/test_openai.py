@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from loragw.engine import SamplingParams
-from loragw.engine.tokenizer import encode_chat
+from loragw.engine.request.tokenizer import encode_chat
 
 BASE = "demo-base"  # conftest's served model name
 ADAPTERS = [f"lora-{i}" for i in range(8)]  # conftest's adapters

@@ -16,7 +16,7 @@ from uploads import read_files
 from loragw.engine.config import Config
 from loragw.engine.core.client import EngineClient
 from loragw.engine.llm_engine import LLMEngine
-from loragw.engine.sampling_params import SamplingParams
+from loragw.engine.request.params import SamplingParams
 from loragw.gateway.config import ServerConfig
 from loragw.gateway.http.app import create_app
 from loragw.gateway.metrics import Metrics

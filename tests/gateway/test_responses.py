@@ -13,7 +13,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from loragw.engine.sequence import RequestOutput
+from loragw.engine.request.sequence import RequestOutput
 from loragw.gateway.http.responses import response_template
 from loragw.gateway.http.responses_format import ResponsesFormat
 from loragw.gateway.http.responses_protocol import ResponsesRequest

@@ -238,7 +238,7 @@ HEAD_SHAPES = sorted({*ct.ATTENTION_GRID, *(m.attention for m in ct.SHIPPED_MODE
 @pytest.mark.parametrize("heads", HEAD_SHAPES, ids=lambda h: f"{h[0]}q-{h[1]}kv-d{h[2]}")
 def test_decode_attention_launches_are_listed(heads, variants, launches):
     """Engine layouts: q a view of the qkv output, tables a view into a packed int32 buffer
-    after the context lengths (engine/step_inputs.py), out a view of the step's output."""
+    after the context lengths (engine/runner/inputs.py), out a view of the step's output."""
     n_heads, n_kv, D = heads
     listed, problems_found = set(variants), []
     for B, W, dtype in ((1, 1, "bf16"), (5, 3, "fp16"), (64, 1, "fp16"), (300, 7, "bf16")):

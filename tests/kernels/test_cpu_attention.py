@@ -1,14 +1,14 @@
 """kernels/cpu_attention.py (the C paged decode kernel) against the float64 reference over a
 grid of head layouts, head sizes, ragged contexts, windows and caps, and the backend rule that
-picks it (engine/backends.py)."""
+picks it (engine/forward/backends.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from loragw.engine import backends
-from loragw.engine.backends import AttentionShape
+from loragw.engine.forward import backends
+from loragw.engine.forward.backends import AttentionShape
 from loragw.kernels import cpu_attention, native
 from loragw.kernels.reference import oracle_paged_attention
 

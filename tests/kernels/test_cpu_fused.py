@@ -1,15 +1,15 @@
 """kernels/cpu_fused.py: the C residual add + RMSNorm and rotary against their float64 math
 over a grid of shapes and strides, rotary bit-identical to the torch layers' ops, and the
-layers running them only inside a step whose backend is "cpu" (engine/backends.py)."""
+layers running them only inside a step whose backend is "cpu" (engine/forward/backends.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from loragw.engine import backends
-from loragw.engine.backends import Backends
-from loragw.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
+from loragw.engine.forward import backends
+from loragw.engine.forward.backends import Backends
+from loragw.engine.forward.context import AttentionMetadata, ForwardContext, forward_context
 from loragw.engine.layers.norm import GemmaRMSNorm, RMSNorm
 from loragw.engine.layers.rotary import apply_rotary
 from loragw.kernels import cpu_fused

@@ -1,5 +1,5 @@
 """kernels/cpu_linear.py against its meaning (x @ W.T + b in float64) over the shapes a decode
-step and a prefill chunk give it, and the backend rule that picks it (engine/backends.py)."""
+step and a prefill chunk give it, and the backend rule that picks it (engine/forward/backends.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loragw.engine import backends
+from loragw.engine.forward import backends
 from loragw.engine.layers.linear import Linear
 from loragw.kernels import cpu_linear
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loragw.engine import backends
+from loragw.engine.forward import backends
 from loragw.engine.layers.rotary import apply_rotary
 from loragw.kernels import fused_triton as ft
 from loragw.kernels.elementwise_reference import (

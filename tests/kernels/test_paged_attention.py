@@ -162,7 +162,7 @@ def test_split_rule_and_fixed_grid():
 
 
 def test_backend_option(monkeypatch, tiny_checkpoint):
-    backends = importlib.import_module("loragw.engine.backends")
+    backends = importlib.import_module("loragw.engine.forward.backends")
     monkeypatch.setattr(pa, "self_check", lambda *args: None)  # the kernel passed its check
     shape = backends.AttentionShape(4, 2, 16)
     resolve = lambda name, device: backends.resolve_attention_backend(
@@ -270,7 +270,7 @@ def test_self_check_passes_a_correct_kernel_and_names_a_wrong_one(monkeypatch):
 
 
 def test_auto_keeps_torch_when_the_self_check_fails(monkeypatch, caplog):
-    from loragw.engine.backends import AttentionShape, resolve_attention_backend
+    from loragw.engine.forward.backends import AttentionShape, resolve_attention_backend
 
     monkeypatch.setattr(pa, "self_check", lambda *args: "RuntimeError: no luck")
     shape, cuda = AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16), torch.device("cuda")

@@ -30,8 +30,8 @@ from collections import deque
 from typing import Protocol
 
 from loragw.engine.kv.block_manager import BlockManager
-from loragw.engine.scheduled_batch import ScheduledBatch
-from loragw.engine.sequence import Sequence, SequenceStatus
+from loragw.engine.request.sequence import Sequence, SequenceStatus
+from loragw.engine.sched.batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 

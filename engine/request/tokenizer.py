@@ -10,8 +10,8 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from loragw.engine.sampling_params import InvalidParam
-from loragw.engine.token_bytes import table_for
+from loragw.engine.request.params import InvalidParam
+from loragw.engine.request.token_bytes import table_for
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any
 
 def try_load_tokenizer(model_dir: str, detokenizing: bool = False):
     """detokenizing: also build the token-bytes table now (~0.4 s for a 150k vocabulary),
-    rather than on the first request (engine/token_bytes.py)."""
+    rather than on the first request (engine/request/token_bytes.py)."""
     if not any(os.path.isfile(os.path.join(model_dir, name))
                for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         logger.warning("%s has no tokenizer files: prompts must be token ids", model_dir)

@@ -8,9 +8,9 @@ the start of a string (SentencePiece's leading space) correct, and the window st
 tokens long, so each token costs O(1) however long the output grows.
 
 The `tokenizers` library runs this same algorithm in Rust (`decoders.DecodeStream`, see
-engine/decode_stream.py for where it gives the same text): one call per token instead of two
+engine/request/decode_stream.py for where it gives the same text): one call per token instead of two
 decodes from Python, half the cost. Where it might not, the window is decoded here. A
-byte-level tokenizer needs neither: the same rule over each token's bytes (engine/token_bytes.py)
+byte-level tokenizer needs neither: the same rule over each token's bytes (engine/request/token_bytes.py)
 costs a lookup for most tokens, and keeps only the bytes of an unfinished character (and the
 window's prefix while that may end inside one, as a prompt cut inside a character does).
 `prefix_offset` / `read_offset` move the same on the other two paths, so `flush`, and a switch
@@ -23,9 +23,9 @@ import re
 
 from transformers import PreTrainedTokenizerBase
 
-from loragw.engine.decode_stream import REPLACEMENT_CHAR, can_stream, open_decode_stream
-from loragw.engine.sampling_params import SamplingParams
-from loragw.engine.token_bytes import bytes_of, table_for
+from loragw.engine.request.decode_stream import REPLACEMENT_CHAR, can_stream, open_decode_stream
+from loragw.engine.request.params import SamplingParams
+from loragw.engine.request.token_bytes import bytes_of, table_for
 
 # How many prompt tokens seed the first window, as vLLM does.
 PROMPT_CONTEXT_TOKENS = 5
@@ -56,7 +56,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(context)
         self.pending = ""  # stable text not emitted yet (what may begin a stop string)
         self.stop_reason: str | None = None
-        # A byte-level tokenizer's token bytes (engine/token_bytes.py): the fastest path.
+        # A byte-level tokenizer's token bytes (engine/request/token_bytes.py): the fastest path.
         self.table = table_for(self.backend)
         self.held = b""  # the table path's bytes not yet emitted (an unfinished character)
         # The table path's window prefix (the bytes of tokens[prefix_offset:read_offset]) where

@@ -2,7 +2,7 @@
 
 At batch 32 a decode step launches ~20 kernels a layer from Python; on a GPU that host time
 exceeds the device time of a small model's step. A graph records the launches of one forward
-pass over the decode buffers (engine/step_inputs.py) and replays them with whatever those
+pass over the decode buffers (engine/runner/inputs.py) and replays them with whatever those
 buffers hold, so a step costs one launch.
 
 What is captured, per (rows, lora) key:
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loragw.engine.backends import Backends
-from loragw.engine.lora_step import LoRARows
+from loragw.engine.forward.backends import Backends
+from loragw.engine.forward.lora import LoRARows
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loragw.engine.sampling_params import SamplingParams
+from loragw.engine.request.params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

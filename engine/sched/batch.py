@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loragw.engine.sequence import Sequence
+from loragw.engine.request.sequence import Sequence
 
 
 @dataclass(frozen=True, slots=True)

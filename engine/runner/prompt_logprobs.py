@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loragw.engine.sequence import TokenLogprob
+from loragw.engine.request.sequence import TokenLogprob
 
 if TYPE_CHECKING:
-    from loragw.engine.model_runner import StepLogits
-    from loragw.engine.scheduled_batch import ScheduledBatch
+    from loragw.engine.runner.model_runner import StepLogits
+    from loragw.engine.sched.batch import ScheduledBatch
 
 ROWS_PER_SLICE = 256
 

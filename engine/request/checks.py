@@ -15,13 +15,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loragw.engine.kv.block_manager import peak_blocks
-from loragw.engine.sampling_params import InvalidParam, SamplingParams
+from loragw.engine.request.params import InvalidParam, SamplingParams
 
 # Stop strings are matched against the text after every token: their count and length bound
 # that work (OpenAI allows 4; vLLM sets no cap; these leave room for either's users).
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 4096
+
+
+def peak_blocks(num_tokens: int, block_size: int, window: int | None,
+                max_chunk: int | None) -> int:
+    """The most blocks a sequence of num_tokens tokens holds at once: all of them, or under a
+    window the window's (window - 1 keys before a chunk) plus one chunk's, + 1 for the
+    alignment of their ends to blocks."""
+    held = -(-num_tokens // block_size)
+    if window is None or max_chunk is None:
+        return held
+    return min(held, -(-(window - 1 + max_chunk) // block_size) + 1)
 
 
 @dataclass(frozen=True, slots=True)

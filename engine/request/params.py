@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loragw.engine.structured import GuidedDecoding
+from loragw.engine.request.structured import GuidedDecoding
 
 
 class InvalidParam(ValueError):
@@ -58,7 +58,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # vLLM: logprobs of the prompt's tokens, N alternatives
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    guided: GuidedDecoding | None = None  # structured output (engine/structured.py)
+    guided: GuidedDecoding | None = None  # structured output (engine/request/structured.py)
     # An extension: False keeps this request out of speculative decoding (--speculative-config).
     speculative: bool = True
 

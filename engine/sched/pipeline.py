@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from loragw.engine.scheduled_batch import ScheduledBatch
-from loragw.engine.sequence import PENDING, Sequence, SequenceStatus
+from loragw.engine.request.sequence import PENDING, Sequence, SequenceStatus
+from loragw.engine.sched.batch import ScheduledBatch
 from loragw.kernels.meta import host_to_device
 
 

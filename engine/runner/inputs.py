@@ -4,7 +4,7 @@ A decode-only step (every row one new token: the steady state of serving) is wri
 `DecodeBuffers`: host arrays preallocated for `max_num_seqs` rows and filled in place, copied
 to their device twins in two copies (none on the CPU, where host and device are one tensor).
 The forward pass reads only views of those buffers and what it derives from them on the
-device, so the same code is what a CUDA graph captures and replays (engine/cuda_graphs.py).
+device, so the same code is what a CUDA graph captures and replays (engine/runner/graphs.py).
 Steps with prefill rows build fresh tensors: they are compute-bound, and their shapes vary.
 
 Decode buffers, N = max_num_seqs rows, W = blocks of a max_model_len sequence:
@@ -27,10 +27,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from loragw.engine.cuda_graphs import GraphKey
-from loragw.engine.forward_context import AttentionMetadata, DecodeChunk
-from loragw.engine.lora_step import LoRAStep
-from loragw.engine.scheduled_batch import LogitRows
+from loragw.engine.forward.context import AttentionMetadata, DecodeChunk
+from loragw.engine.forward.lora import LoRAStep
+from loragw.engine.runner.graphs import GraphKey
+from loragw.engine.sched.batch import LogitRows
 
 
 @dataclass(slots=True)

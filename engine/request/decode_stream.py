@@ -1,6 +1,6 @@
 """When the Rust `tokenizers.decoders.DecodeStream` may stand in for the detokenizer's window.
 
-DecodeStream keeps the same window as engine/detokenizer.py (the ids from the prefix offset
+DecodeStream keeps the same window as engine/request/detokenizer.py (the ids from the prefix offset
 on, and the text of those before the read offset) and applies the same rule to each token:
 emit the text past the prefix once the window decodes longer and does not end in U+FFFD. It
 differs in three places, each made harmless here or by the detokenizer:

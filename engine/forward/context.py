@@ -2,7 +2,7 @@
 
 The model runner builds a ForwardContext once per step and enters `forward_context(ctx)`;
 attention reads the KV-cache addressing, LoRA-carrying modules read `lora` (a LoRAStep:
-engine/lora_step.py), and both read which kernels to run from `backends` (engine/backends.py).
+engine/forward/lora.py), and both read which kernels to run from `backends` (engine/forward/backends.py).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loragw.engine.backends import Backends
+from loragw.engine.forward.backends import Backends
 
 if TYPE_CHECKING:
-    from loragw.engine.lora_step import LoRAStep
+    from loragw.engine.forward.lora import LoRAStep
 
 
 @dataclass(slots=True)
@@ -36,7 +36,7 @@ class AttentionMetadata:
     prefill_context_lens: list[int]  # tokens in cache after this step (prefix + chunk)
     prefill_block_tables: list[torch.Tensor]  # each [num_blocks] int64
     # The torch path on the CPU: decode rows by context length in cache-sized chunks
-    # (engine/step_inputs.py decode_chunks); None: one gather of every row at the longest width.
+    # (engine/runner/inputs.py decode_chunks); None: one gather of every row at the longest width.
     decode_chunks: list[DecodeChunk] | None = None
 
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from loragw.engine.sampling_params import SamplingParams
-from loragw.engine.sequence import Sequence, TokenLogprob
-from loragw.engine.structured import TokenMask
+from loragw.engine.request.params import SamplingParams
+from loragw.engine.request.sequence import Sequence, TokenLogprob
+from loragw.engine.request.structured import TokenMask
 
 
 @dataclass(slots=True)

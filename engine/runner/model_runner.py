@@ -1,11 +1,11 @@
 """Owns the model and its KV cache; turns a scheduled batch into logits.
 
-Per step, `prepare` builds the step's inputs from its StepPlan (engine/step_plan.py, the same
-on every tensor-parallel rank) into engine/step_inputs.py's: the flat token batch (decode rows
+Per step, `prepare` builds the step's inputs from its StepPlan (engine/sched/plan.py, the same
+on every tensor-parallel rank) into engine/runner/inputs.py's: the flat token batch (decode rows
 first, then prefill chunks), the KV slot of every new token, the block tables attention reads,
-and the LoRAStep of the slot pool's LoRARows (engine/lora_step.py); `forward` runs one
+and the LoRAStep of the slot pool's LoRARows (engine/forward/lora.py); `forward` runs one
 forward pass (a CUDA graph replay for decode-only steps when graphs are on:
-engine/cuda_graphs.py) and computes logits only for the rows that need them.
+engine/runner/graphs.py) and computes logits only for the rows that need them.
 """
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ from dataclasses import dataclass
 
 import torch
 
-from loragw.engine.backends import attention_shape, quant_kind, resolve_backends
 from loragw.engine.config import Config
-from loragw.engine.cuda_graphs import DecodeGraphs, GraphKey, graph_buckets, graphs_off_reason
 from loragw.engine.distributed.shard import ONE, Shard
-from loragw.engine.forward_context import AttentionMetadata, ForwardContext, forward_context
-from loragw.engine.host_memory import keep_freed_memory
-from loragw.engine.loader import load_model
-from loragw.engine.lora_step import LoRAStep
-from loragw.engine.pipeline import PendingInputs
-from loragw.engine.scheduled_batch import PromptRows
-from loragw.engine.step_inputs import DecodeBuffers, DecodeViews, StepInputs, decode_metadata
-from loragw.engine.step_plan import StepPlan
+from loragw.engine.forward.backends import attention_shape, quant_kind, resolve_backends
+from loragw.engine.forward.context import AttentionMetadata, ForwardContext, forward_context
+from loragw.engine.forward.lora import LoRAStep
+from loragw.engine.models.loader import load_model
+from loragw.engine.runner.graphs import DecodeGraphs, GraphKey, graph_buckets, graphs_off_reason
+from loragw.engine.runner.host_memory import keep_freed_memory
+from loragw.engine.runner.inputs import DecodeBuffers, DecodeViews, StepInputs, decode_metadata
+from loragw.engine.sched.batch import PromptRows
+from loragw.engine.sched.pipeline import PendingInputs
+from loragw.engine.sched.plan import StepPlan
 from loragw.kernels import LoRAMeta
 from loragw.kernels.meta import host_to_device
 
@@ -48,7 +48,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.block_size = config.block_size
         if self.device.type == "cpu":
-            keep_freed_memory()  # a step's large transients reuse pages (engine/host_memory.py)
+            keep_freed_memory()  # a step's large transients reuse pages (engine/runner/host_memory.py)
         self.model = load_model(config.model, config.args, self.dtype, self.device, shard,
                                 config.quant)
         self.args = self.model.args
@@ -136,7 +136,7 @@ class ModelRunner:
     def run(self, plan: StepPlan, pending: PendingInputs | None = None) -> StepLogits:
         """Forward one step; the logits of its logit rows (plan.logit_rows: the rows that
         sample, and those whose prompt logprobs were asked for). `pending`: input tokens the
-        step in flight samples (async scheduling, engine/pipeline.py)."""
+        step in flight samples (async scheduling, engine/sched/pipeline.py)."""
         return self.forward(self.prepare(plan, pending))
 
     def prepare(self, plan: StepPlan, pending: PendingInputs | None = None) -> StepInputs:

@@ -9,7 +9,7 @@ from enum import Enum, auto
 import msgspec
 import torch
 
-from loragw.engine.sampling_params import SamplingParams
+from loragw.engine.request.params import SamplingParams
 
 
 class SequenceStatus(Enum):
@@ -74,7 +74,7 @@ class Sequence:
     # proposer, cut to the step's budget by the scheduler, cleared once verified
     spec_tokens: list[int] = field(default_factory=list)
     # Its last token is a placeholder (PENDING) for the token a step still in flight samples:
-    # the next step was scheduled before the host read it (--async-scheduling, engine/pipeline.py)
+    # the next step was scheduled before the host read it (--async-scheduling, engine/sched/pipeline.py)
     pending: bool = False
     # len(prompt_token_ids), which never change: read by every row of every step
     num_prompt_tokens: int = field(init=False, default=0)

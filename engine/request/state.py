@@ -8,10 +8,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from loragw.engine.detokenizer import IncrementalDetokenizer
-from loragw.engine.sequence import RequestOutput, RequestTimes, Sequence, TokenLogprob
-from loragw.engine.stopping import StopRule
-from loragw.engine.structured import GuidedState
+from loragw.engine.request.detokenizer import IncrementalDetokenizer
+from loragw.engine.request.sequence import RequestOutput, RequestTimes, Sequence, TokenLogprob
+from loragw.engine.request.stops import StopRule
+from loragw.engine.request.structured import GuidedState
 
 
 @dataclass(slots=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loragw.engine.lora_step import LoRARows
-from loragw.engine.scheduled_batch import LogitRows, ScheduledBatch
+from loragw.engine.forward.lora import LoRARows
+from loragw.engine.sched.batch import LogitRows, ScheduledBatch
 
 
 @dataclass(frozen=True, slots=True)
