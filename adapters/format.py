@@ -39,6 +39,7 @@ from loragw.adapters.types import (
     EXPERT_TARGETS,
     LM_HEAD,
     BaseModelSpec,
+    FileDigests,
     LoraConfig,
     base_name,
 )
@@ -115,9 +116,10 @@ def read_adapter(path: str | os.PathLike, spec: BaseModelSpec) -> LoraAdapter:
     return parse_adapter(*read_adapter_files(os.fspath(path)), spec)
 
 
-def parse_adapter(config_raw: bytes, weights_raw: bytes, spec: BaseModelSpec) -> LoraAdapter:
+def parse_adapter(config_raw: bytes, weights_raw: bytes, spec: BaseModelSpec,
+                  digests: FileDigests | None = None) -> LoraAdapter:
     """Validate an adapter_config.json + adapter_model.safetensors pair (an upload, a fetch) and
-    parse it."""
+    parse it; `digests`: the files' sha256s where the caller has them already."""
     if len(config_raw) > MAX_CONFIG_BYTES:
         raise AdapterError(f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
     config = parse_adapter_config(config_raw)
@@ -153,7 +155,7 @@ def parse_adapter(config_raw: bytes, weights_raw: bytes, spec: BaseModelSpec) ->
                 " saved lm_head must equal its saved embed_tokens, but the saved tensors differ"
             )
         saved[LM_HEAD] = saved[EMBED_TOKENS]  # one tensor, as PEFT reloads it
-    sha256 = hashlib.sha256(weights_raw).hexdigest()
+    sha256 = digests.weights if digests else hashlib.sha256(weights_raw).hexdigest()
     warnings = _base_model_name_warnings(config, spec)
     for warning in warnings:
         logger.warning("adapter (sha256 %s...): %s", sha256[:12], warning)

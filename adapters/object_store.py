@@ -35,6 +35,7 @@ from loragw.adapters.s3 import (
 )
 from loragw.adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
 from loragw.adapters.source_checks import MAX_CONFIG_BYTES, S3_SCHEME, parse_s3_url
+from loragw.adapters.types import FileDigests
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +53,8 @@ def pair_digest(config_sha256: str, sha256: str) -> str:
 
 def digest(config_raw: bytes, weights_raw: bytes) -> str:
     """Hex sha256 identifying the pair: over the two files' hex sha256s, config first."""
-    return pair_digest(
-        hashlib.sha256(config_raw).hexdigest(), hashlib.sha256(weights_raw).hexdigest()
-    )
+    files = FileDigests.of(config_raw, weights_raw)
+    return pair_digest(files.config, files.weights)
 
 
 class ObjectStore:
@@ -88,14 +88,17 @@ class ObjectStore:
         with s3_errors(self.client, self.bucket):
             self.client.head_bucket(Bucket=self.bucket)
 
-    def put(self, config_raw: bytes, weights_raw: bytes) -> str:
+    def put(self, config_raw: bytes, weights_raw: bytes,
+            digests: FileDigests | None = None) -> str:
         """Upload a pair and return its key; a file already there (same size and recorded
         sha256, one HEAD) is not uploaded again. Weights go first, so a pair whose config is
-        present was complete once.
+        present was complete once. `digests`: the files' sha256s where the caller has them.
         """
-        key = self.key_for(digest(config_raw, weights_raw))
-        for name, raw in ((WEIGHTS_FILE, weights_raw), (CONFIG_FILE, config_raw)):
-            object_key, sha256 = f"{key}/{name}", hashlib.sha256(raw).hexdigest()
+        digests = digests or FileDigests.of(config_raw, weights_raw)
+        key = self.key_for(pair_digest(digests.config, digests.weights))
+        for name, raw, sha256 in ((WEIGHTS_FILE, weights_raw, digests.weights),
+                                  (CONFIG_FILE, config_raw, digests.config)):
+            object_key = f"{key}/{name}"
             if self._head(object_key) == (len(raw), sha256):
                 continue  # content-addressed: these bytes are there already
             with s3_errors(self.client, self.bucket, object_key):

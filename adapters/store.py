@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -36,6 +35,7 @@ from loragw.adapters.ids import validate_adapter_id
 from loragw.adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
 from loragw.adapters.store_kept import KeptVersions
 from loragw.adapters.store_meta import META_FILE, StoredAdapter, StoredMeta, encode_meta, read_meta
+from loragw.adapters.types import FileDigests
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,9 @@ class AdapterStore:
         weights_raw: bytes,
         meta: StoredMeta,
         replace: bool = False,
+        digests: FileDigests | None = None,  # the files' sha256s, where the caller has them
     ) -> StoredAdapter:
+        digests = digests or FileDigests.of(config_raw, weights_raw)
         target = self.path(adapter_id)
         with self._locked():
             old = self.get(adapter_id)
@@ -108,10 +110,9 @@ class AdapterStore:
             self._check_namespace(adapter_id, target, old)
             version = meta.version or self.next_version(adapter_id)
             stored = StoredAdapter(
-                adapter_id, version, hashlib.sha256(weights_raw).hexdigest(), len(weights_raw),
-                meta.source, meta.revision, meta.rank, tuple(meta.targets), time.time(), target,
-                hashlib.sha256(config_raw).hexdigest(), meta.object_key, tuple(meta.warnings),
-                meta.owner, self.base, meta.draft_source,
+                adapter_id, version, digests.weights, len(weights_raw), meta.source, meta.revision,
+                meta.rank, tuple(meta.targets), time.time(), target, digests.config,
+                meta.object_key, tuple(meta.warnings), meta.owner, self.base, meta.draft_source,
             )  # fmt: skip
             parent = os.path.dirname(target)
             made_parent = not os.path.isdir(parent)
@@ -131,8 +132,7 @@ class AdapterStore:
                     with contextlib.suppress(OSError):
                         os.rmdir(parent)
                 raise
-        logger.info("stored adapter %s version %d (%d bytes)", adapter_id, version,
-                    len(weights_raw))  # fmt: skip
+        logger.info("stored adapter %s version %d (%d bytes)", adapter_id, version, len(weights_raw))
         return stored
 
     def next_version(self, adapter_id: str) -> int:

@@ -11,6 +11,7 @@ adapters.saved_modules) and the loader (adapters.format). Module names are the b
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from collections.abc import Iterable
@@ -81,6 +82,20 @@ def base_name(name: str) -> str:
     'meta-llama/Llama-3.1-8B', '/models/llama-3.1-8b/' and 'C:\\m\\Llama-3.1-8B' all give
     'llama-3.1-8b'."""
     return re.split(r"[/\\]", name.strip().rstrip("/\\"))[-1].casefold()
+
+
+@dataclass(frozen=True, slots=True)
+class FileDigests:
+    """An adapter's two files' hex sha256s, computed once where its bytes arrive (an upload, a
+    fetch) and carried wherever they go: the parse, the object store's key, the disk store."""
+
+    config: str  # adapter_config.json's
+    weights: str  # adapter_model.safetensors'
+
+    @classmethod
+    def of(cls, config_raw: bytes, weights_raw: bytes) -> FileDigests:
+        return cls(hashlib.sha256(config_raw).hexdigest(),
+                   hashlib.sha256(weights_raw).hexdigest())
 
 
 @dataclass(frozen=True)

@@ -271,7 +271,7 @@ def main() -> int:
     warm = bodies[:NUM_ADAPTERS]  # every adapter in a slot before the timed requests
     cpus: list[int] = []
     if args.engine_cpus:
-        from loragw.gateway.config import parse_cpu_list
+        from loragw.gateway.common.config import parse_cpu_list
 
         cpus = sorted(parse_cpu_list(args.engine_cpus))
         os.sched_setaffinity(0, os.sched_getaffinity(0) - set(cpus))  # the client's CPUs

@@ -5,6 +5,7 @@ over its `lora` manager, `requests` and `abort`), apart so the step reads on its
 from __future__ import annotations
 
 from loragw.adapters.format import LoraAdapter, read_adapter
+from loragw.engine.spec.ngram import NO_DRAFT_MODEL
 
 
 class AdapterCalls:
@@ -20,11 +21,9 @@ class AdapterCalls:
     def add_draft_adapter(self, name: str, path: str) -> None:
         """Register (or replace) the draft-model LoRA that drafts for adapter `name`'s rows
         (speculative decoding with a draft model); AdapterError when it does not fit the draft."""
-        draft = self.speculator.draft if self.speculator is not None else None
-        if draft is None:
-            raise ValueError("draft adapters need speculative decoding with a draft model "
-                             '(--speculative-config {"method": "draft_model", ...})')
-        draft.add_adapter(name, path)
+        if self.speculator is None:
+            raise ValueError(NO_DRAFT_MODEL)
+        self.speculator.proposer.add_adapter(name, path)
 
     def evict_adapter(self, name: str) -> bool:
         """Move an adapter down to the disk tier (device slot and host copy freed)."""

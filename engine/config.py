@@ -2,7 +2,7 @@
 
 `EngineOptions` holds every knob a user sets, each with its default and help; `Config` adds
 the model directory and its config.json. `loragw serve` derives its engine flags from
-`EngineOptions`' fields (gateway/config.py), so a knob is declared once, here. Validation
+`EngineOptions`' fields (gateway/common/config.py), so a knob is declared once, here. Validation
 happens once too, in `EngineOptions.__post_init__`; `option_name` says how a message names an
 option (the field name here, `--max-loras` on the command line).
 """
@@ -124,7 +124,7 @@ class EngineOptions:
         choices=QUANTIZATION_CHOICES)
     max_logprobs: int = option(20, "most alternatives a request may ask for per token "
                                "(logprobs, top_logprobs, prompt_logprobs)")
-    # vLLM's flag and keys (engine/spec/config.py); LLM(speculative_config={...}) takes a dict
+    # vLLM's flag and keys (engine/speculative_config.py); LLM(speculative_config={...}) takes a dict
     speculative_config: str | None = option(
         None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4} (prompt lookup in the request\'s own '

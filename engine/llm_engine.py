@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import replace
 
 import torch
 
@@ -18,9 +17,10 @@ from loragw.engine.adapter_calls import AdapterCalls
 from loragw.engine.config import Config
 from loragw.engine.kv.block_manager import BlockManager
 from loragw.engine.lora.manager import LoRAManager
+from loragw.engine.parallel.runner import start_runner
 from loragw.engine.request.checks import RequestLimits, check_request
 from loragw.engine.request.detokenizer import IncrementalDetokenizer
-from loragw.engine.request.params import SamplingParams
+from loragw.engine.request.params import SamplingParams, with_max_tokens
 from loragw.engine.request.sequence import (
     EngineRequest,
     Prompt,
@@ -32,7 +32,6 @@ from loragw.engine.request.state import RequestState
 from loragw.engine.request.stops import StopRule
 from loragw.engine.request.structured import GrammarCompiler, GuidedState
 from loragw.engine.request.tokenizer import eos_token_ids, tokenize, try_load_tokenizer
-from loragw.engine.runner.model_runner import ModelRunner
 from loragw.engine.runner.prompt_logprobs import record_prompt_logprobs
 from loragw.engine.runner.sampler import Sampler
 from loragw.engine.sched.pipeline import InFlight, drop_pending
@@ -50,15 +49,9 @@ class LLMEngine(AdapterCalls):
         self.config = config
         started = time.perf_counter()
         self.tokenizer = try_load_tokenizer(config.model, detokenizing=True)
-        sink = None
-        if config.tensor_parallel_size > 1:
-            from loragw.engine.parallel.runner import ParallelRunner  # spawns the other ranks
-
-            self.runner = ParallelRunner(config)
-            sink = self.runner.sink  # every rank fills its slots in this order
-        else:
-            self.runner = ModelRunner(config)
-        local = self.runner.local
+        # the step's runner, this process's model runner, and where slot changes also go
+        self.runner, self.model_runner, sink = start_runner(config)
+        local = self.model_runner
         self.vocab_size = local.args.vocab_size
         self.block_manager = BlockManager(local.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching, local.kv_window,
@@ -102,7 +95,7 @@ class LLMEngine(AdapterCalls):
         if self.speculator is not None:
             self.speculator.close()
         gc.collect()  # the model's modules and the pools refer to each other
-        if self.runner.local.device.type == "cuda":
+        if self.model_runner.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def _check_open(self) -> None:
@@ -132,9 +125,7 @@ class LLMEngine(AdapterCalls):
         return self.add_requests([EngineRequest(prompt, params, adapter, request_id)])[0]
 
     def _queue(self, r: EngineRequest, prompt_ids: list[int], guided: GuidedState | None) -> str:
-        params = r.params
-        if params.max_tokens is None:  # the rest of the context window
-            params = replace(params, max_tokens=self.config.max_model_len - len(prompt_ids))
+        params = with_max_tokens(r.params, len(prompt_ids), self.config.max_model_len)
         assert len(prompt_ids) + params.max_tokens <= self.config.max_model_len, "check_request"
         seq = Sequence(prompt_ids, params, adapter=r.adapter, request_id=r.request_id or "",
                        arrival=time.monotonic())
@@ -275,8 +266,9 @@ class LLMEngine(AdapterCalls):
         states, row = [], 0
         for seq in sorted(sampling, key=lambda s: bool(s.spec_tokens)):  # plain, then drafted
             guided = self.requests[seq.request_id].guided
-            if guided is not None:
-                states.append((row, guided, seq.spec_tokens))
+            start = guided.constrained_from(seq.spec_tokens) if guided is not None else None
+            if start is not None:  # rows before the end of its thinking are free
+                states.append((row + start, guided, seq.spec_tokens[start:]))
             row += len(seq.spec_tokens) + 1
         return self._grammars.fill_async(states) if states else None
 

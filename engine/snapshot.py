@@ -48,7 +48,7 @@ def engine_info(engine: LLMEngine) -> EngineInfo:
     return EngineInfo(engine.vocab_size, engine.config.max_model_len, engine.config.block_size,
                       engine.block_manager.num_blocks, engine.limits, engine.lora.spec,
                       total, active,
-                      engine.runner.local.model.weight_bytes(),
+                      engine.model_runner.model.weight_bytes(),
                       "none" if quant is None else quant.describe())
 
 

@@ -2,7 +2,7 @@
 
 Every flag also reads an environment variable, LORAGW_<FLAG> (`--out` -> LORAGW_OUT,
 `--log-level` -> LORAGW_LOG_LEVEL); a flag on the command line wins over the variable
-(gateway/flags.py). `loragw serve`'s flags are ServerConfig's fields (gateway/config.py),
+(gateway/common/flags.py). `loragw serve`'s flags are ServerConfig's fields (gateway/common/config.py),
 `loragw bench`'s are BenchConfig's (gateway/bench/config.py).
 """
 
@@ -13,7 +13,7 @@ import logging
 import sys
 
 from loragw.demo import DEMO_DIR
-from loragw.gateway.flags import add_flag, add_options, env_var, options_from
+from loragw.gateway.common.flags import add_flag, add_options, env_var, options_from
 
 __all__ = ["build_parser", "env_var", "main"]
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def add_demo_parser(subparsers) -> None:
 
 
 def add_serve_parser(subparsers) -> None:
-    # The serve flags live with the server (gateway/config.py); `loragw serve --help` shows them.
+    # The serve flags live with the server (gateway/common/config.py); `loragw serve --help` shows them.
     parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible API", add_help=False)
     parser.set_defaults(command=cmd_serve)
 

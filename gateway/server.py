@@ -25,8 +25,8 @@ import uvicorn
 
 from loragw.demo import DEMO_DIR
 from loragw.demo.examples import demo_examples
-from loragw.gateway.config import ServerConfig, add_serve_arguments
-from loragw.gateway.http.app import create_app
+from loragw.gateway.app import create_app
+from loragw.gateway.common.config import ServerConfig, add_serve_arguments
 
 logger = logging.getLogger("loragw.gateway")
 GRACEFUL_SHUTDOWN_S = 10

@@ -16,7 +16,7 @@ def under(path: str | os.PathLike, root: Path) -> bool:
 
 def test_the_gateway_defaults_expand_under_the_test_home(test_home):
     from loragw.demo import DEMO_DIR
-    from loragw.gateway.config import DEFAULT_ADAPTER_DIR
+    from loragw.gateway.common.config import DEFAULT_ADAPTER_DIR
 
     # `loragw serve` without --adapter-dir, and with --demo
     assert under(DEFAULT_ADAPTER_DIR, test_home), os.path.expanduser(DEFAULT_ADAPTER_DIR)

@@ -36,12 +36,14 @@ def test_the_checks_can_fail(tmp_path):
     (pkg / "b.py").write_text("def f():\n    from loragw.engine.a import x\n" + "\n" * layout.MAX_LINES)
     for name in ("kernels", "adapters", "gateway", "demo"):
         (tmp_path / name).mkdir()
+    (tmp_path / "gateway" / "c.py").write_text("from loragw.engine.a import x\n")
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_x.py").write_text("from test_y import helper\n")
     (tmp_path / "README.md").write_text("## Map\n\n| `engine/a.py` | a |\n| `engine/gone.py` | |\n")
     found = "\n".join(layout.problems(tmp_path))
-    assert "import cycle in loragw.engine: loragw.engine.a <-> loragw.engine.b" in found
+    assert "import cycle: loragw.engine.a <-> loragw.engine.b" in found
     assert "engine/b.py has" in found
+    assert "loragw.gateway.c imports loragw.engine.a: gateway/ takes the engine's names" in found
     assert "imports the test module test_y" in found
     assert "names engine/gone.py, which does not exist" in found
     assert "does not name engine/b.py" in found
@@ -76,9 +78,9 @@ def test_config_json_and_probe_checks_can_fail(tmp_path):
     assert "gateway/a.py:2 reads config.json" in text
     assert "adapters/types.py:1 names hf_config" in text
     assert "engine/layers/rotary.py:1 names hf_config" in text
-    assert "engine/models/loader.py:2 probes the model's Linear with isinstance()" in text
-    assert "engine/models/loader.py:3 probes the model's checkpoint_keys with hasattr()" in text
-    assert "engine/models/loader.py:4 probes the model's expert_modules with getattr()" in text
+    assert "engine/loader.py:2 probes the model's Linear with isinstance()" in text
+    assert "engine/loader.py:3 probes the model's checkpoint_keys with hasattr()" in text
+    assert "engine/loader.py:4 probes the model's expert_modules with getattr()" in text
     assert len(found) == 7, text  # not engine/config.py, engine/models, adapter_config.json, a
     # plain getattr, isinstance(owner, int), nor engine/layers' probe (it declares the interface)
 

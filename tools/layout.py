@@ -28,18 +28,20 @@ MAX_LINES = 300
 ALLOWED = {"": {"engine"}, "kernels": set(), "adapters": set(),
            "engine": {"kernels", "adapters"}, "demo": {"engine", "adapters"},
            "gateway": {"engine", "adapters", "kernels", "demo"}}
+# The one engine module gateway/ may import: it names all the gateway uses of the engine.
+ENGINE_API = f"{IMPORT_ROOT}.engine.api"
 # Cycles a package keeps on purpose, each with its reason: (module, module) pairs.
 ALLOWED_CYCLES: dict[frozenset[str], str] = {}
 
 
 @dataclass(frozen=True)
 class Module:
-    name: str  # dotted: loragw.gateway.http.app (the folder gateway/ installs as loragw.gateway)
+    name: str  # dotted: loragw.gateway.app (the folder gateway/ installs as loragw.gateway)
     path: Path
 
     @property
     def package(self) -> str:
-        """The package it belongs to: loragw.gateway.http for loragw.gateway.http.app."""
+        """The package it belongs to: loragw.gateway.http for loragw.gateway.app."""
         parts = self.name.split(".")
         return ".".join(parts[:-1]) if self.path.name != "__init__.py" else self.name
 
@@ -131,18 +133,16 @@ def import_problems(root: Path = ROOT) -> Iterator[str]:
             other = package_of(target)
             if other != top and other not in ALLOWED[top]:
                 yield f"{name} imports {target}: {top} may import only {sorted(ALLOWED[top])}"
-    # A cycle between modules of one package (a package's __init__ re-exporting is not one).
-    by_package: dict[str, dict[str, set[str]]] = {}
-    for name, m in known.items():
-        if m.path.name == "__init__.py":
-            continue
-        same = {t for t in graph[name]
-                if known[t].package == m.package and known[t].path.name != "__init__.py"}
-        by_package.setdefault(m.package, {})[name] = same
-    for package, sub in sorted(by_package.items()):
-        for component in cycles(sub):
-            if not any(pair <= set(component) for pair in ALLOWED_CYCLES):
-                yield f"import cycle in {package}: {' <-> '.join(component)}"
+            elif top == "gateway" and other == "engine" and target != ENGINE_API:
+                yield (f"{name} imports {target}: gateway/ takes the engine's names from "
+                       f"{ENGINE_API} only (add it there)")
+    # A cycle anywhere in the tree, across folders and packages too: modules that import each
+    # other, however far apart (a package's __init__ re-exporting its modules is not one).
+    whole = {name: {t for t in targets if known[t].path.name != "__init__.py"}
+             for name, targets in graph.items() if known[name].path.name != "__init__.py"}
+    for component in cycles(whole):
+        if not any(pair <= set(component) for pair in ALLOWED_CYCLES):
+            yield f"import cycle: {' <-> '.join(component)}"
 
 
 def size_problems(root: Path = ROOT) -> Iterator[str]:
@@ -268,6 +268,7 @@ def probe_problems(root: Path = ROOT) -> Iterator[str]:
 # name; "" is engine/__init__) that make it: a module imports its own layer or lower ones only.
 ENGINE_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("request", ("request",)),  # a request's nouns: params, sequence, stops, checks, text
+    ("chat", ("chat",)),  # a family's reasoning and tool-call syntax, parsed out of its text
     ("forward", ("forward",)),  # what a forward pass reads: context, backends, LoRA metas
     ("distributed", ("distributed",)),  # shard and group primitives, below the layers
     ("quant", ("quant",)),  # the quantized layout the layers hold
@@ -286,25 +287,52 @@ ENGINE_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+# gateway/'s layers, lowest first, the same way.
+GATEWAY_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("common", ("common",)),  # config, flags, errors, the shared residency records, tasks
+    ("observe", ("observe",)),  # metrics, tracing, the engine watchdog
+    ("tenants", ("tenants",)),  # keys, limits, audit, the tenant rules
+    ("residency", ("residency",)),  # this replica's adapters and the fleet's catalog
+    ("fleet", ("fleet",)),  # routing across replicas
+    ("http", ("http",)),  # what the routes share: auth, errors, bodies, jobs, ops
+    ("admin", ("admin",)),  # the admin API
+    ("openai", ("openai",)),  # the OpenAI API (its adapter routes reuse admin's verbs)
+    ("responses", ("responses",)),  # the Responses API, on the OpenAI API's admission
+    ("services", ("services",)),  # what the app serves with, built at start
+    ("app", ("app",)),  # the Litestar app: routes, dependencies, middleware
+    ("bench", ("bench",)),  # `loragw bench`, a client
+    ("entry", ("server", "cli", "")),  # `loragw serve`, the command line
+)
+LAYERS = {"engine": ENGINE_LAYERS, "gateway": GATEWAY_LAYERS}
+
+
+def layer_of(name: str, layers: tuple[tuple[str, tuple[str, ...]], ...] = ENGINE_LAYERS,
+             package: str = "engine") -> int | None:
+    """The index in `layers` of module `name` (dotted) of `package`, None if it has none."""
+    first = name.removeprefix(f"{IMPORT_ROOT}.{package}").removeprefix(".").split(".")[0]
+    return next((i for i, (_, parts) in enumerate(layers) if first in parts), None)
+
+
 def engine_layer(name: str) -> int | None:
-    """The index in ENGINE_LAYERS of engine module `name` (dotted), None if it has none."""
-    first = name.removeprefix(f"{IMPORT_ROOT}.engine").removeprefix(".").split(".")[0]
-    return next((i for i, (_, parts) in enumerate(ENGINE_LAYERS) if first in parts), None)
+    return layer_of(name)
 
 
 def layer_problems(root: Path = ROOT) -> Iterator[str]:
-    """Every engine module sits in a layer, and imports nothing from a higher one."""
-    known = modules(root, ("engine",))
-    for name, m in sorted(known.items()):
-        own = engine_layer(name)
-        if own is None:
-            yield f"{name} is in none of tools/layout.py's ENGINE_LAYERS: add it to one"
-            continue
-        for target in sorted(imports(m, known)):
-            other = engine_layer(target)
-            if other is not None and other > own:
-                yield (f"{name} ({ENGINE_LAYERS[own][0]}) imports {target} "
-                       f"({ENGINE_LAYERS[other][0]}), a higher layer")
+    """Every engine and gateway module sits in a layer of its package, and imports nothing
+    from a higher one."""
+    for package, layers in LAYERS.items():
+        known = modules(root, (package,))
+        for name, m in sorted(known.items()):
+            own = layer_of(name, layers, package)
+            if own is None:
+                yield (f"{name} is in none of tools/layout.py's {package.upper()}_LAYERS: add it "
+                       "to one")
+                continue
+            for target in sorted(imports(m, known)):
+                other = layer_of(target, layers, package)
+                if other is not None and other > own:
+                    yield (f"{name} ({layers[own][0]}) imports {target} "
+                           f"({layers[other][0]}), a higher layer")
 
 
 def problems(root: Path = ROOT) -> list[str]:

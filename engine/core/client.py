@@ -43,6 +43,7 @@ from loragw.engine.core.messages import (
 )
 from loragw.engine.core.spawn import ProcessTransport
 from loragw.engine.core.thread import ThreadTransport
+from loragw.engine.core.transport import Transport
 from loragw.engine.llm_engine import LLMEngine
 from loragw.engine.request.params import SamplingParams
 from loragw.engine.request.sequence import EngineRequest, Prompt, RequestOutput
@@ -56,7 +57,7 @@ class EngineDied(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, transport: ProcessTransport | ThreadTransport,
+    def __init__(self, transport: Transport,
                  on_death: Callable[[EngineDied], None] | None = None):
         self.transport, self.on_death = transport, on_death
         self.died: EngineDied | None = None
@@ -72,8 +73,9 @@ class EngineClient:
                          cpus: frozenset[int] | None = None) -> EngineClient:
         """The engine of `model` (its directory) and `options` (EngineOptions' fields) in a
         process of its own, started and ready."""
-        client = cls(ProcessTransport(model, options, cpus), on_death)
-        await client.transport.start(client._loop, client._on_message, client._on_closed)
+        transport = ProcessTransport(model, options, cpus)
+        client = cls(transport, on_death)
+        await transport.start(client._loop, client._on_message, client._on_closed)
         return client
 
     @classmethod
@@ -87,8 +89,9 @@ class EngineClient:
     def on_thread(cls, engine: LLMEngine, owned: bool = False) -> EngineClient:
         """`engine` stepped by a thread of this process (call it on the server's event loop);
         `owned`: shutdown() closes it too."""
-        client = cls(ThreadTransport(engine, owned))
-        client.transport.start(client._loop, client._on_message, client._on_closed)
+        transport = ThreadTransport(engine, owned)
+        client = cls(transport)
+        transport.start(client._loop, client._on_message, client._on_closed)
         return client
 
     @property

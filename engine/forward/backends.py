@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from loragw.engine.forward.elementwise import TORCH, Elementwise, FusedElementwise
 from loragw.kernels import LoRAKernels, cpu_attention, cpu_fused, cpu_linear, lora_kernels
 from loragw.kernels.quant import dequant_linear
 
@@ -59,8 +60,8 @@ class Backends:
     # attention layer's index_copy_)
     store_kv: Callable | None = field(init=False, repr=False, compare=False)
     quant_linear: Callable = field(init=False, repr=False, compare=False)
-    # the module whose add_rms_norm / rotary / silu_and_mul the layers call (None: torch's ops)
-    fused: object | None = field(init=False, repr=False, compare=False)
+    # what the layers call for add_rms_norm / rotary / silu_and_mul (engine/forward/elementwise.py)
+    fused: Elementwise = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lora_kernels", lora_kernels(self.lora))
@@ -75,9 +76,10 @@ class Backends:
             decode, store = cpu_attention.paged_attention_decode, cpu_attention.store_kv
         object.__setattr__(self, "decode_attention", decode)
         object.__setattr__(self, "store_kv", store)
-        fused = cpu_fused if self.elementwise == "cpu" else None
+        fused = FusedElementwise(cpu_fused, silu=False) if self.elementwise == "cpu" else TORCH
         if self.elementwise == "triton":  # triton imported only when it serves
-            fused = importlib.import_module("loragw.kernels.fused_triton")
+            fused = FusedElementwise(importlib.import_module("loragw.kernels.fused_triton"),
+                                     silu=True)
         object.__setattr__(self, "fused", fused)
 
 
@@ -149,7 +151,8 @@ def resolve_cpu_attention(name: str, dtype: torch.dtype, shape: AttentionShape) 
 
 def quant_kind(model) -> str | None:
     """The kind of the model's quantized weights ("int4", "int8", "fp8"), None if it has none."""
-    kinds = {linear.scheme.kind for _, linear in model.lora_linears() if linear.scheme}
+    kinds = {linear.weights.scheme.kind for _, linear in model.lora_linears()
+             if linear.weights.scheme}
     return "fp8" if "fp8" in kinds else next(iter(kinds), None)
 
 

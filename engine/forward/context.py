@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from loragw.engine.forward.backends import Backends
+from loragw.engine.forward.elementwise import TORCH, Elementwise
 
 if TYPE_CHECKING:
     from loragw.engine.forward.lora import LoRAStep
@@ -74,8 +75,7 @@ def get_forward_context() -> ForwardContext:
     return _current
 
 
-def fused_elementwise():
-    """The module whose kernels run this step's norms, rotary and SiLU-and-mul
-    (Backends.fused: kernels.cpu_fused or kernels.fused_triton), None for torch's ops; None
-    outside a step (a layer called on its own runs torch's ops)."""
-    return None if _current is None else _current.backends.fused
+def elementwise() -> Elementwise:
+    """What runs this step's norms, rotary and SiLU-and-mul (Backends.fused, chosen once);
+    torch's ops outside a step (a layer called on its own)."""
+    return TORCH if _current is None else _current.backends.fused

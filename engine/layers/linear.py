@@ -11,15 +11,11 @@ outputs are all-reduced; its LoRA delta is added before that, with A split by in
 like the weight and B whole: the sum over ranks of (x_r A_r^T) B^T is x A^T B^T, so the delta
 needs no collective of its own. The bias is added once, after the reduction.
 
-On the CPU the weight may be packed for oneDNN once it is loaded (`prepack`, when the model
-runner chose Backends.linear "onednn": kernels/cpu_linear.py); the packed copy replaces it.
-
-A quantized base's projection (`quantize(scheme)`, before loading) holds its weight in
-kernels/quant.py's layout instead: `qweight` filled slice by slice like a weight, the scales,
-zero points and act-order map gathered per slice and joined once every slice is in; the
-GEMM is the one the model runner chose at start (Backends.quant_linear). The LoRA delta is
-computed from the same unquantized x and added to the output, as PEFT does on a dequantized
-base.
+The weight is one object of engine/layers/weights.py, which runs its matmul: dense; packed for
+oneDNN once loaded on the CPU (`prepack`, when the model runner chose Backends.linear
+"onednn"); or, for a quantized base's projection (`quantize(scheme)`, before loading), in
+kernels/quant.py's layout, filled slice by slice. The LoRA delta is computed from the same
+unquantized x and added to the output, as PEFT does on a dequantized base.
 """
 
 from __future__ import annotations
@@ -28,15 +24,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from loragw.engine.distributed import group
 from loragw.engine.forward.context import get_forward_context
 from loragw.engine.layers.parts import Loadable
+from loragw.engine.layers.weights import DenseWeights, QuantizedWeights, Weights
 from loragw.engine.quant import shard as quant_shard
 from loragw.engine.quant.scheme import WeightScheme
-from loragw.kernels import LoRAKernels, cpu_linear
+from loragw.kernels import LoRAKernels
 from loragw.kernels.quant import QuantWeight
 
 
@@ -80,14 +76,24 @@ class Linear(nn.Module, Loadable):
             offsets.append(offsets[-1] + width)
         self.slice_offsets = tuple(offsets)
         self.out_features = offsets[-1]
-        self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
         self.bias = (nn.Parameter(torch.empty(self.out_features), requires_grad=False)
                      if bias else None)
         self.lora: LoRABuffers | None = None
-        self.scheme: WeightScheme | None = None  # quantized: what `quantize` was given
-        self.quant: QuantWeight | None = None  # quantized, once loaded
-        self.packed: torch.Tensor | None = None  # oneDNN's layout of the weight (prepack)
-        self._quant_parts: dict[str, QuantWeight] = {}  # slice -> its loaded part
+        self.weights: Weights = DenseWeights(self.out_features, in_features)
+        self._hold(self.weights)
+
+    def _hold(self, weights: Weights) -> None:
+        """Hold `weights`: its Parameters, and only its, registered as this module's."""
+        for name in ("weight", "qweight"):
+            self._parameters.pop(name, None)
+        for name, param in weights.parameters().items():
+            self.register_parameter(name, param)
+        self.weights = weights
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)  # .to() / .to_empty(): new Parameters, the weights follow
+        self.weights.rebind(self._parameters)
+        return self
 
     def slice_rows(self, name: str) -> slice:
         i = self.slice_names.index(name)
@@ -115,15 +121,11 @@ class Linear(nn.Module, Loadable):
         only one)."""
         return self.local(slice_name or self.slice_names[0], full, 1 if self.row_parallel else 0)
 
-    # ---- a quantized base ----------------------------------------------------------------
+    # ---- the weight's format ----------------------------------------------------------------
     def quantize(self, scheme: WeightScheme) -> None:
         """Hold this projection's weight quantized; on the meta device, before loading."""
-        packed = -(-self.in_features // 2) if scheme.kind == "int4" else self.in_features
-        dtype = torch.int8 if scheme.kind == "int8" else torch.uint8
-        del self.weight
-        self.qweight = nn.Parameter(torch.empty(self.out_features, packed, dtype=dtype),
-                                    requires_grad=False)
-        self.scheme = scheme
+        self._hold(QuantizedWeights(scheme, self.out_features, self.in_features,
+                                    self.slice_names))
 
     def load_quant(self, slice_name: str | None, full: QuantWeight, name: str) -> None:
         """Fill slice `slice_name` (None: the only one) from checkpoint module `name`'s whole
@@ -136,62 +138,20 @@ class Linear(nn.Module, Loadable):
             part = quant_shard.rows(full, self.sources[slice_name], rows.stop - rows.start)
         else:
             part = full
-        if part.qweight.shape != self.qweight[rows].shape or part.kind != self.scheme.kind:
-            raise ValueError(f"checkpoint module {name!r} holds {part.kind} "
-                             f"{tuple(part.qweight.shape)} packed, the model expects "
-                             f"{self.scheme.kind} {tuple(self.qweight[rows].shape)}")
-        self.qweight[rows].copy_(part.qweight)
-        self._quant_parts[slice_name] = part
-        if len(self._quant_parts) == len(self.slice_names):
-            self._finish_quant()
-
-    def _finish_quant(self) -> None:
-        """Join the slices' scales, zero points and act-order maps into one QuantWeight, once
-        every slice is in."""
-        parts = [self._quant_parts[name] for name in self.slice_names]
-        device = self.qweight.device
-        groups = {p.scales.shape[1] for p in parts}
-        if len(groups) > 1 or len({p.group_size for p in parts}) > 1:
-            raise ValueError(f"the slices {', '.join(self.slice_names)} of one merged "
-                             "projection are quantized with different groups")
-        zeros = None
-        if any(p.zeros is not None for p in parts):
-            zeros = torch.cat([p.zeros if p.zeros is not None else
-                               torch.zeros_like(p.scales, dtype=torch.int8) for p in parts])
-        g_idx = row_slice = None
-        if any(p.g_idx is not None for p in parts):
-            plain = (torch.arange(self.in_features) // parts[0].group_size).to(torch.int32)
-            g_idx = torch.cat([p.g_idx if p.g_idx is not None else plain[None] for p in parts])
-            row_slice = torch.cat([torch.full((p.out_features,), i, dtype=torch.int32)
-                                   for i, p in enumerate(parts)])
-        scales = torch.cat([p.scales for p in parts])
-        self.quant = QuantWeight(self.scheme.kind, self.qweight, scales.to(device),
-                                 None if zeros is None else zeros.to(device),
-                                 parts[0].group_size, self.in_features,
-                                 None if g_idx is None else g_idx.to(device),
-                                 None if row_slice is None else row_slice.to(device))
-        self.quant.check()
-        self._quant_parts.clear()
+        self.weights.load(slice_name, rows, part, name)
 
     def prepack(self) -> None:
-        """Hold the loaded weight in oneDNN's layout instead (kernels/cpu_linear.py)."""
-        if self.quant is None:
-            self.packed = cpu_linear.pack(self.weight)
-            del self.weight
+        """Hold the loaded weight in oneDNN's layout instead where it has one
+        (kernels/cpu_linear.py)."""
+        self._hold(self.weights.prepacked())
 
     def dense_weight(self) -> torch.Tensor:
         """The weight [O, I] as a plain tensor, however it is held (not quantized)."""
-        return self.packed.to_dense() if self.packed is not None else self.weight
+        return self.weights.dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> y: [T, O_total]
-        bias = None if self.row_parallel else self.bias
-        if self.quant is not None:
-            y = get_forward_context().backends.quant_linear(x, self.quant, bias)
-        elif self.packed is not None:
-            y = cpu_linear.packed_linear(x, self.packed, bias)
-        else:
-            y = F.linear(x, self.weight, bias)
+        y = self.weights.matmul(x, None if self.row_parallel else self.bias)
         if self.lora is not None:
             ctx = get_forward_context()
             if ctx.lora is not None and ctx.lora.tokens.has_lora:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from loragw.engine.forward.context import fused_elementwise
+from loragw.engine.forward.context import elementwise
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
@@ -130,13 +130,4 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         (q_rot, q_pass), (k_rot, k_pass) = (t.split([rot, t.shape[-1] - rot], -1) for t in (q, k))
         q_rot, k_rot = apply_rotary(q_rot, k_rot, cos, sin)
         return torch.cat((q_rot, q_pass), -1), torch.cat((k_rot, k_pass), -1)
-    fused = fused_elementwise()
-    if (fused is not None and fused.serves(q) and fused.serves(k) and cos.dtype is q.dtype
-            and cos.is_contiguous() and sin.is_contiguous()):
-        return fused.rotary(q, k, cos, sin)  # the same products and sums, one call
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return elementwise().rotary(q, k, cos, sin)

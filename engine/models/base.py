@@ -98,9 +98,9 @@ class CausalLM(nn.Module):
     def parameter_counts(self) -> tuple[int, int]:
         """(total, active) parameters, active being what one token's forward pass multiplies
         by: all of them in a dense model (MoE: only top_k of each layer's E experts)."""
-        total = sum(p.numel() for p in self.parameters())
-        total += sum(m.packed.numel() for m in self.modules()
-                     if isinstance(m, Linear) and m.packed is not None)
+        linears, own = self._projection_weights()
+        total = sum(p.numel() for p in self.parameters() if id(p) not in own)
+        total += sum(m.out_features * m.in_features for m in linears)  # however each is held
         return total, total
 
     def prepack(self, every: bool = False) -> None:
@@ -120,14 +120,18 @@ class CausalLM(nn.Module):
         """Bytes this process holds of the base's weights: parameters as they are stored
         (a quantized projection's packed qweight, a projection's oneDNN layout, lm_head's
         beside its weight) and its quantization's scales, zero points and act-order maps."""
-        held = sum(p.numel() * p.element_size() for p in self.parameters())
+        linears, own = self._projection_weights()
+        held = sum(p.numel() * p.element_size() for p in self.parameters() if id(p) not in own)
+        held += sum(m.weights.num_bytes for m in linears)
         held += sum(m.packed.numel() * m.packed.element_size() for m in self.modules()
-                    if isinstance(m, (Linear, LMHead)) and m.packed is not None)
-        for _, linear in self.lora_linears():
-            if linear.quant is not None:
-                q = linear.quant
-                held += q.num_bytes - q.qweight.numel() * q.qweight.element_size()
+                    if isinstance(m, LMHead) and m.packed is not None)
         return held
+
+    def _projection_weights(self) -> tuple[list[Linear], set[int]]:
+        """Every Linear, and the ids of the Parameters their weights register (counted by
+        the weights themselves, however they are held)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        return linears, {id(p) for m in linears for p in m.weights.parameters().values()}
 
     @classmethod
     def adapter_spec(cls, args: ModelArgs, max_lora_rank: int, max_full_module_slots: int = 0,

@@ -12,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from loragw.engine.distributed.shard import Shard
-from loragw.engine.forward.context import fused_elementwise
+from loragw.engine.forward.context import elementwise
 from loragw.engine.layers.attention import PagedAttention
 from loragw.engine.layers.embedding import VocabEmbedding
 from loragw.engine.layers.linear import Linear
@@ -77,9 +76,9 @@ class Attention(Block):
 
 class MLP(Block):
     def __init__(self, args: ModelArgs, shard: Shard,
-                 act: Callable[[torch.Tensor], torch.Tensor] = F.silu):
+                 act: Callable[[torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
-        self.act = act  # SwiGLU; Gemma's GeGLU passes gelu
+        self.act = act  # None: SwiGLU; Gemma's GeGLU passes gelu
         i0, inter = shard.split(args.intermediate_size, "intermediate_size")
         tp = shard.size > 1
         self.gate_up_proj = Linear(args.hidden_size, {"gate_proj": inter, "up_proj": inter},
@@ -92,9 +91,8 @@ class MLP(Block):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        fused = fused_elementwise() if self.act is F.silu else None
-        if fused is not None and fused.silu_and_mul is not None and fused.serves(gate_up):
-            return self.down_proj(fused.silu_and_mul(gate_up))
+        if self.act is None:  # SwiGLU: the step's Elementwise (engine/forward/elementwise.py)
+            return self.down_proj(elementwise().silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
         return self.down_proj(self.act(gate) * up)
 

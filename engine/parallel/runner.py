@@ -37,6 +37,7 @@ from loragw.engine.distributed import group
 from loragw.engine.distributed.shard import Shard
 from loragw.engine.lora.pool import SlotPool
 from loragw.engine.runner.model_runner import ModelRunner, StepLogits
+from loragw.engine.runner.step_runner import Runner
 from loragw.engine.sched.plan import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -97,9 +98,20 @@ class RankSink:
         self.runner.send(SlotChange("clear", (index,), table))
 
 
+def start_runner(config: Config) -> tuple[Runner, ModelRunner, RankSink | None]:
+    """(what runs the engine's steps, this process's ModelRunner, the slot pool's replicas):
+    the ModelRunner itself on one rank; rank 0's ParallelRunner, its own ModelRunner and the
+    sink that sends every slot change to the other ranks (in the order rank 0 makes them)."""
+    if config.tensor_parallel_size == 1:
+        runner = ModelRunner(config)
+        return runner, runner, None
+    parallel = ParallelRunner(config)  # spawns the other ranks
+    return parallel, parallel.model_runner, parallel.sink
+
+
 class ParallelRunner:
-    """Rank 0's runner for N > 1 ranks: its own ModelRunner (`local`), and the workers, which
-    every step and slot change is sent to first."""
+    """Rank 0's runner for N > 1 ranks: its own ModelRunner (`model_runner`), and the workers,
+    which every step and slot change is sent to first."""
 
     def __init__(self, config: Config):
         global _active
@@ -122,8 +134,8 @@ class ParallelRunner:
             worker.start()
         try:
             group.init(Shard(0, size), init_method, config.torch_device, TIMEOUT_S)
-            self.local = ModelRunner(config, Shard(0, size))
-            group.broadcast((self.local.num_kv_blocks,))
+            self.model_runner = ModelRunner(config, Shard(0, size))
+            group.broadcast((self.model_runner.num_kv_blocks,))
         except BaseException:  # e.g. a shape the ranks cannot split: leave nothing behind
             for worker in self.workers:
                 worker.kill()
@@ -140,7 +152,7 @@ class ParallelRunner:
         assert pending is None, "async scheduling under TP is refused"
         self.send(Run(plan))
         try:
-            return self.local.run(plan)
+            return self.model_runner.run(plan)
         except Exception as exc:
             self.check_ranks(exc)
             raise
@@ -168,7 +180,7 @@ class ParallelRunner:
         if not self.closed:
             self.closed = True
             self._finalizer()
-            self.local.close()
+            self.model_runner.close()
 
 
 def _stop(workers) -> None:

@@ -6,7 +6,7 @@ within their caps, min_tokens that can be met.
 
 They need only `RequestLimits`, what an engine knows of itself and never changes: the engine
 checks every request against its own (LLMEngine.add_requests), and a server checks against the
-copy its EngineInfo carries before anything is sent to the engine (gateway/http/admission.py),
+copy its EngineInfo carries before anything is sent to the engine (gateway/openai/admission.py),
 so a request that would be refused never crosses the channel, and both say the same thing.
 The cheap rules run first: a 500,000-token prompt is refused by its length, not by a scan.
 """

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from loragw.engine.request.structured import GuidedDecoding
 
@@ -144,3 +144,12 @@ class SamplingParams:
                     what = f"key {token}" if param == "logit_bias" else f"token id {token}"
                     raise InvalidParam(param, f"{param} {what} is not a token of this model "
                                        f"(token ids are 0 to {vocab_size - 1})")
+
+
+def with_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int) -> SamplingParams:
+    """`params` with max_tokens decided, once per request: as asked, else the rest of the context
+    window after a prompt of `prompt_len` tokens (the server decides it at admission and the
+    request carries it; the engine decides it for the offline API)."""
+    if params.max_tokens is not None:
+        return params
+    return replace(params, max_tokens=max_model_len - prompt_len)

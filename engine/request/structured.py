@@ -28,28 +28,35 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import numpy as np
 import torch
 
 try:
     import xgrammar as xgr
 except ImportError:  # only structured output needs it: the engine serves everything else
     xgr = None
-from torch import Tensor
+
+from loragw.engine.request.token_mask import TokenMask, mask_bias, pack_bitmask
 
 logger = logging.getLogger(__name__)
 
-GuidedKind = Literal["json_object", "json_schema", "regex", "choice"]
+GuidedKind = Literal["json_object", "json_schema", "regex", "choice", "syntax"]
 GRAMMAR_CACHE_SIZE = 256  # distinct compiled specs kept per engine
 
 
 @dataclass(frozen=True)
 class GuidedDecoding:
     """What the output must match. spec: None (json_object), a JSON schema (dict or str),
-    a regex (str), or a list of allowed strings (choice)."""
+    a regex (str), a list of allowed strings (choice), or alternatives of parts in a row
+    (syntax: [[["text", "<tool_call>\\n"], ["json_schema", {...}], ["text", "</tool_call>"]],
+    ...], a parts' kind one of text, json_schema, regex: a family's tool-call syntax).
+    `after`: the tokens that end a
+    model's thinking (the served model's reasoning parser's end marker): the output is
+    constrained from the token after one of them on, its thinking before that is free; ():
+    from the first token."""
 
     kind: GuidedKind
     spec: Any = None
+    after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         checks = {
@@ -58,6 +65,11 @@ class GuidedDecoding:
             "regex": isinstance(self.spec, str) and self.spec != "",
             "choice": (isinstance(self.spec, list | tuple) and len(self.spec) > 0
                        and all(isinstance(c, str) and c for c in self.spec)),
+            "syntax": (isinstance(self.spec, list | tuple) and len(self.spec) > 0
+                       and all(isinstance(a, list | tuple) and a and all(
+                           isinstance(p, list | tuple) and len(p) == 2
+                           and p[0] in ("text", "json_schema", "regex") for p in a)
+                           for a in self.spec)),
         }
         if self.kind not in checks:
             raise ValueError(f"guided decoding kind must be one of {sorted(checks)}, "
@@ -66,7 +78,8 @@ class GuidedDecoding:
             raise ValueError(f"guided {self.kind} needs " + {
                 "json_object": "no spec", "json_schema": "a JSON schema object",
                 "regex": "a non-empty regex string",
-                "choice": "a non-empty list of non-empty strings"}[self.kind])
+                "choice": "a non-empty list of non-empty strings",
+                "syntax": "alternatives of [kind, value] parts"}[self.kind])
 
     def key(self) -> tuple[str, str]:
         """(kind, spec as JSON): equal specs share one compiled grammar. Key order is kept, not
@@ -93,74 +106,25 @@ class GuidedState:
     json: bool = False  # the output is JSON (json_object / json_schema)
     pending: list[int] = field(default_factory=list)  # kept, not yet accepted by the matcher
     done: bool = False  # a stop token was sampled: the grammar is complete
+    # the end-of-thinking tokens the grammar waits for (GuidedDecoding.after); empty once one
+    # was kept: from the next token on the output is constrained
+    waiting: frozenset[int] = frozenset()
 
     def advance(self, token: int) -> None:
+        if self.waiting:
+            if token in self.waiting:
+                self.waiting = frozenset()
+            return
         self.pending.append(token)
         self.done = token in self.stop_token_ids
 
-
-@dataclass(slots=True)
-class TokenMask:
-    """Allowed tokens for some rows of a sampling batch: row j is for logits row rows[j].
-
-    bitmask: [R, ceil(V / 32)] int32, bit b of word w allows token 32 * w + b (xgrammar's
-    layout). bias: [R, V] float32, 0 where allowed and -inf elsewhere, built on the mask thread
-    for CPU logits: adding it is ~10x cheaper than a masked_fill on the main thread."""
-
-    bitmask: Tensor
-    rows: list[int]
-    bias: Tensor
-
-    def split(self, n: int) -> tuple[TokenMask | None, TokenMask | None]:
-        """The masks of rows [0, n) and of rows n.. (renumbered from 0); None where none."""
-        first = [j for j, row in enumerate(self.rows) if row < n]
-        rest = [j for j, row in enumerate(self.rows) if row >= n]
-        return (self._take(first, 0), self._take(rest, n))
-
-    def _take(self, entries: list[int], shift: int) -> TokenMask | None:
-        if not entries:
-            return None
-        if len(entries) == len(self.rows) and not shift:
-            return self
-        return TokenMask(self.bitmask[entries], [self.rows[j] - shift for j in entries],
-                         self.bias[entries])
-
-    def apply(self, logits: Tensor) -> Tensor:
-        """logits: [B, V] -> a copy with disallowed tokens of the masked rows at -inf."""
-        if logits.device.type != "cpu":  # xgrammar's kernel, on the accelerator
-            rows = logits[self.rows]
-            xgr.apply_token_bitmask_inplace(rows, self.bitmask.to(logits.device))
-            logits = logits.clone()
-            logits[self.rows] = rows
-            return logits
-        if len(self.rows) == logits.shape[0]:  # every row constrained: no gather/scatter
-            return logits + self.bias  # x + 0.0 == x exactly, x + -inf == -inf
-        logits = logits.clone()
-        logits[self.rows] += self.bias
-        return logits
-
-
-def pack_bitmask(allowed: list[bool], vocab_size: int) -> np.ndarray:
-    """Per-token flags (tokens past the list are allowed) -> [ceil(vocab_size / 32)] int32."""
-    flags = np.ones(-(-vocab_size // 32) * 32, dtype=np.uint32)
-    flags[: len(allowed)] = allowed
-    return (flags.reshape(-1, 32) << np.arange(32, dtype=np.uint32)).sum(-1, dtype=np.uint32) \
-        .view(np.int32)
-
-
-def mask_bias(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
-    """[R, W] int32 packed allowed-bits -> [R, vocab_size] float32 of 0 (allowed) / -inf.
-
-    One table lookup per byte (8 tokens), ~4x cheaper than unpacking bits with shifts. NumPy,
-    not torch, because it runs on the mask thread: a torch op there big enough to go parallel
-    starts a second OpenMP team, whose spinning threads then slow every forward pass."""
-    bias = np.take(_BYTE_BIAS, bitmask.view(np.uint8), axis=0)  # [R, 4W, 8], little-endian
-    return bias.reshape(len(bitmask), -1)[:, :vocab_size]
-
-
-# _BYTE_BIAS[byte, b]: 0 if bit b of byte is set (token allowed), else -inf.
-_BYTE_BIAS = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, 0, -np.inf) \
-    .astype(np.float32)
+    def constrained_from(self, drafts: list[int]) -> int | None:
+        """The index among this step's rows (the next token, then after each draft) from which
+        the grammar constrains them: 0 unless it waits; after the draft that ends the thinking;
+        None when it waits beyond them all."""
+        if not self.waiting:
+            return 0
+        return next((i + 1 for i, t in enumerate(drafts) if t in self.waiting), None)
 
 
 class GrammarCompiler:
@@ -198,6 +162,8 @@ class GrammarCompiler:
                 grammar = self._compiler.compile_json_schema(spec, any_whitespace=False)
             elif kind == "regex":
                 grammar = self._compiler.compile_regex(json.loads(spec))
+            elif kind == "syntax":
+                grammar = self._compiler.compile_grammar(syntax_grammar(json.loads(spec)))
             else:
                 choices = " | ".join(_ebnf_string(c) for c in json.loads(spec))
                 grammar = self._compiler.compile_grammar(f"root ::= {choices}")
@@ -213,7 +179,7 @@ class GrammarCompiler:
 
     def new_state(self, guided: GuidedDecoding) -> GuidedState:
         return GuidedState(xgr.GrammarMatcher(self.compile(guided)), self.stop_token_ids,
-                           json=guided.kind in ("json_object", "json_schema"))
+                           json=json_output(guided), waiting=frozenset(guided.after))
 
     def fill(self, states: list[tuple[int, GuidedState, list[int]]]) -> TokenMask | None:
         """Accept each state's pending tokens, then fill the bitmasks of the (first row, state,
@@ -256,6 +222,28 @@ class GrammarCompiler:
     def fill_async(self, states: list[tuple[int, GuidedState, list[int]]]) -> Future | None:
         """fill() on the mask thread, so it overlaps the forward pass; None if nothing to do."""
         return self._pool.submit(self.fill, states) if states else None
+
+
+def json_output(guided: GuidedDecoding) -> bool:
+    """Whether no token of the output holds a control byte: JSON (which escapes them), or a
+    syntax of JSON and text parts free of them (no regex part)."""
+    if guided.kind != "syntax":
+        return guided.kind in ("json_object", "json_schema")
+    return all(kind == "json_schema" or (kind == "text" and value.isprintable())
+               for alt in guided.spec for kind, value in alt)
+
+
+def syntax_grammar(alternatives: list) -> xgr.Grammar:
+    """The grammar of a "syntax" spec: its alternatives' parts in a row, either alternative."""
+    def part(kind: str, value) -> xgr.Grammar:
+        if kind == "text":
+            return xgr.Grammar.from_ebnf(f"root ::= {_ebnf_string(value)}")
+        if kind == "regex":
+            return xgr.Grammar.from_regex(value)
+        return xgr.Grammar.from_json_schema(json.dumps(value), any_whitespace=False)
+
+    rows = [xgr.Grammar.concat(*(part(*p) for p in alt)) for alt in alternatives]
+    return rows[0] if len(rows) == 1 else xgr.Grammar.union(*rows)
 
 
 def _ebnf_string(text: str) -> str:

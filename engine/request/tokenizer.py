@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from loragw.engine.request.chat_template import ChatTemplate, render_chat
 from loragw.engine.request.params import InvalidParam
 from loragw.engine.request.token_bytes import table_for
 
@@ -36,19 +38,17 @@ def tokenize(tokenizer: PreTrainedTokenizerBase | None, prompt: str | list[int])
     return list(prompt)
 
 
-def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]],
-                tools: list[dict[str, Any]] | None = None,
-                add_generation_prompt: bool = True) -> list[int]:
-    """Prompt token ids for an OpenAI-style message list, rendered by the model's chat template."""
-    if not tokenizer.chat_template:
-        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; use a chat "
-                         "(instruct) model, add a `chat_template` to its tokenizer_config.json, "
-                         "or send a plain completion request instead")
-    # Render to text, then encode: transformers 5 returns a BatchEncoding from tokenize=True, and
-    # the template already writes BOS and friends, so encode must not add them a second time.
-    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt)
-    assert isinstance(text, str), type(text)
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]],
+                tools: list[dict[str, Any]] | None = None, *,
+                template: ChatTemplate | None = None, kwargs: Mapping[str, Any] | None = None,
+                add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> list[int]:
+    """Prompt token ids for an OpenAI-style message list, rendered by the chat template
+    (engine/request/chat_template.py render_chat: its arguments and refusals). Rendered to
+    text, then encoded without special tokens: the template already writes BOS and friends."""
+    text = render_chat(tokenizer, messages, template=template or ChatTemplate(), tools=tools,
+                       kwargs=kwargs, add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -92,11 +92,6 @@ class ModelRunner:
         if self.graphs is not None:
             self.capture_graphs()
 
-    @property
-    def local(self) -> ModelRunner:
-        """This process's model runner (rank 0's under tensor parallelism: ParallelRunner's)."""
-        return self
-
     def close(self) -> None:
         """Drop the model, its KV cache and the decode graphs and buffers (what holds device
         memory); the runner runs nothing after."""

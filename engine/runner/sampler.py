@@ -26,7 +26,7 @@ from torch import Tensor
 
 from loragw.engine.request.params import SamplingParams
 from loragw.engine.request.sequence import Sequence, TokenLogprob
-from loragw.engine.request.structured import TokenMask
+from loragw.engine.request.token_mask import TokenMask
 
 
 @dataclass(slots=True)

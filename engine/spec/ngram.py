@@ -56,12 +56,22 @@ def lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     return []
 
 
+NO_DRAFT_MODEL = ("draft adapters need speculative decoding with a draft model "
+                  '(--speculative-config {"method": "draft_model", ...})')
+
+
 class NgramProposer:
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
         self.histories: dict[int, TokenHistory] = {}  # seq_id -> its tokens
 
-    def propose(self, seq: Sequence, k: int) -> list[int]:
+    def propose(self, seqs: list[Sequence], ks: list[int],
+                sampler: object = None) -> list[tuple[list[int], None]]:
+        """Up to ks[j] tokens that followed the latest earlier occurrence of seqs[j]'s last
+        n-gram (no distribution: they are looked up, not sampled)."""
+        return [(self.lookup(seq, k), None) for seq, k in zip(seqs, ks, strict=True)]
+
+    def lookup(self, seq: Sequence, k: int) -> list[int]:
         history = self.histories.get(seq.seq_id)
         if history is None:
             history = self.histories[seq.seq_id] = TokenHistory(seq.token_ids)
@@ -76,3 +86,9 @@ class NgramProposer:
         if len(self.histories) > len(alive):
             for seq_id in [i for i in self.histories if i not in alive]:
                 del self.histories[seq_id]
+
+    def add_adapter(self, name: str, path: str) -> None:
+        raise ValueError(NO_DRAFT_MODEL)
+
+    def close(self) -> None:
+        self.histories.clear()

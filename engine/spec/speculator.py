@@ -26,9 +26,9 @@ from torch import Tensor
 
 from loragw.engine.config import Config
 from loragw.engine.request.sequence import Sequence, TokenLogprob
-from loragw.engine.request.structured import TokenMask
+from loragw.engine.request.token_mask import TokenMask
 from loragw.engine.runner.sampler import Sampler
-from loragw.engine.spec.ngram import NgramProposer
+from loragw.engine.spec.proposer import Proposer, make_proposer
 from loragw.engine.spec.verify import NewTokens, sample_plain, verify
 from loragw.engine.speculative_config import SpeculativeConfig
 
@@ -52,14 +52,7 @@ class Speculator:
                  vocab_size: int):
         self.config = config
         self.counts: dict[str | None, SpecCounts] = {}
-        self.ngram = self.draft = None
-        if config.method == "ngram":
-            self.ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        else:
-            from loragw.engine.spec.draft import DraftProposer  # loads a second model
-
-            self.draft = DraftProposer(target, config.model, config.draft_adapters,
-                                       num_kv_blocks, vocab_size)
+        self.proposer: Proposer = make_proposer(config, target, num_kv_blocks, vocab_size)
         self.draft_probs: dict[int, Tensor] = {}  # seq_id -> q [k, V] of a sampled row's drafts
         # seq_id -> [steps still to skip, the skip after the next miss]: a request whose drafts
         # were all rejected proposes nothing for 1, 2, 4 ... 16 steps, so an answer that does not
@@ -67,8 +60,7 @@ class Speculator:
         self.backoff: dict[int, list[int]] = {}
 
     def close(self) -> None:
-        if self.draft is not None:
-            self.draft.close()
+        self.proposer.close()
 
     def propose(self, running: Iterable[Sequence], sampler: Sampler) -> None:
         """Set every running sequence's drafts for this step ([] for none): only decoding
@@ -76,7 +68,7 @@ class Speculator:
         decode (the rule: RESULTS.md)."""
         running = list(running)
         alive = {s.seq_id for s in running}
-        self._proposer.forget_all_but(alive)  # preempted requests' copies (and any left over)
+        self.proposer.forget_all_but(alive)  # preempted requests' copies (and any left over)
         if len(self.backoff) > len(alive):
             self.backoff = {i: b for i, b in self.backoff.items() if i in alive}
         decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
@@ -90,11 +82,8 @@ class Speculator:
                   seq.params.max_tokens - seq.num_output_tokens - 1) for seq in decoding]
         wanted = [(seq, k) for seq, k in zip(decoding, ks)
                   if k > 0 and seq.params.speculative and not self._backing_off(seq)]
-        if self.ngram is not None:
-            for seq, k in wanted:
-                seq.spec_tokens = self.ngram.propose(seq, k)
-            return
-        proposals = self.draft.propose([s for s, _ in wanted], [k for _, k in wanted], sampler)
+        proposals = self.proposer.propose([s for s, _ in wanted], [k for _, k in wanted],
+                                          sampler)
         for (seq, _), (drafts, q) in zip(wanted, proposals):
             seq.spec_tokens = drafts
             if q is not None:
@@ -102,12 +91,8 @@ class Speculator:
 
     def forget(self, seq: Sequence) -> None:
         """A request finished or was aborted: drop what the proposer kept of it."""
-        self._proposer.forget(seq.seq_id)
+        self.proposer.forget(seq.seq_id)
         self.backoff.pop(seq.seq_id, None)
-
-    @property
-    def _proposer(self):
-        return self.ngram if self.ngram is not None else self.draft
 
     def _backing_off(self, seq: Sequence) -> bool:
         state = self.backoff.get(seq.seq_id)

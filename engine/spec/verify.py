@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from loragw.engine.request.sequence import Sequence, TokenLogprob
-from loragw.engine.request.structured import TokenMask
+from loragw.engine.request.token_mask import TokenMask
 from loragw.engine.runner.sampler import Sampler, argmax_rows, draw, gather_logprobs
 
 

@@ -1,4 +1,4 @@
-"""`loragw bench`'s settings: one BenchConfig, each field a flag (gateway/flags.py) that also
+"""`loragw bench`'s settings: one BenchConfig, each field a flag (gateway/common/flags.py) that also
 reads LORAGW_<FLAG>."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from loragw.engine.config import option
+from loragw.engine.api import option
 
 DISTRIBUTIONS = ("uniform", "zipf")
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}

@@ -29,11 +29,11 @@ from litestar import Request, Response
 from litestar.response import Stream
 
 from loragw.adapters.registry import Registry, ReplicaState
-from loragw.gateway.errors import APIError
+from loragw.gateway.common.errors import APIError
 from loragw.gateway.tenants.forwarding import IDENTITY_HEADER
 
 if TYPE_CHECKING:  # imported only when tracing
-    from loragw.gateway.tracing import ClientSpan, Tracing
+    from loragw.gateway.observe.tracing import ClientSpan, Tracing
 
 logger = logging.getLogger(__name__)
 

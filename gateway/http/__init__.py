@@ -1,2 +1,3 @@
-"""The HTTP surface: the Litestar app, its controllers (OpenAI, Responses, admin, tenants, ops)
-and what they share (admission, prompts, formats, errors, auth)."""
+"""What the HTTP routes share: keys and callers (auth), OpenAI-shaped errors and response
+bodies, a request's engine streams (jobs), the OpenAPI additions, the upload body's own limits,
+the SERVER span, and the operations routes (/health, /ready, /metrics)."""

@@ -23,8 +23,8 @@ import hmac
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 
-from loragw.gateway.config import ServerConfig
-from loragw.gateway.errors import APIError
+from loragw.gateway.common.config import ServerConfig
+from loragw.gateway.common.errors import APIError
 from loragw.gateway.tenants.access import forbidden
 from loragw.gateway.tenants.forwarding import IDENTITY_HEADER, verify
 from loragw.gateway.tenants.keys import (
@@ -89,8 +89,8 @@ async def _resolve(connection: ASGIConnection) -> tuple[Principal | None, str | 
         for key_id, key in ((OPERATOR_ID, config.admin_key), (API_KEY_ID, config.api_key)):
             if key is not None and key_matches(token, key):
                 return _static(config, key_id), token
-    tenants = connection.app.state.runtime.tenants
-    if tenants is None or not tenants.started:
+    tenants = connection.app.state.tenants
+    if not tenants.started:
         raise APIError.not_ready("the tenant keys are being read")
     if signed is None:
         return await tenants.find(token), token

@@ -14,7 +14,7 @@ from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi import ResponseSpec
 
 from loragw.adapters.errors import AdapterError
-from loragw.gateway.errors import RETRY_AFTER_S, APIError
+from loragw.gateway.common.errors import RETRY_AFTER_S, APIError
 from loragw.gateway.http.response_bodies import ErrorBody, ErrorResponse
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """What a request's access-log line and counters record when its status line cannot say it: a
 stream whose 200 went out before the engine (or anything else) failed it mid-way.
 
-RequestContextMiddleware (gateway/http/app.py) opens one `Outcome` per request with
+RequestContextMiddleware (gateway/app.py) opens one `Outcome` per request with
 `tracking()`; code that runs on the request's behalf but holds no Request (an SSE stream's
 iterator, run by Litestar in a task of the request's own) marks it with `stream_failed()`.
 """

@@ -1,6 +1,6 @@
 """The OpenAI (and vLLM-extension) response bodies, as msgspec Structs: completions and chat
 (whole and streamed), models, errors, health; and `sse`, one Server-Sent Event of a body. The
-request bodies are in gateway/http/protocol.py."""
+request bodies are in gateway/openai/protocol.py."""
 
 from __future__ import annotations
 
@@ -14,11 +14,16 @@ class PromptTokensDetails(Struct):
     cached_tokens: int  # prompt tokens served from the prefix cache
 
 
-class Usage(Struct):
+class CompletionTokensDetails(Struct):
+    reasoning_tokens: int  # of the completion's tokens, those the model thought in
+
+
+class Usage(Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogprobs(Struct):
@@ -105,6 +110,9 @@ class AssistantMessage(Struct):
     refusal: str | None = None  # required by OpenAI's schema; this server never refuses
     # an array or no key at all (OpenAI's schema has no null here)
     tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET
+    # the model's thinking, apart from its answer: vLLM's name and DeepSeek's (no key without)
+    reasoning: str | msgspec.UnsetType = msgspec.UNSET
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(Struct):
@@ -128,6 +136,8 @@ class Delta(Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[ToolCallChunk] | None = None
+    reasoning: str | None = None  # thinking, as AssistantMessage's (both names)
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(Struct):

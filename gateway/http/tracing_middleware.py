@@ -1,6 +1,6 @@
 """The SERVER span of each OpenAI API request (/v1/*), with --otlp-traces-endpoint only.
 
-Added to the app by create_app only when the runtime traces (gateway/tracing.py), so a server
+Added to the app by create_app only when the replica traces (gateway/observe/tracing.py), so a server
 without the flag runs none of this. The span is current while the route runs, so admission's
 spans, a forward's CLIENT span and the engine's phase spans nest under it; it ends when the
 response's last byte is sent (a stream's too). Probes and /metrics are not traced.
@@ -8,13 +8,14 @@ response's last byte is sent (a stream's too). Probes and /metrics are not trace
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 from litestar.middleware import ASGIMiddleware
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from opentelemetry.trace import Status, StatusCode
 
-from loragw.gateway.residency.names import Location
-from loragw.gateway.runtime import Runtime
-from loragw.gateway.tracing import Tracing
+from loragw.gateway.common.records import AdapterRecord, Location
+from loragw.gateway.observe.tracing import Tracing
 
 TRACED_PREFIX = "/v1/"
 _PROPAGATED = (b"traceparent", b"tracestate")
@@ -23,8 +24,9 @@ _PROPAGATED = (b"traceparent", b"tracestate")
 class TracingMiddleware(ASGIMiddleware):
     scopes = ("http",)
 
-    def __init__(self, tracing: Tracing, runtime: Runtime):
-        self.tracing, self.runtime = tracing, runtime
+    def __init__(self, tracing: Tracing, records: Callable[[], Mapping[str, AdapterRecord]]):
+        """records: this replica's adapters now (for the located adapter's attributes)."""
+        self.tracing, self.records = tracing, records
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
         if not scope["path"].startswith(TRACED_PREFIX):
@@ -60,7 +62,7 @@ class TracingMiddleware(ASGIMiddleware):
             out["loragw.request_id"] = state["request_id"]
         location: Location | None = state.get("location")  # set once served here
         if location is not None:
-            out.update(self.tracing.located(location, self.runtime.adapters.records))
+            out.update(self.tracing.located(location, self.records()))
         if state.get("forwarded"):
             out["loragw.forwarded"] = True
         return out

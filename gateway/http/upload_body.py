@@ -14,8 +14,8 @@ import asyncio
 from litestar.middleware import ASGIMiddleware
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-from loragw.gateway.config import MB, ServerConfig
-from loragw.gateway.errors import APIError
+from loragw.gateway.common.config import MB, ServerConfig
+from loragw.gateway.common.errors import APIError
 
 
 def too_large(config: ServerConfig) -> APIError:

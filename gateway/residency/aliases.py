@@ -28,7 +28,7 @@ from loragw.adapters.aliases import (
     target_id,
 )
 from loragw.adapters.errors import AdapterError
-from loragw.gateway.errors import APIError
+from loragw.gateway.common.errors import APIError
 from loragw.gateway.residency.manager import AdapterManager
 from loragw.gateway.tenants.access import forbidden
 from loragw.gateway.tenants.keys import Principal, valid_tenant

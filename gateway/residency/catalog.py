@@ -30,9 +30,10 @@ from loragw.adapters.registry import (
     Registry,
 )
 from loragw.adapters.store_meta import StoredAdapter
+from loragw.gateway.common.records import AdapterRecord
 from loragw.gateway.residency.fetch import UPLOAD_SOURCE
 from loragw.gateway.residency.info import catalog_entry
-from loragw.gateway.residency.tiers import AdapterRecord, AdapterTiers
+from loragw.gateway.residency.tiers import AdapterTiers
 from loragw.gateway.residency.versions import PinnedVersions, object_keys
 
 logger = logging.getLogger(__name__)

@@ -21,8 +21,8 @@ from loragw.adapters.durable_fs import fsync_dir, write_synced
 from loragw.adapters.errors import AdapterError
 from loragw.adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
 from loragw.adapters.sources import InvalidSource, parse_source, resolve_source
-from loragw.engine.core.client import EngineClient
-from loragw.gateway.errors import APIError
+from loragw.engine.api import EngineClient
+from loragw.gateway.common.errors import APIError
 
 DRAFTS_DIR = ".drafts"
 

@@ -9,8 +9,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
 from loragw.adapters.registry import ReplicaState
-from loragw.engine.snapshot import EngineSnapshot
-from loragw.gateway.residency.tiers import AdapterRecord
+from loragw.engine.api import EngineSnapshot
+from loragw.gateway.common.records import AdapterRecord
 
 # Adapter ids a heartbeat lists as held beyond its slots: at most 128 characters each, so a
 # state stays under ~32 KB however many adapters its disk keeps; host copies go first.

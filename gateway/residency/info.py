@@ -8,8 +8,8 @@ import msgspec
 
 from loragw.adapters.registry import CatalogEntry
 from loragw.adapters.store_meta import StoredAdapter
-from loragw.engine.snapshot import EngineSnapshot
-from loragw.gateway.residency.tiers import AdapterRecord
+from loragw.engine.api import EngineSnapshot
+from loragw.gateway.common.records import AdapterRecord
 
 
 class AdapterInfo(msgspec.Struct):

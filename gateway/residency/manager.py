@@ -22,22 +22,22 @@ from loragw.adapters.base_identity import base_identity
 from loragw.adapters.object_store import ObjectStore
 from loragw.adapters.registry import REGISTRY_PREFIX, make_registry
 from loragw.adapters.store_meta import StoredAdapter, StoredMeta
-from loragw.engine.core.client import EngineClient
-from loragw.engine.snapshot import EngineSnapshot
-from loragw.gateway.config import ServerConfig
-from loragw.gateway.errors import APIError
-from loragw.gateway.metrics import Metrics
+from loragw.engine.api import EngineClient, EngineSnapshot
+from loragw.gateway.common.config import ServerConfig
+from loragw.gateway.common.errors import APIError
+from loragw.gateway.common.records import AdapterRecord, Location
+from loragw.gateway.observe.metrics import Metrics
 from loragw.gateway.residency import fetch as sources
 from loragw.gateway.residency.catalog import FleetCatalog
 from loragw.gateway.residency.heartbeat import holders, replica_state, resident_on
 from loragw.gateway.residency.info import AdapterInfo, adapter_info, residency
-from loragw.gateway.residency.names import Location, check_free, check_new_id, on_demand
-from loragw.gateway.residency.tiers import AdapterRecord, AdapterTiers
+from loragw.gateway.residency.names import check_free, check_new_id, on_demand
+from loragw.gateway.residency.tiers import AdapterTiers
 from loragw.gateway.residency.versions import PinnedVersions, object_keys, parse_pin, with_history
 from loragw.gateway.tenants.keys import OPERATOR, Principal
 
 if TYPE_CHECKING:  # imported only when tracing
-    from loragw.gateway.tracing import Tracing
+    from loragw.gateway.observe.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 PUBLISH_INTERVAL_S = 1.0  # this replica's state, and a read of the whole catalog
@@ -104,13 +104,12 @@ class AdapterManager:
         self.tiers.close()
 
     # ---- the request path ----------------------------------------------------------------
-    async def locate(self, model: str, principal: Principal = OPERATOR,
-                     *, user: str | None = None) -> Location:
-        """Where a request's `model` can be served: the base model, a catalog adapter (this
-        replica holds it or can fetch it, or only other replicas hold it), or a Hub / s3://
-        adapter --hub-allow / --s3-allow lets us fetch on first use; else 404, also for an
-        adapter `principal` may not use (answered exactly as one that does not exist)."""
-        model = self.aliases.resolve(model, user, principal.may_use)  # an alias: one target
+    async def locate(self, model: str, principal: Principal = OPERATOR) -> Location:
+        """Where a request's `model` (an alias already resolved to its target: the caller's
+        `aliases.resolve`, once per request) can be served: the base model, a catalog adapter
+        (this replica holds it or can fetch it, or only other replicas hold it), or a Hub /
+        s3:// adapter --hub-allow / --s3-allow lets us fetch on first use; else 404, also for
+        an adapter `principal` may not use (answered exactly as one that does not exist)."""
         if model == self.base_name:
             return Location(None, True)
         pinned_id, pin = parse_pin(model)  # bot@3, bot@sha256:...: one version of bot
@@ -256,10 +255,6 @@ class AdapterManager:
     # ---- what the OpenAI handlers call ----------------------------------------------------------
     def list_models(self) -> list[AdapterRecord]:
         return list(self.records.values())
-
-    async def unload(self, name: str) -> None:
-        """vLLM's unload: forgets the adapter for good (memory, the stored copy, the catalog)."""
-        await self.delete(name)
 
     def residency(self, name: str, snapshot: EngineSnapshot | None) -> str:
         return residency(self.records.get(name), name, snapshot)

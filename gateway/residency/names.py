@@ -5,8 +5,6 @@ ids a registration may take."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from loragw.adapters.errors import AdapterNotFound
 from loragw.adapters.ids import validate_adapter_id
@@ -19,29 +17,8 @@ from loragw.adapters.sources import (
     s3_allowed,
 )
 from loragw.adapters.store import AdapterExists
-from loragw.gateway.errors import APIError
-
-if TYPE_CHECKING:
-    from loragw.gateway.residency.tiers import AdapterRecord
-
-
-@dataclass(frozen=True, slots=True)
-class Location:
-    """Where a request's model can be served."""
-
-    adapter_id: str | None  # None: the base model
-    here: bool  # this replica holds it or can fetch it
-    # replicas to forward to first, best first: the only ones that hold it (not `here`), or
-    # those that hold it while the store it is fetched from does not answer (`here`)
-    holders: tuple[str, ...] = ()
-    source: str | None = None  # a new Hub or s3:// adapter to fetch on demand
-    version: int | None = None  # the catalog version that serves it (None: base, or not known)
-    older: bool = False  # an earlier version a request pinned (ID@N), not the id's newest
-
-    @property
-    def engine_adapter(self) -> str | None:
-        """The name the engine serves it under: the id, or ID@N for an earlier version."""
-        return f"{self.adapter_id}@{self.version}" if self.older else self.adapter_id
+from loragw.gateway.common.errors import APIError
+from loragw.gateway.common.records import AdapterRecord
 
 
 def on_demand(model: str, hub_allow: list[str], s3_allow: list[str]) -> tuple[str, str | None]:

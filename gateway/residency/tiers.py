@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from loragw.adapters.base_identity import BaseIdentity
-from loragw.adapters.errors import AdapterNotFound, short_name
+from loragw.adapters.errors import AdapterNotFound
 from loragw.adapters.format import parse_adapter
 from loragw.adapters.object_store import ObjectStore
 from loragw.adapters.registry import CatalogEntry
@@ -27,45 +26,16 @@ from loragw.adapters.sources import parse_source, resolve_source
 from loragw.adapters.store import AdapterStore
 from loragw.adapters.store_bases import open_base_store
 from loragw.adapters.store_meta import StoredAdapter, StoredMeta
-from loragw.engine.core.client import EngineClient
-from loragw.gateway.errors import APIError
-from loragw.gateway.metrics import Metrics
+from loragw.adapters.types import FileDigests
+from loragw.engine.api import EngineClient
+from loragw.gateway.common.errors import APIError
+from loragw.gateway.common.records import AdapterRecord, not_registered
+from loragw.gateway.observe.metrics import Metrics
 from loragw.gateway.residency.drafts import attach_draft
 from loragw.gateway.residency.fetch import fetch_bytes
 
 if TYPE_CHECKING:  # imported only when tracing
-    from loragw.gateway.tracing import Tracing
-
-
-def not_registered(adapter_id: str) -> AdapterNotFound:
-    """The 404 for an unknown adapter id (and, to a tenant key, for one it may not use)."""
-    return AdapterNotFound(f"adapter {short_name(adapter_id)} is not registered; GET "
-                           "/admin/adapters lists the registered ones")
-
-
-@dataclass(slots=True)
-class AdapterRecord:
-    """A catalog adapter as this replica knows it: the catalog's entry, its copy on this disk
-    (None: remote, fetched on first use), and whether the engine knows it yet."""
-
-    entry: CatalogEntry
-    stored: StoredAdapter | None = None
-    # registered in the engine (parsed once; after a host eviction the engine re-reads it from
-    # its disk copy itself); False: never handed to the engine yet (on disk only, or remote)
-    in_engine: bool = False
-    pinned: bool = False
-
-    @property
-    def name(self) -> str:
-        return self.entry.adapter_id
-
-    @property
-    def source(self) -> str:
-        return self.entry.source
-
-    @property
-    def created(self) -> int:
-        return int(self.entry.created_at)
+    from loragw.gateway.observe.tracing import Tracing
 
 
 class AdapterTiers:
@@ -119,18 +89,20 @@ class AdapterTiers:
         """Validate against the base model (and its draft LoRA against the draft model, which
         then drafts for it), write through to the object store (if there is one and
         `write_through`), store `meta.version` here, register it in the engine."""
+        digests = FileDigests.of(config_raw, weights_raw)  # once, for every use below
         adapter = await asyncio.to_thread(parse_adapter, config_raw, weights_raw,
-                                          self.engine.adapter_spec)
+                                          self.engine.adapter_spec, digests)
         if meta.draft_source:
             await self._attach_draft(adapter_id, meta.draft_source)
         key = meta.object_key
         if write_through and self.object_store is not None:
-            key = await asyncio.to_thread(self.object_store.put, config_raw, weights_raw)
+            key = await asyncio.to_thread(self.object_store.put, config_raw, weights_raw,
+                                          digests)
         meta = StoredMeta(meta.source, meta.revision, adapter.max_rank, adapter.targets,
                           meta.version, key, adapter.warnings, meta.owner,
                           draft_source=meta.draft_source)
         stored = await asyncio.to_thread(self.store.put, adapter_id, config_raw, weights_raw,
-                                         meta, True)
+                                         meta, True, digests)
         started = time.perf_counter()
         await self.engine.add_adapter(adapter_id, stored.path, adapter)
         self._observe("host", started, adapter_id, meta.version)

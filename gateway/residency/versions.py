@@ -23,9 +23,9 @@ from loragw.adapters.errors import short_name
 from loragw.adapters.registry import CatalogEntry
 from loragw.adapters.store import AdapterStore
 from loragw.adapters.store_meta import StoredAdapter
-from loragw.gateway.errors import APIError
+from loragw.gateway.common.errors import APIError
+from loragw.gateway.common.records import Location
 from loragw.gateway.residency.fetch import can_fetch, fetch_bytes
-from loragw.gateway.residency.names import Location
 from loragw.gateway.residency.tiers import AdapterTiers
 
 logger = logging.getLogger(__name__)

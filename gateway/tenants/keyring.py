@@ -15,7 +15,7 @@ import logging
 import time
 from dataclasses import replace
 
-from loragw.gateway.errors import APIError
+from loragw.gateway.common.errors import APIError
 from loragw.gateway.tenants.keys import KeyRecord, digest, new_key_id, new_secret
 from loragw.gateway.tenants.windows import Limits
 

@@ -1,5 +1,5 @@
 """`Tenants`: the keyring, the limiter, the audit log and the fleet's forwarding secret of one
-replica, started before anything else in the runtime and kept current by a heartbeat of its own
+replica, started before anything else in Services and kept current by a heartbeat of its own
 (`HEARTBEAT_S`): keys re-read when they changed anywhere, concurrency leases renewed, last
 uses flushed. With --redis-url all of it lives in Redis (keys, limits, audit: fleet-wide);
 without, keys and audit live in `<adapter dir>/.tenants/` and limits in this process.
@@ -16,10 +16,10 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from loragw.gateway.config import ServerConfig
-from loragw.gateway.errors import APIError
-from loragw.gateway.jobs import GenerationJob, spawn
-from loragw.gateway.metrics import Metrics
+from loragw.gateway.common.config import ServerConfig
+from loragw.gateway.common.errors import APIError
+from loragw.gateway.common.tasks import spawn
+from loragw.gateway.observe.metrics import Metrics
 from loragw.gateway.tenants.audit import AuditLog
 from loragw.gateway.tenants.forwarding import fleet_secret
 from loragw.gateway.tenants.key_store import FileKeyStore, RedisKeyStore
@@ -86,13 +86,14 @@ class Tenants:
                                         decision.retry_after_s, headers)
         return decision.reservation, headers
 
-    def finish(self, job: GenerationJob) -> None:
-        """A request ended: its tokens counted, its reservation corrected and released."""
-        counts = job.counts
-        self.metrics.tenant_tokens.labels(job.tenant, "prompt").inc(counts.prompt)
-        self.metrics.tenant_tokens.labels(job.tenant, "completion").inc(counts.completion)
-        if job.reservation is not None:
-            spawn(self.limiter.finish(job.reservation, counts.prompt + counts.completion))
+    def finish(self, tenant: str, prompt: int, completion: int,
+               reservation: Reservation | None) -> None:
+        """A request of `tenant` ended, having used `prompt` and `completion` tokens: counted,
+        and its reservation (if its key has limits) corrected and released."""
+        self.metrics.tenant_tokens.labels(tenant, "prompt").inc(prompt)
+        self.metrics.tenant_tokens.labels(tenant, "completion").inc(completion)
+        if reservation is not None:
+            spawn(self.limiter.finish(reservation, prompt + completion))
 
     async def by_id(self, key_id: str) -> Principal | None:
         """The key a forwarded request names (the store on a miss: minted a moment ago)."""

@@ -9,7 +9,7 @@ from collections.abc import Callable
 def watch_lora_steps(llm, monkeypatch, check: Callable[[], None] | None = None) -> list:
     """The LoRAStep of every step from now on (None for steps without adapters); `check()`
     runs before each step's forward."""
-    runner, steps = llm.engine.runner.local, []
+    runner, steps = llm.engine.model_runner, []
     prepare = runner.prepare
 
     def watched(plan, pending=None):

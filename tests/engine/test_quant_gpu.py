@@ -43,7 +43,7 @@ def test_float32_on_the_gpu_matches_the_decompressed_model(world, scheme, eager)
     with serve(world, scheme, enforce_eager=eager) as llm:
         expected = "torch" if scheme.startswith(("fp8", "hf-fp8")) and (
             torch.cuda.get_device_capability() < (8, 9)) else "triton"
-        assert llm.engine.runner.local.backends.quant == expected
+        assert llm.engine.model_runner.backends.quant == expected
         outputs = llm.generate(world.prompts, GREEDY, adapters=world.request_adapters)
         world.check(outputs, scheme, weight_only=True)
 

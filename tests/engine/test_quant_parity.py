@@ -25,6 +25,8 @@ from loragw.engine import LLM, SamplingParams
 from loragw.engine.quant.scheme import SUPPORTED
 from loragw.engine.snapshot import engine_info
 
+pytestmark = pytest.mark.slow  # quantized checkpoints and their oracle, in another venv
+
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 QWEN2_SCHEMES = ("w4a16-asym-g32", "w8a16-channel", "fp8-block", "gptq-desc-act", "awq-g32")
 STRESS = dict(max_loras=2, max_num_batched_tokens=8, num_kv_blocks=16, block_size=4)

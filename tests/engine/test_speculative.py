@@ -17,6 +17,8 @@ from loragw.engine.spec.ngram import lookup
 from loragw.engine.spec.verify import verify
 from loragw.engine.speculative_config import parse_speculative_config
 
+pytestmark = pytest.mark.slow  # engines with a draft model, many generations
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3, "disable_by_batch_size": 64}
 ADAPTERS = [None, "ad0", "ad1", "ad2", None, "ad3", "ad4", "ad1"]
@@ -99,7 +101,8 @@ def test_requests_opt_out_and_large_batches_turn_it_off(checkpoint):
     with make_llm(checkpoint, speculative_config=config) as llm:
         lengths = [3, 12, 12, 12]
         llm.generate(ps, [SamplingParams(max_tokens=n, temperature=0.0) for n in lengths])
-        assert accepted(llm) >= 0 and llm.engine.speculator.counts
+        # once the short request has finished, three decode: the others draft
+        assert sum(c.draft_tokens for c in llm.engine.speculator.counts.values()) > 0
         with make_llm(checkpoint, speculative_config=config) as same:
             same.generate(ps, [SamplingParams(max_tokens=12, temperature=0.0)] * 4)
             assert same.engine.speculator.counts == {}
@@ -306,7 +309,7 @@ def test_draft_model_greedy_equals_decoding_without_speculation(checkpoint, tiny
         want = [o.token_ids for o in plain.generate(ps, params, ADAPTERS)]
     with make_llm(checkpoint, speculative_config=config, max_num_batched_tokens=16,
                   num_kv_blocks=32, block_size=4) as spec:
-        proposer = spec.engine.speculator.draft
+        proposer = spec.engine.speculator.proposer
         if draft == "tiny":  # one more, registered while serving
             spec.add_draft_adapter("ad2", draft_lora(str(tmp_path / "d2"), 6))
             assert set(proposer.lora.adapters) == {"ad1", "ad2"}
@@ -335,7 +338,7 @@ def test_the_draft_never_recomputes_a_running_requests_context(checkpoint, tiny_
               "disable_by_batch_size": 2}  # 4 running: nobody drafts until 2 have finished
     ps = [p * 3 for p in prompts(4)]
     with make_llm(checkpoint, speculative_config=config) as spec:
-        proposer = spec.engine.speculator.draft
+        proposer = spec.engine.speculator.proposer
         seen: dict[int, int] = {}  # the request (by its prompt list) -> positions computed
         redone = []
         forward = proposer._forward

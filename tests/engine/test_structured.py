@@ -10,9 +10,10 @@ import jsonschema
 import pytest
 
 from loragw.engine import LLM
+from loragw.engine.chat import tool_call_parser
 from loragw.engine.request.params import SamplingParams
 from loragw.engine.request.structured import GuidedDecoding
-from loragw.gateway.http.tool_calls import parse_tool_call, tool_call_schema
+from loragw.gateway.openai.tool_calls import tool_call_schema
 
 S = {"type": "string", "maxLength": 8}
 SCHEMAS = [
@@ -180,15 +181,13 @@ def test_tool_call_schema_and_parse(llm):
                  "required": ["a", "b"]}}}]
     schema = tool_call_schema(tools, ["get_weather", "add"])
     outs = llm.generate(["Call:"] * 4, [guided("json_schema", schema, seed=i) for i in range(4)])
+    parser = tool_call_parser("llama3_json")()  # what reads a forced call (chat_setup.py)
     for out in outs:
-        name, arguments = parse_tool_call(out.text, ["get_weather", "add"])
+        (call,) = parser.parse(out.text, lambda: "call_0").calls
         params = next(t["function"]["parameters"] for t in tools
-                      if t["function"]["name"] == name)
-        jsonschema.validate(json.loads(arguments), params)
-    assert parse_tool_call('<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>',
-                           ["add"]) == ("add", '{"a": 1}')
-    assert parse_tool_call('{"name": "nope", "arguments": {}}', ["add"]) is None
-    assert parse_tool_call("plain text", ["add"]) is None
+                      if t["function"]["name"] == call.name)
+        jsonschema.validate(json.loads(call.arguments), params)
+    assert parser.parse("plain text", lambda: "call_0").calls == ()
 
 
 def test_without_xgrammar_only_structured_output_is_refused(llm, monkeypatch):

@@ -12,6 +12,8 @@ from peft_reference import MAX_TOKENS, World
 
 from loragw.engine import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # two gloo ranks per engine
+
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 60)), [100] * 17]
 VOCAB_LORAS = {

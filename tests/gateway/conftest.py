@@ -23,8 +23,8 @@ from random_adapters import (
 from loragw.adapters.format import read_adapter
 from loragw.engine import LLM
 from loragw.engine.models import adapter_spec
-from loragw.gateway.config import ServerConfig
-from loragw.gateway.http.app import create_app
+from loragw.gateway.app import create_app
+from loragw.gateway.common.config import ServerConfig
 from loragw.gateway.server import BackgroundServer
 
 
@@ -64,10 +64,10 @@ def server_config(model_dir, adapter_dirs, tmp_path_factory) -> ServerConfig:
 
 @pytest.fixture(scope="session")
 def server(server_config):
-    """The live server; `server.runtime` is its Runtime (engine counters for assertions)."""
+    """The live server; `server.services` is its Services (engine counters for assertions)."""
     app = create_app(server_config)
     with BackgroundServer(app) as background:
-        background.runtime = app.state.runtime
+        background.services = app.state.services
         background.wait_ready()
         yield background
 
@@ -113,30 +113,30 @@ def make_adapter(hf_config):
 
 @pytest.fixture(scope="session")
 def wait_idle():
-    """wait_idle(runtime): until no sequence, KV block, slot or admitted request is held."""
+    """wait_idle(services): until no sequence, KV block, slot or admitted request is held."""
     return _wait_idle
 
 
 @pytest.fixture(scope="session")
 def engine_state():
-    """engine_state(runtime): the engine's EngineSnapshot now, from a thread outside the
+    """engine_state(services): the engine's EngineSnapshot now, from a thread outside the
     server's event loop (the engine may be in a process of its own)."""
     return _engine_state
 
 
-def _engine_state(runtime):
-    return asyncio.run_coroutine_threadsafe(runtime.snapshot(), runtime.loop).result(30)
+def _engine_state(services):
+    return asyncio.run_coroutine_threadsafe(services.snapshot(), services.loop).result(30)
 
 
-def engine_idle(runtime) -> bool:
-    snap = _engine_state(runtime)
+def engine_idle(services) -> bool:
+    snap = _engine_state(services)
     return (snap.num_running == 0 and snap.num_waiting == 0
             and snap.kv_blocks_free == snap.kv_blocks_total and snap.slots_in_use == 0
-            and runtime.inflight == 0)
+            and services.capacity.inflight == 0)
 
 
-def _wait_idle(runtime, timeout: float = 30.0) -> None:
+def _wait_idle(services, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
-    while not engine_idle(runtime):
+    while not engine_idle(services):
         assert time.monotonic() < deadline, "sequences, KV blocks or slots still held"
         time.sleep(0.02)

@@ -18,9 +18,9 @@ from uploads import read_files
 
 from loragw.adapters.types import TARGET_MODULES
 from loragw.engine.request.params import SamplingParams
-from loragw.gateway.config import MB, ServerConfig
-from loragw.gateway.http.app import create_app
-from loragw.gateway.metrics import Metrics
+from loragw.gateway.app import create_app
+from loragw.gateway.common.config import MB, ServerConfig
+from loragw.gateway.observe.metrics import Metrics
 from loragw.gateway.residency.manager import AdapterManager
 from loragw.gateway.server import BackgroundServer
 
@@ -60,7 +60,7 @@ def admin_server(model_dir, hub, tmp_path_factory):
     app = create_app(config)
     try:
         with BackgroundServer(app) as background:
-            background.runtime, background.adapter_dir = app.state.runtime, adapter_dir
+            background.services, background.adapter_dir = app.state.services, adapter_dir
             background.wait_ready()
             yield background
     finally:
@@ -135,7 +135,7 @@ def test_upload_use_replace_delete(admin, admin_server, offline, make_adapter, t
     # nothing left but the store's own files (dot names), in this base's store too
     assert not [p for p in tree_hash(admin_server.adapter_dir)
                 if not any(part.startswith(".") for part in p.split(os.sep))]
-    assert "acme/story" not in engine_state(admin_server.runtime).residency
+    assert "acme/story" not in engine_state(admin_server.services).residency
 
 
 def test_actions_load_evict_pin_unpin(admin, make_adapter, tmp_path):
@@ -224,9 +224,9 @@ def test_oversize_missing_fields_and_auth_are_refused(admin, admin_server, make_
 def limits_server(admin_server):
     """A second front end on the admin server's engine and store, with --max-request-mb 1,
     --max-upload-mb 4 and --upload-timeout-s 0.5."""
-    config = replace(admin_server.runtime.config, max_request_mb=1, max_upload_mb=4,
+    config = replace(admin_server.services.config, max_request_mb=1, max_upload_mb=4,
                      upload_timeout_s=0.5)
-    with BackgroundServer(create_app(config, runtime=admin_server.runtime)) as background:
+    with BackgroundServer(create_app(config, services=admin_server.services)) as background:
         yield background
 
 
@@ -295,10 +295,10 @@ def test_an_upload_that_stalls_is_cut_off_with_a_408_and_nothing_stored(
 async def test_restart_knows_stored_adapters(admin, admin_server, make_adapter, tmp_path):
     assert upload(admin, "survivor", *read_files(make_adapter(tmp_path / "a", 8)),
                   replace="true").status_code == 201
-    runtime = admin_server.runtime
-    config = ServerConfig(model=runtime.config.model, adapter_dir=admin_server.adapter_dir,
+    services = admin_server.services
+    config = ServerConfig(model=services.config.model, adapter_dir=admin_server.adapter_dir,
                           replica_id="restarted", served_model_name="demo-base")
-    again = AdapterManager(config, runtime.engine, Metrics())
+    again = AdapterManager(config, services.engine, Metrics())
     await again.start()
     try:
         assert "survivor" in again.records

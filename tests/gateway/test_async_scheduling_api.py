@@ -13,9 +13,9 @@ import httpx
 import openai
 import pytest
 
-from loragw.gateway.config import ServerConfig
-from loragw.gateway.flags import add_options
-from loragw.gateway.http.app import create_app
+from loragw.gateway.app import create_app
+from loragw.gateway.common.config import ServerConfig
+from loragw.gateway.common.flags import add_options
 from loragw.gateway.server import BackgroundServer
 
 PROMPTS = ["Once upon a time", "The quick brown fox", "In a hole in the ground", "Hello"]
@@ -29,7 +29,7 @@ def async_server(server_config, tmp_path_factory):
                              "async_scheduling": True})
     app = create_app(config)
     with BackgroundServer(app) as background:
-        background.runtime = app.state.runtime
+        background.services = app.state.services
         background.wait_ready()
         yield background
 
@@ -89,6 +89,6 @@ def test_a_client_leaving_mid_stream_aborts_its_request(async_server, wait_idle)
             for n, _ in enumerate(r.iter_lines()):
                 if n == 6:
                     break  # leave while tokens are being generated
-        wait_idle(async_server.runtime)  # blocks, slot and the request released
+        wait_idle(async_server.services)  # blocks, slot and the request released
         done = http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 5})
         assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 5

@@ -25,8 +25,8 @@ from loragw.adapters.store import AdapterStore
 from loragw.adapters.store_bases import BASES_DIR, open_base_store
 from loragw.adapters.store_meta import StoredMeta
 from loragw.engine.models import adapter_spec
-from loragw.gateway.config import ServerConfig
-from loragw.gateway.http.app import create_app
+from loragw.gateway.app import create_app
+from loragw.gateway.common.config import ServerConfig
 from loragw.gateway.server import BackgroundServer
 
 redis_server = load_fixture_module("redis_server").redis_server  # the fixture
@@ -55,7 +55,7 @@ def advertised(config: ServerConfig) -> BackgroundServer:
     """A server whose --advertise-url is the loopback port it got (so a forward would work)."""
     app = create_app(config)
     background = BackgroundServer(app)
-    app.state.runtime.config = dataclasses.replace(config, advertise_url=background.url)
+    app.state.services.config = dataclasses.replace(config, advertise_url=background.url)
     return background
 
 

@@ -102,7 +102,7 @@ def test_bench_against_a_running_server(server, adapter_names, wait_idle, tmp_pa
     assert result["ttft_ms"]["p50"] <= result["e2e_ms"]["p50"]
     assert result["tpot_ms"]["p99"] > 0
     assert result["config"]["request_rate"] is None  # inf, which JSON cannot hold
-    wait_idle(server.runtime)
+    wait_idle(server.services)
 
 
 def test_bench_chat_base_model_whole_responses(server, base_name, tmp_path, capsys):

@@ -19,8 +19,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loragw.gateway.config import ServerConfig
-from loragw.gateway.http.app import create_app
+from loragw.gateway.app import create_app
+from loragw.gateway.common.config import ServerConfig
 from loragw.gateway.server import BackgroundServer
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "dashboards" / "lora-gateway.json"

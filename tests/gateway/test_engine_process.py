@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from loragw.gateway.bench.server import free_port, wait_ready
-from loragw.gateway.config import ServerConfig, parse_cpu_list
+from loragw.gateway.common.config import ServerConfig, parse_cpu_list
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,9 +14,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loragw.gateway.http.app import create_app
-from loragw.gateway.metrics import Metrics
-from loragw.gateway.metrics_adapters import PROMOTION_MARGIN, overtakes
+from loragw.gateway.app import create_app
+from loragw.gateway.observe.adapter_series import PROMOTION_MARGIN, overtakes
+from loragw.gateway.observe.metrics import Metrics
 from loragw.gateway.server import BackgroundServer
 
 MAX_LORAS = 4  # conftest's --max-loras
@@ -118,7 +118,7 @@ def one_seq_server(server_config, tmp_path_factory):
                      adapter_dir=str(tmp_path_factory.mktemp("metrics-protocol-store")))
     app = create_app(config)
     with BackgroundServer(app) as background:
-        background.runtime = app.state.runtime
+        background.services = app.state.services
         background.wait_ready()
         yield background
 
@@ -178,7 +178,7 @@ def test_running_and_waiting_adapters_come_from_their_own_queues(one_seq_server,
         (sample,) = parsed[name].samples
         assert sample.labels == {"model_name": base_name, "engine": "0"}, name
     assert 0 < gauge(parsed, "vllm:kv_cache_usage_perc") <= 1
-    wait_idle(one_seq_server.runtime)
+    wait_idle(one_seq_server.services)
     idle = scrape(url)
     assert gauge(idle, "vllm:num_requests_running") == gauge(idle, "vllm:kv_cache_usage_perc") == 0
     assert idle["vllm:lora_requests_info"].samples[0].labels["running_lora_adapters"] == ""

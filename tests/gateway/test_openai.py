@@ -231,14 +231,14 @@ def test_load_use_unload_adapter_at_runtime(http, client, server, make_adapter, 
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-3][6:])["choices"][0]["finish_reason"] == "abort"
     assert json.loads(events[-2][6:])["usage"]["completion_tokens"] < 400
-    assert "late" not in engine_state(server.runtime).residency  # really gone from the engine
+    assert "late" not in engine_state(server.services).residency  # really gone from the engine
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="late", prompt=PROMPTS[0], **GREEDY)
     assert err.value.body["code"] == "model_not_found"
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 404
     bad = http.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)})
     assert bad.status_code == 422 and bad.json()["error"]["message"]
-    wait_idle(server.runtime)
+    wait_idle(server.services)
 
 
 async def test_64_concurrent_streams_over_8_adapters_with_4_slots(server, offline, wait_idle,
@@ -266,8 +266,8 @@ async def test_64_concurrent_streams_over_8_adapters_with_4_slots(server, offlin
     assert not mismatched, f"{len(mismatched)} of 64 differ, e.g. {jobs[mismatched[0]]}"
     solo = offline_texts(offline, [jobs[9][1]], [jobs[9][0]])[0]
     assert got[9] == solo
-    wait_idle(server.runtime)
-    assert engine_state(server.runtime).evictions["device"] > 0, "8 adapters in 4 slots must swap"
+    wait_idle(server.services)
+    assert engine_state(server.services).evictions["device"] > 0, "8 adapters in 4 slots must swap"
 
 
 # ---- logit_bias, echo and vLLM's sampling extensions ------------------------------------------

@@ -19,9 +19,9 @@ import jsonschema
 import pytest
 from litestar.testing import TestClient
 
-from loragw.gateway.config import MB
-from loragw.gateway.http.app import create_app
-from loragw.gateway.runtime import Runtime
+from loragw.gateway.app import create_app
+from loragw.gateway.common.config import MB
+from loragw.gateway.services import Services
 
 BASE = "demo-base"  # conftest's served model name
 ADAPTER = "lora-2"
@@ -182,22 +182,22 @@ def test_errors_of_every_status_conform(http, server, server_config, tmp_path, m
                      headers={"content-type": "application/json"}), 413)
     _error(http.post("/v1/load_lora_adapter", json={"lora_name": "bad",
                                                      "lora_path": str(tmp_path)}), 422)
-    runtime = server.runtime
-    runtime.inflight += runtime.config.max_capacity
+    services = server.services
+    services.capacity.inflight += services.config.max_capacity
     try:
         _error(http.post("/v1/chat/completions", json=chat), 429)
     finally:
-        runtime.inflight -= runtime.config.max_capacity
-    keyed = create_app(replace(server_config, api_key="k", admin_key="a"), runtime=runtime)
+        services.capacity.inflight -= services.config.max_capacity
+    keyed = create_app(replace(server_config, api_key="k", admin_key="a"), services=services)
     with TestClient(keyed) as c:
         _error(c.post("/v1/chat/completions", json=chat), 401)
         _error(c.get("/admin/adapters", headers={"Authorization": "Bearer k"}), 401)
-    with TestClient(create_app(server_config, runtime=Runtime(server_config))) as c:
+    with TestClient(create_app(server_config, services=Services(server_config))) as c:
         _error(c.post("/v1/chat/completions", json=chat), 503)
         _error(c.get("/ready"), 503)
 
     def broken():
         raise RuntimeError("simulated bug")
 
-    monkeypatch.setattr(runtime.adapters, "list_models", broken)
+    monkeypatch.setattr(services.adapters, "list_models", broken)
     _error(http.get("/v1/models"), 500)

@@ -227,6 +227,6 @@ def test_schemathesis_finds_no_server_error_and_no_response_off_the_schema(serve
     assert not failures, f"{len(failures)} failures:\n\n" + "\n\n".join(distinct.values())
     for label in ("POST /v1/completions", "POST /v1/chat/completions"):
         assert statuses[label].get(200, 0) >= 3, f"{label}: too few generations {statuses}"
-    assert set(server.runtime.adapters.records) == {f"lora-{i}" for i in range(8)}
-    wait_idle(server.runtime)
+    assert set(server.services.adapters.records) == {f"lora-{i}" for i in range(8)}
+    wait_idle(server.services)
     assert time.monotonic() - started < 120, "keep the run bounded"

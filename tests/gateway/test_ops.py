@@ -17,11 +17,11 @@ from litestar.testing import AsyncTestClient, TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from raw_http import RawRequest
 
-from loragw.gateway.config import MB, ServerConfig
-from loragw.gateway.flags import add_options
-from loragw.gateway.http.app import create_app
-from loragw.gateway.runtime import Runtime
+from loragw.gateway.app import create_app
+from loragw.gateway.common.config import MB, ServerConfig
+from loragw.gateway.common.flags import add_options
 from loragw.gateway.server import BackgroundServer, serve_main
+from loragw.gateway.services import Services
 
 BASE = "demo-base"  # conftest's served model name
 ADAPTER = "lora-0"
@@ -142,7 +142,7 @@ JSON_BODIES = {"/v1/completions": {"model": BASE, "prompt": "hi", **SMALL},
 @pytest.fixture(scope="module")
 def one_mb_server(server, server_config):
     """A second front end on the live engine with --max-request-mb 1."""
-    app = create_app(replace(server_config, max_request_mb=1), runtime=server.runtime)
+    app = create_app(replace(server_config, max_request_mb=1), services=server.services)
     with BackgroundServer(app) as background:
         yield background
 
@@ -194,7 +194,7 @@ def test_trivial_values_of_unimplemented_fields_are_accepted(http):
 
 async def test_keys_guard_v1_and_admin_routes_but_not_probes(server, server_config):
     config = replace(server_config, api_key="user-key", admin_key="admin-key")
-    app = create_app(config, runtime=server.runtime)
+    app = create_app(config, services=server.services)
     user = {"Authorization": "Bearer user-key"}
     admin = {"Authorization": "Bearer admin-key"}
     body = {"model": BASE, "prompt": "hi", **SMALL}
@@ -235,7 +235,7 @@ GUARDED = [  # method, path, body, the key the route takes, the status with that
 
 async def test_the_bearer_scheme_is_case_insensitive_on_every_guarded_route(server,
                                                                            server_config):
-    app = create_app(replace(server_config, **KEYS), runtime=server.runtime)
+    app = create_app(replace(server_config, **KEYS), services=server.services)
     async with AsyncTestClient(app) as c:
         for method, path, body, key, status in GUARDED:
             for scheme in ("Bearer", "bearer", "BEARER"):
@@ -248,7 +248,7 @@ async def test_the_bearer_scheme_is_case_insensitive_on_every_guarded_route(serv
 
 
 async def test_metrics_take_the_metrics_key_once_one_is_set(server, server_config):
-    app = create_app(replace(server_config, metrics_key="metrics-key"), runtime=server.runtime)
+    app = create_app(replace(server_config, metrics_key="metrics-key"), services=server.services)
     async with AsyncTestClient(app) as c:
         error = assert_openai_error(await c.get("/metrics"), 401, "invalid_api_key")
         assert "metrics key" in error["message"]
@@ -265,7 +265,7 @@ def test_an_unexpected_failure_is_a_logged_500_naming_the_request_id(http, serve
     def broken():
         raise RuntimeError("simulated bug")
 
-    monkeypatch.setattr(server.runtime.adapters, "list_models", broken)
+    monkeypatch.setattr(server.services.adapters, "list_models", broken)
     r = http.get("/v1/models", headers={"X-Request-Id": "req-500"})
     error = assert_openai_error(r, 500, "internal_error")
     assert "req-500" in error["message"] and error["type"] == "server_error"
@@ -276,14 +276,14 @@ def test_an_unexpected_failure_is_a_logged_500_naming_the_request_id(http, serve
 
 
 def test_a_full_server_answers_429_with_retry_after(http, server):
-    runtime = server.runtime
-    runtime.inflight += runtime.config.max_capacity  # as if every slot and queue place were taken
+    services = server.services
+    services.capacity.inflight += services.config.max_capacity  # as if every slot and queue place were taken
     try:
         r = http.post("/v1/completions", json={"model": BASE, "prompt": "hi", **SMALL})
         assert_openai_error(r, 429, "rate_limit_exceeded")
         assert int(r.headers["retry-after"]) >= 1
     finally:
-        runtime.inflight -= runtime.config.max_capacity
+        services.capacity.inflight -= services.config.max_capacity
     too_many = {"model": BASE, "prompt": ["a"] * 100, "n": 10, **SMALL}
     assert_openai_error(http.post("/v1/completions", json=too_many), 400)
     assert http.post("/v1/completions", json={"model": BASE, "prompt": "hi",
@@ -305,7 +305,7 @@ LONG = 480  # tokens a request would generate if nobody stopped it (context 512)
 @pytest.mark.parametrize("n", [1, 2])
 def test_a_client_disconnecting_mid_stream_frees_its_sequences(server, http, wait_idle, n,
                                                                engine_state):
-    runtime, adapter = server.runtime, "lora-6"
+    services, adapter = server.services, "lora-6"
     finished = metric(http, "loragw_e2e_request_latency_seconds_count", adapter=adapter)
     generated = metric(http, "loragw_completion_tokens_total", adapter=adapter)
     counted = {status: (metric(http, "loragw_requests_total", adapter=adapter, status=status),
@@ -318,13 +318,13 @@ def test_a_client_disconnecting_mid_stream_frees_its_sequences(server, http, wai
             assert r.status_code == 200
             lines = r.iter_lines()
             assert sum(next(lines).startswith("data: {") for _ in range(6)) >= 3
-            snap = engine_state(runtime)
+            snap = engine_state(services)
             assert snap.num_running + snap.num_waiting == n  # every choice still generating
     # closed with the response unread: the server must abort every choice, not finish them
-    wait_idle(runtime, timeout=20)
-    snap = engine_state(runtime)
+    wait_idle(services, timeout=20)
+    snap = engine_state(services)
     assert snap.kv_blocks_free == snap.kv_blocks_total
-    assert snap.slots_in_use == 0 and runtime.inflight == 0
+    assert snap.slots_in_use == 0 and services.capacity.inflight == 0
     assert metric(http, "loragw_e2e_request_latency_seconds_count", adapter=adapter) == finished
     assert metric(http, "loragw_completion_tokens_total", adapter=adapter) - generated < n * LONG
     # counted as abandoned (499, as a whole response given up), not as the 200 its headers said
@@ -347,14 +347,14 @@ def test_a_client_giving_up_on_a_whole_response_frees_its_sequence(server, http,
             "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
-    wait_idle(server.runtime, timeout=20)
+    wait_idle(server.services, timeout=20)
     assert metric(http, "loragw_e2e_request_latency_seconds_count", adapter=adapter) == finished
     assert metric(http, "loragw_http_requests_total", route="/v1/completions", status="499") >= 1
 
 
 def test_not_ready_answers_503_but_health_is_200(server_config):
-    idle = Runtime(server_config)  # never started: the model is "loading"
-    with TestClient(create_app(server_config, runtime=idle)) as c:
+    idle = Services(server_config)  # never started: the model is "loading"
+    with TestClient(create_app(server_config, services=idle)) as c:
         assert c.get("/health").status_code == 200
         assert_openai_error(c.get("/ready"), 503, "not_ready")
         r = c.post("/v1/completions", json={"model": BASE, "prompt": "hi"})
@@ -522,5 +522,5 @@ def test_fuzzed_bodies_from_the_openapi_schema_never_get_a_5xx(http, server, wai
             assert '"error"' not in r.text, f"{path} {body} streamed an error: {r.text[-500:]}"
     assert statuses.get(200, 0) >= FUZZ_CASES // 10, f"too few valid bodies: {statuses}"
     assert sum(n for s, n in statuses.items() if 400 <= s < 500) >= FUZZ_CASES // 10
-    assert set(server.runtime.adapters.records) == {f"lora-{i}" for i in range(8)}
-    wait_idle(server.runtime)
+    assert set(server.services.adapters.records) == {f"lora-{i}" for i in range(8)}
+    wait_idle(server.services)

@@ -26,9 +26,9 @@ import httpx
 import psutil
 import pytest
 
+from loragw.gateway.app import create_app
 from loragw.gateway.bench.server import free_port, stop_server, wait_ready
-from loragw.gateway.config import ServerConfig
-from loragw.gateway.http.app import create_app
+from loragw.gateway.common.config import ServerConfig
 from loragw.gateway.server import BackgroundServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -173,7 +173,7 @@ def test_health_fails_within_its_bound_while_a_thread_engine_step_never_returns(
         while http.get("/ready").status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        engine = app.state.runtime.engine.transport.engine  # the LLMEngine the thread steps
+        engine = app.state.services.engine.transport.engine  # the LLMEngine the thread steps
         release, step = threading.Event(), engine.step
 
         def stuck_step():

@@ -17,7 +17,7 @@ def metric(text: str, name: str) -> float:
 
 
 def test_a_repeated_prompt_reports_cached_tokens(client, http, server, wait_idle):
-    block_size = server.runtime.info.block_size
+    block_size = server.services.info.block_size
     first = client.completions.create(model=BASE, prompt=PROMPT, **GREEDY)
     second = client.completions.create(model=BASE, prompt=PROMPT, **GREEDY)
     prompt_tokens = second.usage.prompt_tokens
@@ -29,7 +29,7 @@ def test_a_repeated_prompt_reports_cached_tokens(client, http, server, wait_idle
     # An adapter's K/V differ from the base model's: nothing is shared across them.
     other = client.completions.create(model="lora-0", prompt=PROMPT, **GREEDY)
     assert other.usage.prompt_tokens_details.cached_tokens == 0
-    wait_idle(server.runtime)  # cached blocks nobody references count as free
+    wait_idle(server.services)  # cached blocks nobody references count as free
     text = http.get("/metrics").text
     assert metric(text, "loragw_prefix_cache_hits_total") >= cached
     assert metric(text, "loragw_prefix_cache_queries_total") >= 3 * prompt_tokens

@@ -9,10 +9,13 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from loragw.engine import LLM, SamplingParams
 from loragw.engine.snapshot import engine_info
 from loragw.gateway.bench.server import serve_subprocess
+
+pytestmark = pytest.mark.slow  # quantized checkpoints made in llm-compressor's venv
 
 SCHEME = "w4a16-asym-g32"
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from loragw.gateway.errors import APIError
-from loragw.gateway.http.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from loragw.gateway.http.request_params import (
+from loragw.gateway.common.errors import APIError
+from loragw.gateway.openai.params import (
     chat_logprobs,
     check_completion_options,
     choice_params,
     sampling_params,
 )
+from loragw.gateway.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 BASE = "demo-base"
 HI = [ChatMessage(role="user", content="hi")]

@@ -17,9 +17,9 @@ from loragw.engine.config import Config
 from loragw.engine.core.client import EngineClient
 from loragw.engine.llm_engine import LLMEngine
 from loragw.engine.request.params import SamplingParams
-from loragw.gateway.config import ServerConfig
-from loragw.gateway.http.app import create_app
-from loragw.gateway.metrics import Metrics
+from loragw.gateway.app import create_app
+from loragw.gateway.common.config import ServerConfig
+from loragw.gateway.observe.metrics import Metrics
 from loragw.gateway.residency.manager import AdapterManager
 from loragw.gateway.server import BackgroundServer
 
@@ -36,7 +36,7 @@ def slot_server(model_dir, tmp_path_factory):
                           engine_process=False)
     app = create_app(config)
     with BackgroundServer(app) as background:
-        background.runtime = app.state.runtime
+        background.services = app.state.services
         background.wait_ready()
         yield background
 
@@ -64,9 +64,9 @@ async def test_three_slots_ten_adapters_each_request_gets_its_own(slot_server, o
     for name, r in zip(order, replies, strict=True):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == want[name], name
-    lora = slot_server.runtime.engine.transport.engine.lora
+    lora = slot_server.services.engine.transport.engine.lora
     assert lora.stats.device_evictions > 0  # slots really turned over
-    wait_idle(slot_server.runtime)
+    wait_idle(slot_server.services)
     for name in names:
         offline.remove_adapter(name)
 
@@ -79,8 +79,8 @@ async def test_evict_frees_host_memory(slot_server, make_adapter, tmp_path, wait
         assert (await c.post("/admin/adapters", data={"adapter_id": "gc-me"},
                              files=files)).status_code == 201
         assert (await c.post("/admin/adapters/gc-me/load")).json()["residency"] == "device"
-        wait_idle(slot_server.runtime)
-        lora = slot_server.runtime.engine.transport.engine.lora  # the LLMEngine the engine thread steps
+        wait_idle(slot_server.services)
+        lora = slot_server.services.engine.transport.engine.lora  # the LLMEngine the engine thread steps
         host = lora.adapters["gc-me"].host
         tensor = weakref.ref(next(iter(host.modules.values())).lora_a)
         del host

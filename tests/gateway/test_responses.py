@@ -14,11 +14,11 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from loragw.engine.request.sequence import RequestOutput
-from loragw.gateway.http.responses import response_template
-from loragw.gateway.http.responses_format import ResponsesFormat
-from loragw.gateway.http.responses_protocol import ResponsesRequest
-from loragw.gateway.http.streaming import stream_sse
-from loragw.gateway.jobs import Choice, TokenCounts
+from loragw.gateway.http.jobs import Choice, TokenCounts
+from loragw.gateway.openai.streaming import stream_sse
+from loragw.gateway.responses.format import ResponsesFormat
+from loragw.gateway.responses.protocol import ResponsesRequest
+from loragw.gateway.responses.routes import response_template
 
 BASE = "demo-base"  # conftest's served model name
 ADAPTER = "lora-2"

@@ -22,7 +22,7 @@ from random_adapters import write_random_adapter
 
 from loragw.adapters.registry import CatalogEntry
 from loragw.engine import LLM, SamplingParams
-from loragw.gateway.errors import APIError
+from loragw.gateway.common.errors import APIError
 from loragw.gateway.residency.versions import (
     Pin,
     object_keys,

@@ -15,10 +15,12 @@ import openai
 import pytest
 from fleet_harness import load_fixture_module, running_fleet
 
-from loragw.gateway.config import ServerConfig
-from loragw.gateway.flags import add_options
-from loragw.gateway.http.app import create_app
+from loragw.gateway.app import create_app
+from loragw.gateway.common.config import ServerConfig
+from loragw.gateway.common.flags import add_options
 from loragw.gateway.server import BackgroundServer
+
+pytestmark = pytest.mark.slow  # servers with a draft model
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
         "prompt_lookup_max": 3}

@@ -16,9 +16,9 @@ import pytest
 from litestar.testing import AsyncTestClient
 from uploads import read_files
 
-from loragw.gateway.config import ServerConfig
-from loragw.gateway.http.app import create_app
-from loragw.gateway.metrics import Metrics
+from loragw.gateway.app import create_app
+from loragw.gateway.common.config import ServerConfig
+from loragw.gateway.observe.metrics import Metrics
 from loragw.gateway.server import BackgroundServer
 from loragw.gateway.tenants.service import Tenants
 
@@ -37,7 +37,7 @@ def tserver(model_dir, tmp_path_factory):
                           api_key=USER, adapter_dir=str(tmp_path_factory.mktemp("t-store")))
     app = create_app(config)
     with BackgroundServer(app) as background:
-        background.runtime, background.config = app.state.runtime, config
+        background.services, background.config = app.state.services, config
         background.wait_ready()
         yield background
 
@@ -265,7 +265,7 @@ def test_metrics_count_by_tenant(call):
 
 async def test_an_open_server_mints_no_keys(tserver):
     config = replace(tserver.config, admin_key=None, api_key=None)
-    async with AsyncTestClient(create_app(config, runtime=tserver.runtime)) as c:
+    async with AsyncTestClient(create_app(config, services=tserver.services)) as c:
         r = await c.post("/admin/tenants/acme/keys", json={"role": "member"})
         assert r.status_code == 403 and "--admin-key" in r.json()["error"]["message"]
 
@@ -285,7 +285,7 @@ def test_a_tenant_registers_no_server_path_or_unlisted_source(call, keys, tserve
 
 async def test_anonymous_callers_on_an_open_v1_see_only_shared_adapters(keys, tserver):
     config = replace(tserver.config, api_key=None)  # /v1 open, the admin routes keyed
-    async with AsyncTestClient(create_app(config, runtime=tserver.runtime)) as c:
+    async with AsyncTestClient(create_app(config, services=tserver.services)) as c:
         models = {m["id"] for m in (await c.get("/v1/models")).json()["data"]}
         assert "shared" in models and not any(m.startswith("acme/") for m in models)
         r = await c.post("/v1/completions", json={**BODY, "model": "acme/bot"})

@@ -23,6 +23,8 @@ import pytest
 from loragw.engine import SamplingParams
 from loragw.gateway.bench.server import free_port, wait_ready
 
+pytestmark = pytest.mark.slow  # two ranks per server
+
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "Once upon a time"
 STOP_S = 10.0  # SIGTERM, then this long to exit, then SIGKILL

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (gateway/tracing.py): two replicas on one redis-server, each started
+"""OpenTelemetry traces (gateway/observe/tracing.py): two replicas on one redis-server, each started
 with --otlp-traces-endpoint pointing at a real OTLP/HTTP receiver on loopback (protobuf
 ExportTraceServiceRequest bodies, decoded with opentelemetry-proto). One request for an upload
 only r1 holds, sent to r2 under a caller's `traceparent`, is forwarded to r1: the spans of both
@@ -27,8 +27,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.trace.v1.trace_pb2 import Span as SpanProto
 
-from loragw.gateway.config import ServerConfig
-from loragw.gateway.tracing import traces_url
+from loragw.gateway.common.config import ServerConfig
+from loragw.gateway.observe.tracing import traces_url
 
 SERVER, CLIENT = SpanProto.SPAN_KIND_SERVER, SpanProto.SPAN_KIND_CLIENT
 
@@ -256,8 +256,8 @@ def test_an_adapter_fetched_for_a_request_is_a_load_span_per_tier(fleet, receive
 
 OFF_SCRIPT = """
 import json, sys, httpx
-from loragw.gateway.config import ServerConfig
-from loragw.gateway.http.app import create_app
+from loragw.gateway.common.config import ServerConfig
+from loragw.gateway.app import create_app
 from loragw.gateway.server import BackgroundServer
 config = ServerConfig(model=sys.argv[1], served_model_name="demo-base", device="cpu",
                       adapter_dir=sys.argv[2], max_model_len=128, max_num_seqs=2,
@@ -267,10 +267,10 @@ with BackgroundServer(app) as server:
     server.wait_ready()
     reply = httpx.post(server.url + "/v1/completions", timeout=60, json={
         "model": "demo-base", "prompt": "Hello", "max_tokens": 2})
-    tracing_modules = ("loragw.gateway.tracing", "loragw.gateway.http.tracing_middleware",
+    tracing_modules = ("loragw.gateway.observe.tracing", "loragw.gateway.http.tracing_middleware",
                        "opentelemetry.sdk.trace", "opentelemetry.exporter")
     loaded = sorted(m for m in sys.modules if m.startswith(tracing_modules))
-    print(json.dumps({"status": reply.status_code, "tracing": app.state.runtime.tracing is None,
+    print(json.dumps({"status": reply.status_code, "tracing": app.state.services.tracing is None,
                       "loaded": loaded}))
 """
 

@@ -9,8 +9,8 @@ from dataclasses import replace
 import pytest
 from litestar.testing import AsyncTestClient
 
-from loragw.gateway.http.app import create_app
-from loragw.gateway.http.utility import UNKNOWN_VERSION, package_version
+from loragw.gateway.app import create_app
+from loragw.gateway.openai.utility import UNKNOWN_VERSION, package_version
 
 BASE = "demo-base"  # conftest's served model name
 ADAPTER = "lora-3"
@@ -71,7 +71,7 @@ def test_bad_requests_are_openai_errors(http, path, body, status, param):
 
 
 async def test_the_api_key_guards_them(server, server_config):
-    app = create_app(replace(server_config, api_key="user-key"), runtime=server.runtime)
+    app = create_app(replace(server_config, api_key="user-key"), services=server.services)
     user = {"Authorization": "Bearer user-key"}
     async with AsyncTestClient(app) as c:
         for method, path, body in (("POST", "/tokenize", {"model": BASE, "prompt": "hi"}),

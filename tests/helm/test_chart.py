@@ -412,7 +412,7 @@ def serve_args(container: dict[str, Any]):
     placeholder left out)."""
     import argparse
 
-    from loragw.gateway.config import add_serve_arguments
+    from loragw.gateway.common.config import add_serve_arguments
 
     args = container["args"][1:]  # after "serve"
     kept = [a for i, a in enumerate(args)
@@ -540,7 +540,7 @@ def test_each_s3_allow_pattern_becomes_its_own_flag():
 def test_the_store_and_s3_allow_flags_parse_as_the_servers_own():
     import argparse
 
-    from loragw.gateway.config import add_serve_arguments
+    from loragw.gateway.common.config import add_serve_arguments
 
     args = gateway(render(load_set("adapter-store")))["args"][1:]
     kept = [a for i, a in enumerate(args)

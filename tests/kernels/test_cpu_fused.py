@@ -70,7 +70,9 @@ def test_layers_use_the_kernels_only_in_a_cpu_step(monkeypatch):
         inside = norm(x)
         total, normed = norm.add(x, delta)
         gemma(x), gemma.add(x, delta)  # Gemma's formula is not the kernel's
-        norm(x.bfloat16())  # another dtype keeps torch's ops
+        head_norm = RMSNorm(8, 1e-6)
+        head_norm.weight.data = torch.randn(8)
+        head_norm(x.view(3, 2, 8))  # a per-head q/k norm [T, n, D] keeps torch's ops
     assert len(calls) == 2
     torch.testing.assert_close(inside, outside, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(total, x + delta, rtol=0, atol=0)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from loragw.engine.forward import backends
+from loragw.engine.forward.elementwise import TORCH
 from loragw.engine.layers.rotary import apply_rotary
 from loragw.kernels import fused_triton as ft
 from loragw.kernels.elementwise_reference import (
@@ -95,8 +96,8 @@ def test_the_backend_choice():
     # forced on the CPU (the interpreter is set): serves; auto on the CPU keeps the C kernels
     assert backends.resolve_elementwise_backend("triton", CPU, torch.float32) == "triton"
     assert backends.resolve_elementwise_backend("auto", CPU, torch.bfloat16) == "torch"
-    assert backends.Backends(elementwise="triton").fused is ft
-    assert backends.Backends(elementwise="torch").fused is None
+    assert backends.Backends(elementwise="triton").fused.kernels is ft
+    assert backends.Backends(elementwise="torch").fused is TORCH
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's choice (the interpreter)")

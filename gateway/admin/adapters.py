@@ -1,0 +1,204 @@
+"""The admin API: upload, register, list/get with residency, load, evict, pin,
+unpin, delete. Thin handlers over the residency manager (gateway/residency/manager.py).
+
+Adapter ids may hold one '/' (ORG/REPO), so the per-adapter routes take the rest of the path
+and split a trailing action off it: `POST /admin/adapters/org/repo/load`. Each handler asks
+gateway/tenants/access.py whether its caller may see or change the id (404 / 403), and
+appends what it changed to the audit log.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from litestar import Controller, Request, delete, get, post
+from litestar.datastructures import UploadFile
+
+from loragw.adapters.ids import valid_adapter_id
+from loragw.gateway.common.errors import APIError
+from loragw.gateway.common.flags import parse_bool
+from loragw.gateway.common.records import not_registered
+from loragw.gateway.http.auth import principal, require_admin_key
+from loragw.gateway.http.capacity import Capacity
+from loragw.gateway.http.error_handlers import error_responses
+from loragw.gateway.http.openapi_docs import MultipartUpload
+from loragw.gateway.http.upload_body import UploadBody
+from loragw.gateway.residency.drafts import check_draft_source
+from loragw.gateway.residency.info import AdapterInfo
+from loragw.gateway.residency.manager import AdapterManager
+from loragw.gateway.tenants.access import check_change, check_source, check_visible, owner_for_write
+from loragw.gateway.tenants.audit import AuditLog, now_entry
+from loragw.gateway.tenants.keys import Principal
+
+DONE = {"load": "loaded", "evict": "evicted", "pin": "pinned", "unpin": "unpinned"}
+ACTIONS = tuple(DONE)
+
+
+class AdapterList(msgspec.Struct):
+    data: list[AdapterInfo]
+    object: str = "list"
+
+
+class RegisterRequest(msgspec.Struct, forbid_unknown_fields=True):
+    adapter_id: str
+    source: str
+    replace: bool = False
+    owner: str | None = None  # the operator's: a tenant it belongs to ("": shared)
+    draft_adapter: str | None = None  # the source of its draft-model LoRA (speculative)
+
+
+class Deleted(msgspec.Struct):
+    id: str
+    deleted: bool = True
+
+
+async def audited(audit: AuditLog, caller: Principal, action: str, info: AdapterInfo) -> None:
+    await audit.append(now_entry(caller, action, adapter_id=info.id, version=info.version,
+                                 sha256=info.sha256, owner=info.owner))
+
+
+async def write(adapters: AdapterManager, audit: AuditLog, request: Request, adapter_id: str,
+                owner: str | None, action: str, add, source: str | None = None,
+                draft: str | None = None) -> AdapterInfo:
+    """An upload or a registration (from `source`; `draft`: its draft-model LoRA's source) of
+    `adapter_id` (`add(owner)` does it), if the caller may, audited as an add or a replace."""
+    caller = principal(request)
+    owner, existed = await owner_for_write(adapters.catalog, caller, adapter_id, owner)
+    check_draft_source(draft)
+    for fetched in (s for s in (source, draft) if s is not None):
+        check_source(caller, fetched, adapters.hub_allow, adapters.s3_allow)
+    info = await add(owner)
+    await audited(audit, caller, "adapter.replaced" if existed else action, info)
+    return info
+
+
+class AdminController(Controller):
+    path = "/admin/adapters"
+    guards = [require_admin_key]
+    tags = ["Admin"]
+
+    @get("/", responses=error_responses(401, 403, 503))
+    async def list_adapters(self, request: Request, adapters: AdapterManager) -> AdapterList:
+        caller = principal(request)
+        return AdapterList([a for a in await adapters.list() if caller.may_use(a.id, a.owner)])
+
+    @get("/{adapter_id:path}", responses=error_responses(
+        400, 401, 403, 404, 503, e400="the adapter id is not valid"))
+    async def get_adapter(self, request: Request, adapter_id: str,
+                          adapters: AdapterManager) -> AdapterInfo:
+        return await adapters.get(await check_visible(adapters.catalog, principal(request),
+                                                      adapter_id.strip("/")))
+
+    # The body's own size cap and read timeout (--max-upload-mb, --upload-timeout-s), in
+    # place of the app's --max-request-mb: gateway/http/upload_body.py.
+    @post("/", status_code=201, operation_class=MultipartUpload, request_max_body_size=None,
+          middleware=[UploadBody()],
+          responses=error_responses(400, 401, 403, 408, 409, 413, 422, 503, e409="the id "
+                                    "exists (send replace=true to replace it)"))
+    async def upload(self, request: Request[Any, Any, Any], adapters: AdapterManager,
+                     audit: AuditLog) -> AdapterInfo:
+        """multipart: `adapter_id`, `adapter_config` (file), `adapter_model` (file),
+        optional `replace`=true, optional `owner` (the operator's: a tenant; empty: shared),
+        optional `draft_adapter` (the source of its draft-model LoRA)."""
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise APIError.bad_request("upload as multipart/form-data with fields adapter_id, "
+                                       "adapter_config and adapter_model")
+        form = await request.form()
+        adapter_id = _text(form, "adapter_id")
+        replace = _flag(_text(form, "replace", required=False) or "")
+        config_raw = await _file(form, "adapter_config")
+        weights_raw = await _file(form, "adapter_model")
+        draft = _text(form, "draft_adapter", required=False) or None
+
+        async def add(owner: str | None) -> AdapterInfo:
+            return await adapters.upload(adapter_id, config_raw, weights_raw, replace, owner,
+                                         draft or "")
+
+        return await write(adapters, audit, request, adapter_id,
+                           _text(form, "owner", required=False), "adapter.uploaded", add,
+                           draft=draft)
+
+    @post("/register", status_code=201, responses=error_responses(
+        400, 401, 403, 404, 409, 413, 422, 502, 503, e404="the source does not exist",
+        e409="the id exists (send replace=true to replace it)"))
+    async def register(self, request: Request, data: RegisterRequest, adapters: AdapterManager,
+                       audit: AuditLog) -> AdapterInfo:
+        async def add(owner: str | None) -> AdapterInfo:
+            return await adapters.register(data.adapter_id, data.source, data.replace, owner,
+                                           data.draft_adapter or "")
+
+        return await write(adapters, audit, request, data.adapter_id, data.owner,
+                           "adapter.registered", add, data.source, data.draft_adapter)
+
+    @post("/{target:path}", status_code=200, responses=error_responses(
+        400, 401, 403, 404, 409, 422, 502, 503, e404="no such adapter, or no such action",
+        e409="evict: the adapter is in use by running requests, or pinned"))
+    async def action(self, request: Request, target: str, adapters: AdapterManager,
+                     audit: AuditLog) -> AdapterInfo:
+        """`{adapter_id}/load|evict|pin|unpin`."""
+        adapter_id, _, verb = target.strip("/").rpartition("/")
+        if verb not in ACTIONS or not adapter_id:
+            raise APIError(404, f"no admin route POST /admin/adapters/{target.strip('/')}; "
+                                f"use /admin/adapters/ID/{{{'|'.join(ACTIONS)}}}",
+                           code="not_found")
+        caller = principal(request)
+        adapter_id = await check_change(adapters.catalog, caller, adapter_id)
+        if verb == "load":
+            info = await adapters.load(adapter_id)
+        elif verb == "evict":
+            info = await adapters.evict(adapter_id)
+        else:
+            info = await adapters.pin(adapter_id, verb == "pin")
+        await audited(audit, caller, f"adapter.{DONE[verb]}", info)
+        return info
+
+    @delete("/{adapter_id:path}", status_code=200,
+            responses=error_responses(400, 401, 403, 404, 503))
+    async def delete_adapter(self, request: Request, adapter_id: str, adapters: AdapterManager,
+                             audit: AuditLog, capacity: Capacity) -> Deleted:
+        return Deleted(await remove(adapters, audit, capacity, principal(request),
+                                    adapter_id.strip("/")))
+
+
+async def remove(adapters: AdapterManager, audit: AuditLog, capacity: Capacity,
+                 caller: Principal, raw: str, lenient: bool = False) -> str:
+    """Delete an adapter the caller may change, first ending its requests in flight (their
+    clients get finish_reason "abort"); audited. `lenient` (vLLM's unload): an invalid name
+    is just one that is not loaded (404), as vLLM answers."""
+    if lenient and not valid_adapter_id(raw):
+        raise not_registered(raw)
+    adapter_id = await check_change(adapters.catalog, caller, raw)
+    info = await adapters.get(adapter_id)  # 404 if it is not registered
+    capacity.abort(adapter_id)
+    await adapters.delete(adapter_id)
+    await audited(audit, caller, "adapter.deleted", info)
+    return adapter_id
+
+
+def _text(form, name: str, required: bool = True) -> str | None:
+    value = form.get(name)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        raise APIError.bad_request(f"multipart field {name!r} is required as a text field",
+                                   param=name)
+    return value
+
+
+def _flag(value: str) -> bool:
+    if not value.strip():
+        return False
+    try:
+        return parse_bool(value)
+    except ValueError as exc:
+        raise APIError.bad_request(f"replace: {exc}", param="replace") from None
+
+
+async def _file(form, name: str) -> bytes:
+    value = form.get(name)
+    if not isinstance(value, UploadFile):
+        raise APIError.bad_request(f"multipart file field {name!r} is required "
+                                   f"({'adapter_config.json' if name == 'adapter_config' else 'adapter_model.safetensors'})",
+                                   param=name)
+    return await value.read()

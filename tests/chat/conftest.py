@@ -1,0 +1,14 @@
+"""The chat families' tokenizers, built once per session (a small BPE each, in well under a
+second together) into a temporary directory of their own."""
+
+from __future__ import annotations
+
+import pytest
+from chat_families import FAMILIES
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizers(tmp_path_factory):
+    """Family name -> its tokenizer, loaded back from the directory it was saved to."""
+    root = tmp_path_factory.mktemp("chat-tokenizers")
+    return {name: family.tokenizer(root / name) for name, family in FAMILIES.items()}
