@@ -10,6 +10,10 @@ every adapter arrives through the admin API of whichever replica a test picks.
 
 `running_fleet(workdir, model_dir, "r1", "r2", s3=...)` does the same with a redis-server of its
 own, and stops both on the way out (a test module's fixture).
+
+A fleet a module's tests share is shared state: each test asks for what it needs and makes it
+when missing (`fleet.ensure_adapter`), and `fleet.revive(...)` brings back, before the next test,
+the replicas and the Redis an earlier test took down, so any test passes alone and in any order.
 """
 
 from __future__ import annotations
@@ -80,6 +84,8 @@ class Fleet:
             self.urls.setdefault(rid, f"http://127.0.0.1:{free_port()}")
             port = self.urls[rid].rsplit(":", 1)[1]
             store = ["--adapter-store-url", self.store_url] if self.store_url else []
+            if rid in self.logs:  # a restart: the log goes on in the same file
+                self.logs[rid].close()
             self.logs[rid] = open(self.workdir / f"{rid}.log", "ab")
             self.procs[rid] = subprocess.Popen(
                 [sys.executable, "-P", "-m", "loragw.gateway.server", "--model", self.model_dir,
@@ -109,6 +115,27 @@ class Fleet:
         """SIGKILL: no deregistration; only the heartbeat stops."""
         self.procs[rid].kill()
         self.procs[rid].wait(timeout=10)
+
+    def retire(self, rid: str) -> None:
+        """SIGTERM: `rid` leaves the registry at once, as a scale-down takes a replica away."""
+        self.procs[rid].send_signal(signal.SIGTERM)
+        try:
+            self.procs[rid].wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.kill(rid)
+
+    def revive(self, *rids: str) -> None:
+        """Bring back what an earlier test took down and left down: Redis (empty, as a restart
+        leaves it; the replicas write back what they know) and each of `rids` whose process
+        has exited (on its own disk, on its own port)."""
+        if not self.redis_server.running:
+            self.redis_server.start()
+        if dead := [rid for rid in rids if self.procs[rid].poll() is not None]:
+            self.start(*dead)
+
+    def alive(self) -> list[str]:
+        """The replicas whose process is alive."""
+        return [rid for rid, proc in self.procs.items() if proc.poll() is None]
 
     def log(self, rid: str) -> str:
         return (self.workdir / f"{rid}.log").read_text(errors="replace")[-4000:]
@@ -184,6 +211,16 @@ class Fleet:
                               json={"adapter_id": adapter_id, "source": source,
                                     "replace": replace})
 
+    def ensure_adapter(self, rid: str, adapter_id: str, folder, register: bool = False) -> None:
+        """`adapter_id` in the catalog, added through `rid` (uploaded, or registered from the path
+        `folder`) unless `rid` lists it already; listed by every running replica on return."""
+        if adapter_id not in self.models(rid):
+            add = self.register(rid, adapter_id, str(folder)) if register else self.upload(
+                rid, adapter_id, folder)
+            assert add.status_code == 201, (rid, adapter_id, add.text)
+        self.wait_for(f"every replica to list {adapter_id}", lambda: all(
+            adapter_id in self.models(other) for other in self.alive()), timeout=3)
+
     def delete(self, rid: str, adapter_id: str) -> httpx.Response:
         return self.http.delete(self.urls[rid] + f"/admin/adapters/{adapter_id}")
 
@@ -199,12 +236,14 @@ class Fleet:
 
 
 @contextmanager
-def running_fleet(workdir: Path, model_dir: str, *rids: str, **options) -> Iterator[Fleet]:
-    """A Fleet (options: Fleet's s3, store_url, extra) on a redis-server of its own, with the
-    replicas `rids` started and ready; replicas and Redis are stopped on the way out."""
+def running_fleet(workdir: Path, model_dir: str, *rids: str, fleet_type: type[Fleet] = Fleet,
+                  **options) -> Iterator[Fleet]:
+    """A `fleet_type` (options: its constructor's s3, store_url, extra, ...) on a redis-server
+    of its own, with the replicas `rids` started and ready; replicas and Redis are stopped on
+    the way out."""
     redis_server = redis_fixture.RedisServer(workdir)
     redis_server.start()
-    fleet = Fleet(workdir, model_dir, redis_server, **options)
+    fleet = fleet_type(workdir, model_dir, redis_server, **options)
     try:
         fleet.start(*rids)
         yield fleet

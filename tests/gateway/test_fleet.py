@@ -3,13 +3,16 @@ a catalog every replica serves from one shared S3 store.
 
 Unit tests for `score` and `choose`, then three `python -P -m loragw.gateway.server` replicas on one
 redis-server and one S3 server (moto), started with no --adapter flags: every adapter arrives
-through the admin API of one replica, as in production, and every replica serves it. The tests
-run in order on one fleet: uploads and registrations, routing, a replace and a delete, a
-replica killed and restarted with an empty disk, Redis restarted empty.
+through the admin API of one replica, as in production, and every replica serves it: uploads and
+registrations, routing, a replace and a delete, a replica killed and restarted with an empty
+disk, Redis restarted empty. The tests share one fleet, each asking for the state it needs
+through a fixture that makes what is missing (`uploaded`, `registered`, `placed`), so any of them
+passes alone and in any order.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -30,9 +33,13 @@ from loragw.gateway.fleet.router import (
     score,
 )
 
+pytestmark = pytest.mark.slow  # replica processes on one redis-server
+
 s3_fixture = load_fixture_module("s3_server")
 TTL_S = 6.0  # the registry's default residency expiry
-A, B = "lora-0", "lora-1"  # uploaded through r1 and r2, warmed there
+RIDS = ("r1", "r2", "r3")
+A, B = "lora-0", "lora-1"  # uploaded through r1 and r2 (`uploaded`), warmed there (`placed`)
+BY_PATH = "lora-5"  # registered from a path every replica reads (`registered`)
 
 
 # ---- score and choose ---------------------------------------------------------------------
@@ -105,13 +112,48 @@ def s3():
 
 
 @pytest.fixture(scope="module")
-def fleet(model_dir, s3, tmp_path_factory):
+def module_fleet(model_dir, s3, tmp_path_factory):
     bucket = s3.create_bucket()
-    with running_fleet(tmp_path_factory.mktemp("fleet"), model_dir, "r1", "r2", "r3", s3=s3,
+    with running_fleet(tmp_path_factory.mktemp("fleet"), model_dir, *RIDS, s3=s3,
                        store_url=f"s3://{bucket}/adapters",
                        extra=("--s3-allow", f"{bucket}/open/*")) as fleet:
         fleet.bucket = bucket
         yield fleet
+
+
+@pytest.fixture
+def fleet(module_fleet) -> Fleet:
+    """The module's fleet, with a replica or Redis an earlier test left down brought back."""
+    module_fleet.revive(*RIDS)
+    return module_fleet
+
+
+@pytest.fixture
+def uploaded(fleet, adapter_dirs) -> None:
+    """A uploaded through r1 and B through r2 (whichever is missing), listed everywhere."""
+    fleet.ensure_adapter("r1", A, adapter_dirs[A])
+    fleet.ensure_adapter("r2", B, adapter_dirs[B])
+
+
+@pytest.fixture
+def registered(fleet, adapter_dirs) -> None:
+    """BY_PATH registered from its folder through r1 (unless it is), listed everywhere."""
+    fleet.ensure_adapter("r1", BY_PATH, adapter_dirs[BY_PATH], register=True)
+
+
+@pytest.fixture
+def placed(fleet, uploaded) -> None:
+    """A resident on r1 only and B on r2 only: each warmed there, evicted from the others."""
+    for rid, adapter in (("r1", A), ("r2", B)):
+        assert served_by(fleet.complete(rid, adapter, marker="warmup")) == rid
+    for rid, adapter in (("r2", A), ("r3", A), ("r1", B), ("r3", B)):
+        fleet.http.post(fleet.urls[rid] + f"/admin/adapters/{adapter}/evict")
+    fleet.wait_for("A resident on r1 only and B on r2 only", lambda: (
+        resident_on(fleet, A), resident_on(fleet, B)) == ({"r1"}, {"r2"}))
+
+
+def resident_on(fleet: Fleet, adapter: str) -> set[str]:
+    return {rid for rid, s in fleet.states().items() if rid in RIDS and adapter in s.resident}
 
 
 def objects(fleet: Fleet) -> set[str]:
@@ -119,52 +161,51 @@ def objects(fleet: Fleet) -> set[str]:
     return {o["Key"] for o in listed.get("Contents", [])}
 
 
-def test_an_upload_through_one_replica_is_served_by_every_replica(fleet, adapter_dirs):
-    assert fleet.upload("r1", A, adapter_dirs[A]).status_code == 201
-    assert fleet.upload("r2", B, adapter_dirs[B]).status_code == 201
-    for rid in ("r1", "r2", "r3"):  # within one heartbeat, every replica lists both
-        fleet.wait_for(f"{rid} to list {A} and {B}",
-                       lambda rid=rid: {A, B} <= set(fleet.models(rid)), timeout=3)
-    cards = [fleet.models(rid)[A] for rid in ("r1", "r2", "r3")]
+def test_an_upload_through_one_replica_is_served_by_every_replica(fleet, hf_config, tmp_path):
+    new, other = "new-0", "new-1"  # ids and bytes no other test uploads
+    folders = {name: write_random_adapter(str(tmp_path / name), hf_config, seed=seed)
+               for seed, name in enumerate((new, other), start=300)}
+    before = objects(fleet)
+    assert fleet.upload("r1", new, folders[new]).status_code == 201
+    assert fleet.upload("r2", other, folders[other]).status_code == 201
+    for rid in RIDS:  # within one heartbeat, every replica lists both
+        fleet.wait_for(f"{rid} to list {new} and {other}",
+                       lambda rid=rid: {new, other} <= set(fleet.models(rid)), timeout=3)
+    cards = [fleet.models(rid)[new] for rid in RIDS]
     assert len({(c["version"], c["sha256"]) for c in cards}) == 1
-    assert fleet.models("r3")[A]["residency"] == "remote"  # not fetched there yet
-    info = fleet.admin("r3")[A]
+    assert fleet.models("r3")[new]["residency"] == "remote"  # not fetched there yet
+    info = fleet.admin("r3")[new]
     assert info["object_key"].startswith("adapters/") and info["holder"] == ""
-    assert len(objects(fleet)) == 4  # two files per adapter, content-addressed
-    # every replica serves A itself (the marker), from the store, token for token alike
-    texts = {rid: fleet.text(rid, A, marker="test") for rid in ("r1", "r2", "r3")}
+    added = objects(fleet) - before
+    assert len(added) == 4 and before <= objects(fleet)  # two files per adapter, by content
+    # every replica serves it itself (the marker), from the store, token for token alike
+    texts = {rid: fleet.text(rid, new, marker="test") for rid in RIDS}
     assert len(set(texts.values())) == 1, texts
     assert texts["r1"] != fleet.text("r1", "demo-base", marker="test")
-    assert fleet.models("r3")[A]["residency"] != "remote"
+    assert fleet.models("r3")[new]["residency"] != "remote"
 
 
 def test_a_path_registered_on_one_replica_is_served_by_every_replica(fleet, adapter_dirs):
-    path = adapter_dirs["lora-2"]
+    path = adapter_dirs["lora-2"]  # registered by this test only
     assert fleet.register("r1", "lora-2", path).status_code == 201
     fleet.wait_for("r3 to list lora-2", lambda: "lora-2" in fleet.models("r3"), timeout=3)
-    texts = {rid: fleet.text(rid, "lora-2", marker="test") for rid in ("r1", "r2", "r3")}
+    texts = {rid: fleet.text(rid, "lora-2", marker="test") for rid in RIDS}
     assert len(set(texts.values())) == 1, texts
 
 
+@pytest.mark.usefixtures("placed")
 def test_requests_land_on_the_replica_holding_the_adapter(fleet):
-    for rid, adapter in (("r1", A), ("r2", B)):
-        assert served_by(fleet.complete(rid, adapter, marker="warmup")) == rid
-        fleet.wait_for(f"{adapter} resident on {rid}",
-                       lambda rid=rid, adapter=adapter: adapter in fleet.states()[rid].resident)
-    fleet.http.post(fleet.urls["r3"] + f"/admin/adapters/{A}/evict")
-    fleet.http.post(fleet.urls["r2"] + f"/admin/adapters/{A}/evict")
-    fleet.http.post(fleet.urls["r3"] + f"/admin/adapters/{B}/evict")
-    fleet.wait_for("A only on r1", lambda: A not in fleet.states()["r3"].resident)
     assert served_by(fleet.complete("r3", A)) == "r1"
     assert served_by(fleet.complete("r3", B)) == "r2"
     assert served_by(fleet.complete("r1", B)) == "r2"
     # base model: resident everywhere, so it stays where it lands
-    for rid in ("r1", "r2", "r3"):
+    for rid in RIDS:
         assert served_by(fleet.complete(rid, "demo-base")) == rid
     info = fleet.admin("r3")[A]
     assert "r1" in info["resident_on"] and "r3" not in info["resident_on"]
 
 
+@pytest.mark.usefixtures("uploaded")
 def test_auth_is_passed_on_and_checked(fleet):
     response = fleet.http.post(fleet.urls["r3"] + "/v1/completions",
                                json={"model": A, "prompt": "x", "max_tokens": 1},
@@ -172,6 +213,7 @@ def test_auth_is_passed_on_and_checked(fleet):
     assert response.status_code == 401  # refused before any routing
 
 
+@pytest.mark.usefixtures("placed")
 def test_streaming_through_a_forward(fleet):
     def stream(rid: str, marker: str | None):
         headers = {FORWARDED_HEADER: marker} if marker else {}
@@ -185,8 +227,6 @@ def test_streaming_through_a_forward(fleet):
             by = response.headers["x-served-by"]
             events = [line.removeprefix("data: ") for line in response.iter_lines()
                       if line.startswith("data: ")]
-        import json
-
         return by, "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]), events
 
     by, text, events = stream("r3", None)
@@ -195,34 +235,37 @@ def test_streaming_through_a_forward(fleet):
     assert local_by == "r1" and text == local_text and text
 
 
+@pytest.mark.usefixtures("placed")
 def test_a_forwarded_request_is_never_forwarded_again(fleet):
     """B is resident on r2; with the marker set, r1 serves B itself instead of a second hop."""
     assert served_by(fleet.complete("r1", B, marker="r3")) == "r1"
 
 
+@pytest.mark.usefixtures("uploaded")
 def test_a_replace_is_served_everywhere_once_it_returns(fleet, hf_config, tmp_path):
     """No replica serves the old weights after the replace returns, even for a prompt whose
     KV blocks the prefix cache holds from the old weights."""
     long_prompt = "In a land far away, beyond the seven mountains and the seven seas, " * 3
     before = {rid: fleet.text(rid, A, marker="test", prompt=long_prompt)
-              for rid in ("r1", "r2", "r3")}  # now cached everywhere
+              for rid in RIDS}  # now cached everywhere
     old_objects = objects(fleet)
+    version = fleet.models("r3")[A]["version"]
     new = write_random_adapter(str(tmp_path / "new"), hf_config, seed=999)
     response = fleet.upload("r3", A, new, replace=True)
-    assert response.status_code == 201 and response.json()["version"] == 2
-    after = {rid: fleet.text(rid, A, marker="test", prompt=long_prompt)
-             for rid in ("r1", "r2", "r3")}
+    assert response.status_code == 201 and response.json()["version"] == version + 1
+    after = {rid: fleet.text(rid, A, marker="test", prompt=long_prompt) for rid in RIDS}
     assert len(set(after.values())) == 1 and after["r1"] != before["r1"], (before, after)
-    assert {fleet.models(rid)[A]["version"] for rid in ("r1", "r2", "r3")} == {2}
+    assert {fleet.models(rid)[A]["version"] for rid in RIDS} == {version + 1}
     fresh = objects(fleet) - old_objects
-    # the old pair stays while v1 is a kept version (--adapter-versions-kept, default 3)
+    # the old pair stays while the old version is kept (--adapter-versions-kept, default 3)
     assert len(fresh) == 2 and objects(fleet) == old_objects | fresh
 
 
+@pytest.mark.usefixtures("uploaded")
 def test_a_delete_is_404_everywhere_and_its_objects_leave_the_bucket(fleet):
     key = fleet.admin("r1")[B]["object_key"]
     assert fleet.delete("r2", B).status_code == 200
-    for rid in ("r1", "r2", "r3"):
+    for rid in RIDS:
         response = fleet.complete(rid, B)
         assert response.status_code == 404, (rid, response.text)
         assert B not in fleet.models(rid)
@@ -230,7 +273,9 @@ def test_a_delete_is_404_everywhere_and_its_objects_leave_the_bucket(fleet):
     assert B not in fleet.catalog()
 
 
-def test_bad_sources_are_clear_errors_and_change_nothing(fleet, adapter_dirs):
+@pytest.mark.usefixtures("uploaded")
+def test_bad_sources_are_clear_errors_and_change_nothing(fleet, adapter_dirs, hf_config,
+                                                         tmp_path):
     s3 = fleet.s3.client()
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         with open(f"{adapter_dirs['lora-3']}/{name}", "rb") as f:
@@ -253,15 +298,19 @@ def test_bad_sources_are_clear_errors_and_change_nothing(fleet, adapter_dirs):
         assert response.status_code == status, response.text
         assert named in response.json()["error"]["message"]
     assert set(fleet.admin("r2")) == before and "bad" not in fleet.catalog()
-    # tampered bytes in the store: a replica that must fetch them refuses, naming sha256
-    key = fleet.admin("r1")["lora-2"]["object_key"]
+    # tampered bytes in the store: a replica that must fetch them refuses, naming sha256 (an
+    # adapter of this test's own, bytes and all: no other test is served the tampered pair)
+    folder = write_random_adapter(str(tmp_path / "tampered"), hf_config, seed=400)
+    assert fleet.upload("r1", "tampered", folder).status_code == 201
+    key = fleet.admin("r1")["tampered"]["object_key"]
     s3.put_object(Bucket=fleet.bucket, Key=f"{key}/adapter_model.safetensors", Body=b"evil")
-    fleet.http.post(fleet.urls["r3"] + "/admin/adapters/lora-2/evict")
-    fleet.start("r4", empty_disk=True)
-    tampered = fleet.complete("r4", "lora-2", marker="test")
-    assert tampered.status_code == 502 and "sha256" in tampered.json()["error"]["message"]
-    assert fleet.text("r4", A, marker="test")  # r4 keeps serving everything else
-    fleet.kill("r4")
+    try:
+        fleet.start("r4", empty_disk=True)
+        tampered = fleet.complete("r4", "tampered", marker="test")
+        assert tampered.status_code == 502 and "sha256" in tampered.json()["error"]["message"]
+        assert fleet.text("r4", A, marker="test")  # r4 keeps serving everything else
+    finally:
+        fleet.kill("r4")
 
 
 def test_a_replica_the_store_refuses_exits_at_start_up_naming_credentials(fleet):
@@ -270,9 +319,10 @@ def test_a_replica_the_store_refuses_exits_at_start_up_naming_credentials(fleet)
     assert "credentials" in fleet.log("r5")
 
 
+@pytest.mark.usefixtures("uploaded", "registered")
 def test_a_killed_replica_leaves_its_uploads_served_and_comes_back_empty(fleet, adapter_dirs):
     assert fleet.upload("r1", "lora-4", adapter_dirs["lora-4"]).status_code == 201
-    fleet.kill("r1")  # SIGKILL right after the upload
+    fleet.kill("r1")  # SIGKILL right after the upload (`fleet` restarts r1 if this fails)
     expected = fleet.text("r2", "lora-4", marker="test")
     assert fleet.text("r3", "lora-4", marker="test") == expected
     assert served_by(fleet.complete("r3", A)) in ("r2", "r3")  # r1 is gone: never a 5xx
@@ -280,13 +330,14 @@ def test_a_killed_replica_leaves_its_uploads_served_and_comes_back_empty(fleet, 
                             timeout=TTL_S + 5)
     assert waited <= TTL_S + 1
     fleet.start("r1", empty_disk=True)
-    assert {A, "lora-2", "lora-4"} <= set(fleet.models("r1"))
+    assert {A, BY_PATH, "lora-4"} <= set(fleet.models("r1"))
     assert fleet.text("r1", "lora-4", marker="test") == expected
 
 
+@pytest.mark.usefixtures("uploaded")
 def test_redis_restarted_empty_is_refilled_and_nobody_fails(fleet):
     ids = fleet.catalog()
-    assert {A, "lora-4"} <= ids
+    assert {A, B} <= ids
     failures, stop = [], threading.Event()
 
     def traffic():
@@ -309,5 +360,5 @@ def test_redis_restarted_empty_is_refilled_and_nobody_fails(fleet):
         stop.set()
         thread.join()
     assert not failures, failures[:3]
-    for rid in ("r1", "r2", "r3"):
+    for rid in RIDS:
         assert set(ids) <= set(fleet.models(rid))

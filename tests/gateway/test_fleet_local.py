@@ -3,6 +3,7 @@ two replicas on one redis-server. A path every replica can read is served everyw
 bytes checked against the catalog's sha256); an upload stays on the replica that took it, the
 catalog says so, and requests for it elsewhere are forwarded there (never to a replica that
 does not hold it); when that replica is gone, a 503 names the adapter and why, never a 404.
+The tests share one fleet; each adds the adapters it needs, so any passes alone and in any order.
 """
 
 from __future__ import annotations
@@ -10,13 +11,33 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from fleet_harness import running_fleet, served_by
+from fleet_harness import Fleet, running_fleet, served_by
+
+pytestmark = pytest.mark.slow  # replica processes
+
+RIDS = ("r1", "r2")
+HELD, READABLE = "held-by-one", "read-by-all"  # `held_by_r1`'s: an upload, a shared path
 
 
 @pytest.fixture(scope="module")
-def fleet(model_dir, tmp_path_factory):
-    with running_fleet(tmp_path_factory.mktemp("fleet-local"), model_dir, "r1", "r2") as fleet:
+def module_fleet(model_dir, tmp_path_factory):
+    with running_fleet(tmp_path_factory.mktemp("fleet-local"), model_dir, *RIDS) as fleet:
         yield fleet
+
+
+@pytest.fixture
+def fleet(module_fleet) -> Fleet:
+    """The module's fleet, with a replica an earlier test killed started again."""
+    module_fleet.revive(*RIDS)
+    return module_fleet
+
+
+@pytest.fixture
+def held_by_r1(fleet, adapter_dirs) -> None:
+    """HELD uploaded through r1 (its bytes there only) and READABLE registered from a path
+    both replicas read, unless they are; both listed by r2."""
+    fleet.ensure_adapter("r1", HELD, adapter_dirs["lora-3"])
+    fleet.ensure_adapter("r1", READABLE, adapter_dirs["lora-4"], register=True)
 
 
 def test_start_up_warns_that_uploads_stay_replica_local(fleet):
@@ -48,10 +69,11 @@ def test_an_upload_is_forwarded_to_the_replica_that_holds_it(fleet, adapter_dirs
     assert served_by(fleet.complete("r2", "lora-7")) == "r1"
 
 
+@pytest.mark.usefixtures("held_by_r1")
 def test_with_its_holder_gone_an_upload_is_a_503_naming_it(fleet):
-    fleet.kill("r1")
-    response = fleet.complete("r2", "lora-6")
+    fleet.kill("r1")  # `fleet` starts it again for the next test
+    response = fleet.complete("r2", HELD)
     assert response.status_code == 503, response.text
     message = response.json()["error"]["message"]
-    assert "lora-6" in message and "r1" in message and "adapter-store-url" in message
-    assert fleet.text("r2", "lora-5")  # r2 keeps serving what it can
+    assert HELD in message and "r1" in message and "adapter-store-url" in message
+    assert fleet.text("r2", READABLE)  # r2 keeps serving what it can

@@ -5,20 +5,30 @@ a moto S3 server in a process of its own, stopped the way an outage takes a stor
 An adapter another replica holds, in host memory or on disk, is still served: by that replica,
 never a 503 from the one asked. With no holder left, the 503 says the store is down
 (`adapter_store_unavailable`, Retry-After), not that the adapter is invalid.
+
+A store taken down stays down (its process and buckets are gone), so the fleets come from
+`fleets`: a test that needs the store up after another took it down gets a fleet of its own.
 """
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from urllib.parse import urlsplit
+
 import pytest
-from fleet_harness import KEY, load_fixture_module, running_fleet, served_by
+from fleet_harness import KEY, Fleet, load_fixture_module, running_fleet, served_by
 
 from loragw.adapters.registry import ReplicaState
 from loragw.adapters.registry_types import encode
 from loragw.adapters.store_meta import StoredAdapter
 from loragw.engine.snapshot import EngineSnapshot
+from loragw.gateway.common.records import AdapterRecord
 from loragw.gateway.residency.heartbeat import HELD_PUBLISHED, holders, replica_state
 from loragw.gateway.residency.info import catalog_entry
-from loragw.gateway.residency.tiers import AdapterRecord
+
+pytestmark = pytest.mark.slow  # replica processes, an S3 server
 
 s3_fixture = load_fixture_module("s3_server")
 ADAPTER = "held-by-a"
@@ -54,18 +64,77 @@ def test_holders_are_the_other_replicas_with_it_in_a_slot_host_memory_or_on_disk
 
 
 # ---- two replicas, one Redis, one S3 store that goes down ----------------------------------
+RIDS = ("a", "b")
 
 
-@pytest.fixture(scope="module")
-def fleet(model_dir, tmp_path_factory):
-    s3 = s3_fixture.S3Server(process=True)  # its own process: the tests stop it
+@contextmanager
+def store_fleet(workdir, model_dir: str) -> Iterator[Fleet]:
+    """Replicas a and b on an S3 server in a process of its own (the tests stop it)."""
+    s3 = s3_fixture.S3Server(process=True)
     s3.start()
     try:
-        with running_fleet(tmp_path_factory.mktemp("fleet-store-down"), model_dir, "a", "b",
-                           s3=s3, store_url=f"s3://{s3.create_bucket()}/adapters") as fleet:
+        with running_fleet(workdir, model_dir, *RIDS, s3=s3,
+                           store_url=f"s3://{s3.create_bucket()}/adapters") as fleet:
             yield fleet
     finally:
         s3.stop()
+
+
+def answers(endpoint: str) -> bool:
+    parts = urlsplit(endpoint)
+    try:
+        with socket.create_connection((parts.hostname, parts.port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+class StoreFleets:
+    """The module's fleet, and a new one (the spent one stopped) whenever a test needs the
+    store up after an earlier test took it down."""
+
+    def __init__(self, start: Callable[[], AbstractContextManager[Fleet]]):
+        self._start, self._stack = start, ExitStack()
+        self.fleet: Fleet | None = None
+
+    def with_store_up(self) -> Fleet:
+        if self.fleet is None or not answers(self.fleet.s3.endpoint):
+            self.close()
+            self.fleet = self._stack.enter_context(self._start())
+        self.fleet.revive(*RIDS)
+        return self.fleet
+
+    def close(self) -> None:
+        self._stack.close()
+        self.fleet = None
+
+
+@pytest.fixture(scope="module")
+def fleets(model_dir, tmp_path_factory) -> Iterator[StoreFleets]:
+    fleets = StoreFleets(lambda: store_fleet(tmp_path_factory.mktemp("fleet-store-down"),
+                                             model_dir))
+    try:
+        yield fleets
+    finally:
+        fleets.close()
+
+
+@pytest.fixture
+def fleet(fleets) -> Fleet:
+    """A fleet whose store answers."""
+    return fleets.with_store_up()
+
+
+@pytest.fixture
+def store_gone(fleets, adapter_dirs) -> Fleet:
+    """A fleet whose store went down after ADAPTER was uploaded through a, and b listed it."""
+    fleet = fleets.fleet
+    if fleet is None or ADAPTER not in fleet.catalog():
+        fleet = fleets.with_store_up()
+        fleet.ensure_adapter("a", ADAPTER, adapter_dirs["lora-0"])
+    fleet.revive("b")
+    fleet.s3.stop()  # a no-op when it is down already
+    return fleet
 
 
 def test_with_the_store_down_a_replica_holding_the_adapter_serves_it(fleet, adapter_dirs):
@@ -91,7 +160,9 @@ def test_with_the_store_down_a_replica_holding_the_adapter_serves_it(fleet, adap
     assert fleet.text("b", "demo-base")  # b serves the base model meanwhile
 
 
-def test_with_the_store_down_and_no_holder_it_is_a_503_naming_the_store(fleet, adapter_dirs):
+def test_with_the_store_down_and_no_holder_it_is_a_503_naming_the_store(store_gone,
+                                                                        adapter_dirs):
+    fleet = store_gone
     fleet.kill("a")
     response = fleet.complete("b", ADAPTER)
     assert response.status_code == 503, response.text
