@@ -29,6 +29,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
+from loragw.adapters.chat_files import CHAT_FILES
 from loragw.adapters.errors import AdapterError, AdapterNotFound
 from loragw.adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
 from loragw.adapters.source_checks import (
@@ -96,11 +97,14 @@ def fetch_hub_adapter(
         if not commit_sha:
             raise HubUnavailable(f"the Hub answered for {where} without a commit sha; is "
                                  f"{endpoint or 'HF_ENDPOINT'} a Hugging Face Hub endpoint?")  # fmt: skip
+        listed = [s.rfilename for s in info.siblings] if info.siblings is not None else []
         if info.siblings is not None:
-            _check_files(where, [s.rfilename for s in info.siblings])
+            _check_files(where, listed)
         paths = [
             hf_hub_download(repo_id, name, revision=commit_sha, **kw) for name in ADAPTER_FILES
         ]
+        for name in (n for n in CHAT_FILES if n in listed):  # its own template, if it has one
+            hf_hub_download(repo_id, name, revision=commit_sha, **kw)
     except (httpx2.TransportError, OfflineModeIsEnabled, LocalEntryNotFoundError) as e:
         cached = _from_cache(repo_id, revision, kw)
         if cached is None:

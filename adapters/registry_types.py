@@ -19,6 +19,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 import msgspec
 
 from loragw.adapters.base_identity import BaseIdentity
+from loragw.adapters.chat_files import AdapterChat
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class CatalogEntry:
     owner: str = ""  # the tenant it belongs to; "": shared with every key (DESIGN.md, Tenants)
     base: BaseIdentity | None = None  # the base model it was made for (adapters.base_identity)
     draft_source: str = ""  # its draft-model LoRA's source, applied on every replica (if any)
+    chat: AdapterChat = AdapterChat()  # its own chat template, parsers, sampling defaults
     # the earlier versions still kept (--adapter-versions-kept), newest first, each with kept=()
     kept: tuple[CatalogEntry, ...] = ()
 

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from loragw.adapters.chat_files import CHAT_FILES, MAX_CHAT_FILE_BYTES
 from loragw.adapters.errors import AdapterError, AdapterNotFound, StoreUnavailable
 from loragw.adapters.safetensors_check import CONFIG_FILE, WEIGHTS_FILE
 from loragw.adapters.source_checks import MAX_CONFIG_BYTES, PICKLE_SUFFIXES, pickle_refusal
@@ -225,8 +226,9 @@ def list_folder(client, bucket: str, prefix: str) -> tuple[dict[str, int], bool]
 
 def fetch_s3_folder(
     bucket: str, prefix: str, *, max_weights_bytes: int = MAX_OBJECT_BYTES
-) -> tuple[bytes, bytes, str | None]:
-    """(adapter_config.json, adapter_model.safetensors, the weights' ETag) of s3://bucket/prefix/.
+) -> tuple[bytes, bytes, str | None, dict[str, bytes]]:
+    """(adapter_config.json, adapter_model.safetensors, the weights' ETag, the chat files it
+    also holds) of s3://bucket/prefix/.
 
     One listing first, so a pickle-only folder is refused and oversized files are caught
     before anything is downloaded.
@@ -250,4 +252,6 @@ def fetch_s3_folder(
     # read_object enforces the limits again: a file may be replaced after the listing
     config_raw, _ = read_object(client, bucket, f"{prefix}/{CONFIG_FILE}", MAX_CONFIG_BYTES)
     weights_raw, etag = read_object(client, bucket, f"{prefix}/{WEIGHTS_FILE}", max_weights_bytes)
-    return config_raw, weights_raw, etag
+    chat = {name: read_object(client, bucket, f"{prefix}/{name}", MAX_CHAT_FILE_BYTES)[0]
+            for name in CHAT_FILES if name in files}
+    return config_raw, weights_raw, etag, chat

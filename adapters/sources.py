@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import fnmatch
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
+from loragw.adapters.chat_files import CHAT_FILES, MAX_CHAT_FILE_BYTES
 from loragw.adapters.errors import AdapterError, AdapterNotFound, InvalidAdapterId
 from loragw.adapters.errors import short_repr as _show
 from loragw.adapters.ids import validate_adapter_id
@@ -74,6 +75,8 @@ class AdapterFiles:
     weights_raw: bytes  # adapter_model.safetensors
     origin: str  # what the store records: "/abs/dir", "hf://ORG/REPO@<sha>", "s3://B/PATH/"
     revision: str | None  # the revision asked for (hub), the weights' ETag (s3), None (local)
+    # the chat files the folder also holds (adapters/chat_files.py CHAT_FILES), by name
+    chat_files: dict[str, bytes] = field(default_factory=dict)
 
 
 def parse_source(source: str, *, allow_local: bool = True) -> AdapterSource:
@@ -207,12 +210,13 @@ def resolve_source(
     memory, with the client of adapters.s3.s3_client)."""
     if source.kind == "local":
         config_raw, weights_raw = read_adapter_files(source.path)
-        return AdapterFiles(config_raw, weights_raw, source.path, None)
+        return AdapterFiles(config_raw, weights_raw, source.path, None,
+                            read_chat_files(source.path))
     if source.kind == "s3":
         from loragw.adapters.s3 import fetch_s3_folder  # boto3 is only needed for S3 sources
 
-        config_raw, weights_raw, etag = fetch_s3_folder(source.bucket, source.key)
-        return AdapterFiles(config_raw, weights_raw, source.uri, etag)
+        config_raw, weights_raw, etag, chat = fetch_s3_folder(source.bucket, source.key)
+        return AdapterFiles(config_raw, weights_raw, source.uri, etag, chat)
     from loragw.adapters.hub import (
         fetch_hub_adapter,  # huggingface_hub is only needed for Hub sources
     )
@@ -221,4 +225,20 @@ def resolve_source(
         source.repo_id, source.revision, endpoint=endpoint, token=token, cache_dir=cache_dir
     )
     config_raw, weights_raw = read_adapter_files(fetched.path)
-    return AdapterFiles(config_raw, weights_raw, fetched.source, fetched.revision)
+    return AdapterFiles(config_raw, weights_raw, fetched.source, fetched.revision,
+                        read_chat_files(fetched.path))
+
+
+def read_chat_files(folder: str) -> dict[str, bytes]:
+    """The chat files (CHAT_FILES) a folder holds, by name; AdapterError past their size cap."""
+    found = {}
+    for name in CHAT_FILES:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                raw = f.read(MAX_CHAT_FILE_BYTES + 1)
+            if len(raw) > MAX_CHAT_FILE_BYTES:
+                raise AdapterError(f"{name} of {_show(folder)} is larger than "
+                                   f"{MAX_CHAT_FILE_BYTES} bytes")
+            found[name] = raw
+    return found

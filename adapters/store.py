@@ -113,7 +113,7 @@ class AdapterStore:
                 adapter_id, version, digests.weights, len(weights_raw), meta.source, meta.revision,
                 meta.rank, tuple(meta.targets), time.time(), target, digests.config,
                 meta.object_key, tuple(meta.warnings), meta.owner, self.base, meta.draft_source,
-            )  # fmt: skip
+                meta.chat)  # fmt: skip
             parent = os.path.dirname(target)
             made_parent = not os.path.isdir(parent)
             tmp = tempfile.mkdtemp(prefix=TMP, dir=self.root)

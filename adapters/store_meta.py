@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from loragw.adapters.base_identity import BaseIdentity
+from loragw.adapters.chat_files import AdapterChat
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class StoredMeta:
     warnings: tuple[str, ...] = ()  # LoraAdapter.warnings (accepted, but worth a look)
     owner: str = ""  # the tenant it belongs to ("": shared)
     draft_source: str = ""  # its draft-model LoRA's source (speculative decoding), if any
+    chat: AdapterChat = AdapterChat()  # its own chat template, parsers, sampling defaults
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class StoredAdapter:
     owner: str = ""
     base: BaseIdentity | None = None  # the base model it was validated against (None: older)
     draft_source: str = ""
+    chat: AdapterChat = AdapterChat()
 
 
 def encode_meta(stored: StoredAdapter) -> bytes:

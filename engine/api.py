@@ -25,6 +25,7 @@ from loragw.engine.request.checks import RequestLimits, check_request
 from loragw.engine.request.generation import (
     GenerationDefaults,
     generation_defaults,
+    parse_generation_config,
     read_generation_config,
 )
 from loragw.engine.request.params import InvalidParam, SamplingParams, with_max_tokens
@@ -37,7 +38,7 @@ __all__ = [
     "REASONING_PARSERS", "TOOL_CALL_PARSERS", "ChatTemplate", "GenerationDefaults",
     "ReasoningParser", "TemplateRefused", "ThinkTokens", "ToolCallDelta", "ToolCallParser",
     "ToolSpec", "seeded_ids",
-    "generation_defaults", "read_generation_config", "reasoning_parser",
+    "generation_defaults", "parse_generation_config", "read_generation_config", "reasoning_parser",
     "reasoning_parser_for_template", "render_chat", "tool_call_parser",
     "tool_parser_for_template",
     "LOAD_SECONDS_BUCKETS", "EngineClient", "EngineDied", "EngineInfo", "EngineOptions",

@@ -36,6 +36,7 @@ from loragw.gateway.http.capacity import Capacity
 from loragw.gateway.http.served import ServedModel
 from loragw.gateway.observe.health import EngineWatchdog, Readiness
 from loragw.gateway.observe.metrics import Metrics
+from loragw.gateway.openai.adapter_chats import AdapterChats
 from loragw.gateway.openai.admission import Admission
 from loragw.gateway.openai.chat_setup import base_setup
 from loragw.gateway.residency.manager import AdapterManager
@@ -138,15 +139,16 @@ class Services:
                 tokenizer = await asyncio.to_thread(try_load_tokenizer, config.model)
                 self.served = ServedModel(config.model_name, str(config.model), self.info,
                                          tokenizer, TokenText(tokenizer), self.started_at)
+                chats = AdapterChats(base_setup(config, tokenizer), tokenizer)
                 self.adapters = AdapterManager(config, self.engine, self.metrics,
-                                               tracing=self.tracing)
+                                               tracing=self.tracing, check_chat=chats.check)
                 await self.adapters.start()
                 self.router = Router(self.adapters.registry, self.adapters.replica_id,
                                      fleet=bool(config.redis_url), tracing=self.tracing)
                 await self._stack.enter_async_context(self.router.running())
                 self.admission = Admission(self.engine, self.adapters, self.router, self.tenants,
                                            self.capacity, self.metrics, self.tracing, self.served,
-                                           base_setup(config, tokenizer))
+                                           chats)
                 bar.update()
                 for name, source in sources:
                     readiness.status = f"loading adapter {name}"

@@ -83,7 +83,8 @@ class CallSyntax(Protocol):
     """One family's syntax. `text` is what has not been consumed yet; `at_output_start` says it
     begins the output (nothing consumed), `after_call` that it directly follows a call."""
 
-    markers: tuple[str, ...]
+    markers: tuple[str, ...]  # text at which a call may begin
+    reads: tuple[str, ...]  # every marker it reads (kept in the text where special tokens)
 
     def find_start(self, text: str, at_output_start: bool, after_call: bool) -> Start | None: ...
 
@@ -107,6 +108,10 @@ class SyntaxToolParser:
     @property
     def call_markers(self) -> tuple[str, ...]:
         return self.syntax.markers
+
+    @property
+    def syntax_tokens(self) -> tuple[str, ...]:
+        return self.syntax.reads
 
     def parse(self, text: str, ids: CallIds) -> ToolParseResult:
         stream = self.stream(ids)

@@ -96,6 +96,7 @@ def json_calls(value: object, require_arguments: bool) -> list[RawCall] | None:
 class HermesSyntax:
     markers: tuple[str, ...] = ("<tool_call>",)
     close: str = "</tool_call>"
+    reads: tuple[str, ...] = ("<tool_call>", "</tool_call>")
 
     def find_start(self, text: str, at_output_start: bool, after_call: bool) -> Start | None:
         return marker_start(text, self.markers)
@@ -118,6 +119,7 @@ LLAMA_NEXT = regex.compile(r"\s*;\s*" + _HEAD)
 @dataclass(frozen=True, slots=True)
 class Llama3JsonSyntax:
     markers: tuple[str, ...] = ("<|python_tag|>", "{")
+    reads: tuple[str, ...] = ("<|python_tag|>",)
 
     def find_start(self, text: str, at_output_start: bool, after_call: bool) -> Start | None:
         if after_call and (m := LLAMA_NEXT.match(text, partial=True)):
@@ -150,6 +152,7 @@ MISTRAL_NAMED = regex.compile(r"([A-Za-z0-9_.\-]+)(?:\[CALL_ID\][A-Za-z0-9]+)?\[
 @dataclass(frozen=True, slots=True)
 class MistralSyntax:
     markers: tuple[str, ...] = ("[TOOL_CALLS]",)
+    reads: tuple[str, ...] = ("[TOOL_CALLS]", "[CALL_ID]", "[ARGS]")  # Magistral's too
 
     def find_start(self, text: str, at_output_start: bool, after_call: bool) -> Start | None:
         return marker_start(text, self.markers)
@@ -183,6 +186,7 @@ class MistralSyntax:
 @dataclass(frozen=True, slots=True)
 class Phi4MiniSyntax:
     markers: tuple[str, ...] = ("functools[",)
+    reads: tuple[str, ...] = ("functools[",)
 
     def find_start(self, text: str, at_output_start: bool, after_call: bool) -> Start | None:
         return marker_start(text, self.markers)

@@ -81,6 +81,7 @@ def call_list(source: str) -> list[RawCall] | None:
 class PythonicSyntax:
     markers: tuple[str, ...] = ("<|python_start|>", "[")
     close: str = "<|python_end|>"
+    reads: tuple[str, ...] = ("<|python_start|>", "<|python_end|>")
 
     def find_start(self, text: str, at_output_start: bool, after_call: bool) -> Start | None:
         if at_output_start:

@@ -116,6 +116,7 @@ class Qwen3CoderSyntax:
     tools: Mapping[str, ToolSpec] = field(default_factory=dict)
     markers: tuple[str, ...] = ("<tool_call>",)
     close: str = "</tool_call>"
+    reads: tuple[str, ...] = ("<tool_call>", "</tool_call>")
 
     def find_start(self, text: str, at_output_start: bool, after_call: bool) -> Start | None:
         return marker_start(text, self.markers)

@@ -117,11 +117,13 @@ class ToolCallParser(Protocol):
     """Reads one family's tool-call syntax out of an output's content.
 
     call_markers: text at which a call may begin (a caller holding back text that may become a
-    call holds it from these); parallel: whether the family's template can render several calls
+    call holds it from these); syntax_tokens: every marker the syntax reads, which a decode
+    must keep where they are special tokens (Magistral's [ARGS]); parallel: whether the family's template can render several calls
     in one assistant turn; id_format: how the family's call ids look."""
 
     name: str
     call_markers: tuple[str, ...]
+    syntax_tokens: tuple[str, ...]
     parallel: bool
     id_format: IdFormat
 

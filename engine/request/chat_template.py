@@ -5,7 +5,9 @@ renders it, with what real templates expect of the messages (vLLM's rules):
                           without the id, Hermes' without the name)
     an assistant's calls  `tool_calls[i].function.arguments` parsed from its JSON string into an
                           object, since templates apply `| tojson` to it (else the prompt holds
-                          the arguments encoded twice)
+                          the arguments encoded twice); a template that pastes them in as text
+                          (DeepSeek-R1's `+ arguments +`) and so fails on objects is rendered
+                          again with the strings
     earlier reasoning     an assistant's `reasoning` / `reasoning_content` under both names, for
                           the templates that show or drop it
     a `developer` turn    as `system`; text content parts joined
@@ -43,7 +45,8 @@ class ChatTemplate:
     kwargs: Mapping[str, Any] = field(default_factory=dict)
 
 
-def conversation(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def conversation(messages: Sequence[Mapping[str, Any]],
+                 arguments_as_objects: bool = True) -> list[dict[str, Any]]:
     """OpenAI messages (as dicts, None values left out) as the templates read them."""
     out = []
     for m in messages:
@@ -56,7 +59,7 @@ def conversation(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         reasoning = message.get("reasoning", message.get("reasoning_content"))
         if reasoning is not None:
             message["reasoning"] = message["reasoning_content"] = reasoning
-        if message.get("tool_calls"):
+        if message.get("tool_calls") and arguments_as_objects:
             message["tool_calls"] = [_call_for_template(c) for c in message["tool_calls"]]
         out.append(message)
     return out
@@ -101,11 +104,20 @@ def render_chat(tokenizer, messages: Sequence[Mapping[str, Any]], *,
         raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; use a chat "
                          "(instruct) model, serve it with --chat-template, or send a plain "
                          "completion request instead")
-    try:
-        text = tokenizer.apply_chat_template(
+    def render(turns: list[dict[str, Any]]) -> str:
+        return tokenizer.apply_chat_template(
             turns, tools=tools, chat_template=source, tokenize=False,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, **{**template.kwargs, **kwargs})
+
+    try:
+        try:
+            text = render(turns)
+        except Exception:
+            as_text = conversation(messages, arguments_as_objects=False)
+            if as_text == turns:  # no arguments were parsed: the template refuses as it is
+                raise
+            text = render(as_text)  # it pastes the arguments in as text
     except Exception as exc:  # jinja2's TemplateError from raise_exception, a missing key
         raise TemplateRefused("messages", f"the chat template refused these messages: "
                               f"{exc}") from None

@@ -9,12 +9,20 @@ appends what it changed to the audit log.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
 from litestar import Controller, Request, delete, get, post
 from litestar.datastructures import UploadFile
 
+from loragw.adapters.chat_files import (
+    GENERATION_CONFIG,
+    MAX_CHAT_FILE_BYTES,
+    TEMPLATE_FILE,
+    TOKENIZER_CONFIG,
+    AdapterChat,
+)
 from loragw.adapters.ids import valid_adapter_id
 from loragw.gateway.common.errors import APIError
 from loragw.gateway.common.flags import parse_bool
@@ -31,6 +39,9 @@ from loragw.gateway.tenants.access import check_change, check_source, check_visi
 from loragw.gateway.tenants.audit import AuditLog, now_entry
 from loragw.gateway.tenants.keys import Principal
 
+# the upload's chat parts -> the file each stands for (text fields or files)
+CHAT_PARTS = {"chat_template": TEMPLATE_FILE, "tokenizer_config": TOKENIZER_CONFIG,
+              "generation_config": GENERATION_CONFIG}
 DONE = {"load": "loaded", "evict": "evicted", "pin": "pinned", "unpin": "unpinned"}
 ACTIONS = tuple(DONE)
 
@@ -46,6 +57,16 @@ class RegisterRequest(msgspec.Struct, forbid_unknown_fields=True):
     replace: bool = False
     owner: str | None = None  # the operator's: a tenant it belongs to ("": shared)
     draft_adapter: str | None = None  # the source of its draft-model LoRA (speculative)
+    # its own chat, over the chat files its source holds (adapters/chat_files.py)
+    chat_template: str | None = None
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    generation_config: dict[str, Any] | None = None  # as generation_config.json holds it
+
+    def chat(self) -> AdapterChat:
+        generation = json.dumps(self.generation_config) if self.generation_config else ""
+        return AdapterChat(self.chat_template or "", self.reasoning_parser or "",
+                           self.tool_call_parser or "", generation)
 
 
 class Deleted(msgspec.Struct):
@@ -100,7 +121,9 @@ class AdminController(Controller):
                      audit: AuditLog) -> AdapterInfo:
         """multipart: `adapter_id`, `adapter_config` (file), `adapter_model` (file),
         optional `replace`=true, optional `owner` (the operator's: a tenant; empty: shared),
-        optional `draft_adapter` (the source of its draft-model LoRA)."""
+        optional `draft_adapter` (the source of its draft-model LoRA), and its own chat:
+        `chat_template`, `tokenizer_config`, `generation_config` (text or files),
+        `reasoning_parser`, `tool_call_parser`."""
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise APIError.bad_request("upload as multipart/form-data with fields adapter_id, "
                                        "adapter_config and adapter_model")
@@ -110,10 +133,14 @@ class AdminController(Controller):
         config_raw = await _file(form, "adapter_config")
         weights_raw = await _file(form, "adapter_model")
         draft = _text(form, "draft_adapter", required=False) or None
+        chat = AdapterChat("", _text(form, "reasoning_parser", required=False) or "",
+                           _text(form, "tool_call_parser", required=False) or "")
+        chat_files = {name: raw for field, name in CHAT_PARTS.items()
+                      if (raw := await _chat_part(form, field)) is not None}
 
         async def add(owner: str | None) -> AdapterInfo:
             return await adapters.upload(adapter_id, config_raw, weights_raw, replace, owner,
-                                         draft or "")
+                                         draft or "", chat, chat_files)
 
         return await write(adapters, audit, request, adapter_id,
                            _text(form, "owner", required=False), "adapter.uploaded", add,
@@ -126,7 +153,7 @@ class AdminController(Controller):
                        audit: AuditLog) -> AdapterInfo:
         async def add(owner: str | None) -> AdapterInfo:
             return await adapters.register(data.adapter_id, data.source, data.replace, owner,
-                                           data.draft_adapter or "")
+                                           data.draft_adapter or "", data.chat())
 
         return await write(adapters, audit, request, data.adapter_id, data.owner,
                            "adapter.registered", add, data.source, data.draft_adapter)
@@ -202,3 +229,15 @@ async def _file(form, name: str) -> bytes:
                                    f"({'adapter_config.json' if name == 'adapter_config' else 'adapter_model.safetensors'})",
                                    param=name)
     return await value.read()
+
+
+async def _chat_part(form, name: str) -> bytes | None:
+    """An optional chat part, as text or a file; 413 past its cap."""
+    value = form.get(name)
+    if value is None:
+        return None
+    raw = await value.read() if isinstance(value, UploadFile) else str(value).encode()
+    if len(raw) > MAX_CHAT_FILE_BYTES:
+        raise APIError(413, f"multipart field {name!r} is larger than {MAX_CHAT_FILE_BYTES} "
+                            "bytes", param=name, code="request_too_large")
+    return raw

@@ -92,6 +92,12 @@ class ServerConfig(EngineOptions):
     enable_auto_tool_choice: bool = option(
         True, "parse tool calls out of the answer under tool_choice auto (vLLM's flag; "
         "--no-enable-auto-tool-choice: only a required or named tool choice calls tools)")
+    exclude_tools_when_tool_choice_none: bool = option(
+        False, "leave the tools out of the prompt of a request with tool_choice none (vLLM's "
+        "flag; by default the template still shows them, and no call is parsed)")
+    trust_request_chat_template: bool = option(
+        False, "let a chat request's own chat_template render its prompt (vLLM's flag; "
+        "without it such a request is refused)")
     generation_config: str = option(
         "auto", "sampling defaults of a request that leaves them out: auto (the model's "
         "generation_config.json; an adapter's own for its requests), vllm (the engine's), or "

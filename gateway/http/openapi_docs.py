@@ -91,7 +91,17 @@ class MultipartUpload(Operation):
             "replace": part("true to replace an adapter of this id"),
             "owner": part("the operator's: the tenant it belongs to (empty: shared)"),
             "draft_adapter": part("the source of its draft-model LoRA (speculative decoding "
-                                  "with a draft model): a directory, hf://ORG/REPO or s3://")},
+                                  "with a draft model): a directory, hf://ORG/REPO or s3://"),
+            "chat_template": part("its own chat template (Jinja), where it does not speak as "
+                                  "the base: text or chat_template.jinja"),
+            "tokenizer_config": part("its tokenizer_config.json: its chat_template, and the "
+                                     "tokens it adds (checked against the base's vocabulary)",
+                                     binary=True),
+            "generation_config": part("its generation_config.json: its sampling defaults",
+                                      binary=True),
+            "reasoning_parser": part("how it writes its thinking (default: the base's, or "
+                                     "read from its own template); none: not parsed"),
+            "tool_call_parser": part("how it writes tool calls, likewise")},
             required=["adapter_id", "adapter_config", "adapter_model"])
         self.request_body = RequestBody(required=True, content={
             "multipart/form-data": OpenAPIMediaType(schema=form)})

@@ -171,6 +171,9 @@ class ModelCard(Struct):
     version: int | None = None
     sha256: str | None = None
     resident_on: list[str] | None = None
+    # how it speaks chat (vLLM's parser names; None: its thinking / calls are not parsed)
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
 
 
 class ModelList(Struct):

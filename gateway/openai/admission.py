@@ -63,6 +63,7 @@ from loragw.gateway.http.capacity import Capacity
 from loragw.gateway.http.jobs import Choice, GenerationJob
 from loragw.gateway.http.served import ServedModel
 from loragw.gateway.observe.metrics import Metrics
+from loragw.gateway.openai.adapter_chats import AdapterChats
 from loragw.gateway.openai.chat_setup import ChatSetup, chat_reading
 from loragw.gateway.openai.format_chat import ChatFormat
 from loragw.gateway.openai.format_completions import CompletionFormat
@@ -85,6 +86,7 @@ from loragw.gateway.openai.prompts import (
 )
 from loragw.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from loragw.gateway.openai.streaming import collect, stream_sse
+from loragw.gateway.residency.info import chat_of
 from loragw.gateway.residency.manager import AdapterManager
 from loragw.gateway.residency.versions import VERSION_HEADER, header_value
 from loragw.gateway.tenants.forwarding import sign
@@ -117,11 +119,11 @@ class Admission:
     metrics: Metrics
     tracing: Tracing | None
     served: ServedModel
-    chat: ChatSetup  # the base model's; an adapter with its own chat setup has that one
+    chats: AdapterChats  # the base model's chat setup, and each adapter's over it
 
     def chat_setup(self, location: Location) -> ChatSetup:
-        """How the model `location` names speaks chat."""
-        return self.chat
+        """How the model (and version) `location` names speaks chat."""
+        return self.chats.setup(chat_of(self.adapters.records, location))
 
 
 # As a route's dependency: built once by Services, never re-validated per request.
@@ -155,7 +157,7 @@ async def serve_chat(request: Request, data: ChatCompletionRequest, admission: A
                                 data.prompt_logprobs, setup.generation)
         if keep_specials:  # the parsers' markers are special tokens: decode them
             first = replace(first, skip_special_tokens=False)
-        prompt = await off_loop_if_large(partial(chat_prompt, template=setup.template), data,
+        prompt = await off_loop_if_large(partial(chat_prompt, setup=setup), data,
                                          admission.served.tokenizer)
         if first.guided is not None:  # a grammar constrains the answer, not the thinking
             first = replace(first, guided=replace(first.guided, after=setup.answer_after(prompt)))

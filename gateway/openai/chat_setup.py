@@ -2,7 +2,7 @@
 its tool calls, whether `auto` tool choice parses calls, and its sampling defaults. The base
 model's is decided once at start from the flags (`auto` reads the chat template's markers and
 logs its choice); an adapter that brings its own template, parsers or generation_config.json
-(gateway/residency) gets a ChatSetup of its own, over the base's.
+gets a ChatSetup of its own over the base's (gateway/openai/adapter_chats.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from loragw.engine.api import (
     tool_parser_for_template,
 )
 from loragw.gateway.common.config import ServerConfig
+from loragw.gateway.common.errors import APIError
 from loragw.gateway.openai.chat_reading import ChatReading
 from loragw.gateway.openai.forced_calls import forced_call
 from loragw.gateway.openai.protocol import ChatCompletionRequest
@@ -45,6 +46,19 @@ class ChatSetup:
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
     think: ThinkTokens | None = None  # the reasoning markers' token ids, where single tokens
     specials: frozenset[str] = frozenset()  # the tokenizer's special tokens' texts
+    detect: frozenset[str] = frozenset()  # "reasoning", "tools": the flags said auto
+    tools_on_none: bool = True  # tool_choice none still shows the template the tools
+    request_templates: bool = False  # a request may bring its own chat_template
+
+    def template_for(self, asked: str | None) -> ChatTemplate:
+        """The template a request renders with: this setup's, or (where trusted) its own."""
+        if asked is None:
+            return self.template
+        if not self.request_templates:
+            raise APIError.bad_request("this server does not take a chat_template per request; "
+                                       "leave it out, or start the server with "
+                                       "--trust-request-chat-template", param="chat_template")
+        return ChatTemplate(asked, self.template.kwargs)
 
     def reading(self, tools: list[dict] | None, thinking: bool, syntax: str | None = None,
                 single_call: bool = False) -> tuple[ChatReading, bool]:
@@ -54,7 +68,7 @@ class ChatSetup:
         (Qwen3's enable_thinking); `single_call`: parallel_tool_calls false."""
         reasoning = self.reasoning_parser(thinking)
         calls = self.tool_parser(tools, syntax) if tools else None
-        markers = set(calls.call_markers if calls else ())
+        markers = set(calls.syntax_tokens if calls else ())
         if reasoning is not None:
             markers |= {reasoning.start_marker, reasoning.end_marker}
         keep = bool(markers & self.specials)
@@ -85,17 +99,6 @@ class ChatSetup:
         last_start = max((i for i, t in enumerate(prompt) if t in think.start), default=-1)
         ended = last_start >= 0 and any(t in think.end for t in prompt[last_start + 1:])
         return () if ended else tuple(sorted(think.end))
-
-    def over(self, template: str | None, reasoning: str | None, tools: str | None,
-             generation: GenerationDefaults | None, vocab) -> ChatSetup:
-        """An adapter's setup: what it brings over this (the base's) one."""
-        setup = replace(self, template=ChatTemplate(template, self.template.kwargs)
-                        if template else self.template,
-                        reasoning=reasoning if reasoning is not None else self.reasoning,
-                        tools=tools if tools is not None else self.tools,
-                        generation=generation.over(self.generation) if generation
-                        else self.generation)
-        return setup.with_think_tokens(vocab)
 
     def with_think_tokens(self, vocab) -> ChatSetup:
         """The reasoning markers' ids in `vocab` (token -> id), None where not single tokens."""
@@ -136,9 +139,15 @@ def base_setup(config: ServerConfig, tokenizer) -> ChatSetup:
     if tools == "auto":
         tools = tool_parser_for_template(source)
         logger.info("tool-call parser: %s (auto, from the chat template)", tools or "none")
+    detect = frozenset(name for name, flag in (("reasoning", config.reasoning_parser),
+                                               ("tools", config.tool_call_parser))
+                       if flag == "auto")  # an adapter's own template is read the same way
     setup = ChatSetup(template, None if reasoning == "none" else reasoning, tools,
                       config.enable_auto_tool_choice,
-                      generation_defaults(config.generation_config, str(config.model)))
+                      generation_defaults(config.generation_config, str(config.model)),
+                      detect=detect,
+                      tools_on_none=not config.exclude_tools_when_tool_choice_none,
+                      request_templates=config.trust_request_chat_template)
     if tokenizer is None:
         return setup
     specials = frozenset(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)

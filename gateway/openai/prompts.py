@@ -10,8 +10,9 @@ from typing import TypeVar
 
 import msgspec
 
-from loragw.engine.api import ChatTemplate, InvalidParam, encode_chat, tokenize
+from loragw.engine.api import InvalidParam, encode_chat, tokenize
 from loragw.gateway.common.errors import APIError
+from loragw.gateway.openai.chat_setup import ChatSetup
 from loragw.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 # Prompts whose text is longer than this are tokenized on a worker thread, not the event loop.
@@ -52,17 +53,18 @@ def prompt_texts(data: CompletionRequest, prompts: list[list[int]], tokenizer) -
             for ids in prompts]
 
 
-def chat_prompt(data: ChatCompletionRequest, tokenizer,
-                template: ChatTemplate | None = None) -> list[int]:
-    """The chat request's messages rendered by `template` (the served model's or adapter's;
-    None: the tokenizer's own) as transformers renders them (engine/request/chat_template.py)."""
+def chat_prompt(data: ChatCompletionRequest, tokenizer, setup: ChatSetup) -> list[int]:
+    """The chat request's messages rendered by the template of `setup` (the served model's or
+    adapter's) or the request's own, as transformers renders them
+    (engine/request/chat_template.py)."""
     if any(isinstance(m.content, list) and any(p.type != "text" or p.text is None
                                                for p in m.content) for m in data.messages):
         raise APIError.not_supported("content parts other than text", "messages")
     if tokenizer is None:
         raise APIError.bad_request("this model has no tokenizer; use /v1/completions with "
                                    "token-id prompts", param="messages")
-    tools = data.tools if data.tool_choice != "none" else None
+    template = setup.template_for(data.chat_template)
+    tools = data.tools if data.tool_choice != "none" or setup.tools_on_none else None
     try:
         return encode_chat(tokenizer, [msgspec.to_builtins(m) for m in data.messages],
                            tools or None, template=template, kwargs=data.chat_template_kwargs,

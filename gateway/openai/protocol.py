@@ -131,6 +131,7 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # its own template (--trust-request-chat-template)
 
 
 class LoadLoRAAdapterRequest(Struct):

@@ -23,7 +23,12 @@ from loragw.gateway.http.response_bodies import (
     ModelList,
 )
 from loragw.gateway.http.served import ServedModel, ServedModelDep
-from loragw.gateway.openai.admission import AdmissionDep, serve_chat, serve_completion
+from loragw.gateway.openai.admission import (
+    Admission,
+    AdmissionDep,
+    serve_chat,
+    serve_completion,
+)
 from loragw.gateway.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -72,38 +77,42 @@ class OpenAIController(Controller):
 
     @get("/models", responses=error_responses(401, 503))
     async def models(self, request: Request, served: ServedModelDep,
-                     adapters: AdapterManager) -> ModelList:
+                     admission: AdmissionDep) -> ModelList:
         """The base model and the adapters this key may use."""
-        return ModelList(data=await _model_cards(served, adapters, principal(request)))
+        return ModelList(data=await _model_cards(served, admission, principal(request)))
 
     @get("/models/{model_id:path}", responses=error_responses(400, 401, 404, 503))
     async def model(self, request: Request, model_id: str, served: ServedModelDep,
-                    adapters: AdapterManager) -> ModelCard:
+                    admission: AdmissionDep) -> ModelCard:
         """One entry of /v1/models (the `openai` client's models.retrieve); ids may hold a /."""
         model_id = model_id.lstrip("/")
-        for card in await _model_cards(served, adapters, principal(request)):
+        for card in await _model_cards(served, admission, principal(request)):
             if card.id == model_id:
                 return card
         raise APIError.model_not_found(model_id)
 
 
-async def _model_cards(model: ServedModel, adapters: AdapterManager,
+async def _model_cards(model: ServedModel, admission: Admission,
                        caller: Principal) -> list[ModelCard]:
+    adapters, chats = admission.adapters, admission.chats
     snapshot = await adapters.engine.snapshot()
     base, limit = model.name, model.info.max_model_len
     cards = [ModelCard(id=base, created=model.started_at, owned_by=OWNER, root=model.path,
-                       parent=None, residency="device", max_model_len=limit)]
+                       parent=None, residency="device", max_model_len=limit,
+                       reasoning_parser=chats.base.reasoning, tool_call_parser=chats.base.tools)]
     where = await adapters.resident_on()
-    for record in adapters.list_models():
+    for record in adapters.records.values():
         if not caller.may_use(record.name, record.entry.owner):
             continue
+        chat = chats.setup(record.entry.chat)  # how it speaks: its own, else as the base
         cards.append(ModelCard(id=record.name, created=record.created,
                                owned_by=record.entry.owner or OWNER,
                                root=record.source, parent=base,
                                residency=adapters.residency(record.name, snapshot),
                                max_model_len=limit, version=record.entry.version,
                                sha256=record.entry.sha256,
-                               resident_on=sorted(where.get(record.name, []))))
+                               resident_on=sorted(where.get(record.name, [])),
+                               reasoning_parser=chat.reasoning, tool_call_parser=chat.tools))
     return cards
 
 

@@ -1,21 +1,27 @@
 """vLLM's utility routes that scripts call: POST /tokenize, POST /detokenize, GET /version.
 
 `model` is the base model or an adapter (located as a generation request would be: an unknown
-one is a 404); adapters ship no tokenizer here, so every model uses the base tokenizer. The
-routes take the API key, as /v1 does.
+one is a 404); adapters ship no tokenizer here, so every model uses the base tokenizer, while
+chat `messages` render with the model's own chat setup (an adapter's template where it brings
+one, the flags' defaults) exactly as /v1/chat/completions renders them. The routes take the API
+key, as /v1 does.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from importlib import metadata
+from typing import Any
 
 from litestar import Controller, Request, get, post
 from msgspec import Struct
 
 from loragw.gateway.common.errors import APIError
+from loragw.gateway.common.records import Location
 from loragw.gateway.http.auth import principal, require_api_key
 from loragw.gateway.http.error_handlers import error_responses
 from loragw.gateway.http.served import ServedModel, ServedModelDep
+from loragw.gateway.openai.admission import AdmissionDep
 from loragw.gateway.openai.prompts import chat_prompt, off_loop_if_large
 from loragw.gateway.openai.protocol import ChatCompletionRequest, ChatMessage, TokenId
 from loragw.gateway.residency.manager import AdapterManager
@@ -34,6 +40,11 @@ class TokenizeRequest(Struct, kw_only=True):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[dict] | None = None  # with messages: the template renders them too
+    # with messages, as /v1/chat/completions takes them
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
     # default: true for a prompt (BOS and friends, as /v1/completions encodes it); with
     # messages only false (the chat template writes them itself)
     add_special_tokens: bool | None = None
@@ -74,8 +85,9 @@ class UtilityController(Controller):
 
     @post("/tokenize", status_code=200, responses=ERRORS)
     async def tokenize(self, request: Request, data: TokenizeRequest, served: ServedModelDep,
-                       adapters: AdapterManager) -> TokenizeResponse:
-        tokenizer = await _tokenizer(served, adapters, data.model, principal(request))
+                       admission: AdmissionDep) -> TokenizeResponse:
+        location = await _locate(admission.adapters, data.model, principal(request))
+        tokenizer = _tokenizer(served)
         if (data.prompt is None) == (data.messages is None):
             raise APIError.bad_request("send either `prompt` (text) or `messages` (chat), "
                                        "not both and not neither", param="prompt")
@@ -84,9 +96,14 @@ class UtilityController(Controller):
                 raise APIError.bad_request("add_special_tokens with messages: the chat "
                                            "template writes the special tokens itself; leave "
                                            "it out", param="add_special_tokens")
-            chat = ChatCompletionRequest(model=data.model, messages=data.messages,
-                                         tools=data.tools)
-            tokens = await off_loop_if_large(chat_prompt, chat, tokenizer)
+            chat = ChatCompletionRequest(
+                model=data.model, messages=data.messages, tools=data.tools,
+                chat_template_kwargs=data.chat_template_kwargs,
+                add_generation_prompt=data.add_generation_prompt,
+                continue_final_message=data.continue_final_message,
+                chat_template=data.chat_template)
+            tokens = await off_loop_if_large(
+                partial(chat_prompt, setup=admission.chat_setup(location)), chat, tokenizer)
         else:
             special = data.add_special_tokens is not False
             tokens = await off_loop_if_large(
@@ -98,7 +115,8 @@ class UtilityController(Controller):
     @post("/detokenize", status_code=200, responses=ERRORS)
     async def detokenize(self, request: Request, data: DetokenizeRequest, served: ServedModelDep,
                          adapters: AdapterManager) -> DetokenizeResponse:
-        tokenizer = await _tokenizer(served, adapters, data.model, principal(request))
+        await _locate(adapters, data.model, principal(request))
+        tokenizer = _tokenizer(served)
         vocab = served.info.vocab_size
         bad = next((t for t in data.tokens if t >= vocab), None)
         if bad is not None:
@@ -115,11 +133,13 @@ class UtilityController(Controller):
         return VersionResponse(version=package_version())
 
 
-async def _tokenizer(served: ServedModel, adapters: AdapterManager, model: str,
-                     caller: Principal):
-    """The tokenizer `model` uses (the base model's, adapters included); 404 if no such model
-    (or one the caller may not use)."""
-    await adapters.locate(adapters.aliases.resolve(model, None, caller.may_use), caller)
+async def _locate(adapters: AdapterManager, model: str, caller: Principal) -> Location:
+    """Where `model` is served; 404 if no such model (or one the caller may not use)."""
+    return await adapters.locate(adapters.aliases.resolve(model, None, caller.may_use), caller)
+
+
+def _tokenizer(served: ServedModel):
+    """The tokenizer every model uses (the base model's, adapters included)."""
     if served.tokenizer is None:
         raise APIError.bad_request("this model has no tokenizer; prompts to it are token ids",
                                    param="model")

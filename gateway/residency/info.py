@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import msgspec
 
+from loragw.adapters.chat_files import AdapterChat
 from loragw.adapters.registry import CatalogEntry
 from loragw.adapters.store_meta import StoredAdapter
 from loragw.engine.api import EngineSnapshot
-from loragw.gateway.common.records import AdapterRecord
+from loragw.gateway.common.records import AdapterRecord, Location
 
 
 class AdapterInfo(msgspec.Struct):
@@ -33,13 +34,18 @@ class AdapterInfo(msgspec.Struct):
     base: str = ""  # the base model it was made for: "NAME (ARCHITECTURE, base KEY)"
     versions: list[int] = []  # the versions a request may pin (ID@N), newest first
     draft_adapter: str = ""  # the source of its draft-model LoRA (speculative decoding)
+    # its own chat, where it does not speak as the base: a template, parser names, sampling
+    chat_template: bool = False  # it brings its own chat template
+    reasoning_parser: str = ""  # its own ("": the base's)
+    tool_call_parser: str = ""
+    generation_config: bool = False  # it brings its own generation_config.json
 
 
 def catalog_entry(stored: StoredAdapter, holder: str) -> CatalogEntry:
     return CatalogEntry(stored.adapter_id, stored.source, stored.revision, stored.sha256,
                         stored.rank, tuple(stored.targets), stored.num_bytes, stored.version,
                         stored.config_sha256, stored.object_key, holder, stored.created_at,
-                        stored.owner, stored.base, stored.draft_source)
+                        stored.owner, stored.base, stored.draft_source, chat=stored.chat)
 
 
 def adapter_info(record: AdapterRecord, residency: str, snapshot: EngineSnapshot,
@@ -51,7 +57,20 @@ def adapter_info(record: AdapterRecord, residency: str, snapshot: EngineSnapshot
                        e.source, residency, pinned, int(e.created_at), sorted(resident_on),
                        e.object_key, e.holder, warnings, e.owner,
                        e.base.describe() if e.base is not None else "",
-                       [e.version, *(k.version for k in e.kept)], e.draft_source)
+                       [e.version, *(k.version for k in e.kept)], e.draft_source,
+                       bool(e.chat.template), e.chat.reasoning_parser, e.chat.tool_call_parser,
+                       bool(e.chat.generation_config))
+
+
+def chat_of(records: dict[str, AdapterRecord], location: Location) -> AdapterChat | None:
+    """The chat of the version `location` names (None: the base model's)."""
+    record = records.get(location.adapter_id) if location.adapter_id else None
+    if record is None:
+        return None
+    entry = record.entry
+    if location.older:  # a pinned earlier version speaks as it did
+        entry = next((k for k in entry.kept if k.version == location.version), entry)
+    return entry.chat
 
 
 def residency(record: AdapterRecord | None, name: str, snapshot: EngineSnapshot | None) -> str:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from loragw.adapters.alias_store import AliasBook
 from loragw.adapters.base_identity import base_identity
+from loragw.adapters.chat_files import NO_CHAT, AdapterChat
 from loragw.adapters.object_store import ObjectStore
 from loragw.adapters.registry import REGISTRY_PREFIX, make_registry
 from loragw.adapters.store_meta import StoredAdapter, StoredMeta
@@ -32,7 +33,7 @@ from loragw.gateway.residency.catalog import FleetCatalog
 from loragw.gateway.residency.heartbeat import holders, replica_state, resident_on
 from loragw.gateway.residency.info import AdapterInfo, adapter_info, residency
 from loragw.gateway.residency.names import check_free, check_new_id, on_demand
-from loragw.gateway.residency.tiers import AdapterTiers
+from loragw.gateway.residency.tiers import AdapterTiers, ChatCheck
 from loragw.gateway.residency.versions import PinnedVersions, object_keys, parse_pin, with_history
 from loragw.gateway.tenants.keys import OPERATOR, Principal
 
@@ -50,7 +51,7 @@ class AdapterManager:
     def __init__(self, config: ServerConfig, engine: EngineClient,
                  metrics: Metrics | None = None,
                  *, hub_endpoint: str | None = None, hub_cache_dir: str | None = None,
-                 tracing: Tracing | None = None):
+                 tracing: Tracing | None = None, check_chat: ChatCheck | None = None):
         self.base_name, self.engine = config.model_name, engine
         self.adapter_dir = config.adapter_path
         self.object_store = (ObjectStore(config.adapter_store_url)
@@ -60,7 +61,7 @@ class AdapterManager:
             self.adapter_dir, engine, metrics or Metrics(),
             hub_endpoint=hub_endpoint or os.environ.get("HF_ENDPOINT") or None,
             hub_cache_dir=hub_cache_dir or os.environ.get("HF_HUB_CACHE") or None,
-            object_store=self.object_store, tracing=tracing)
+            object_store=self.object_store, tracing=tracing, check_chat=check_chat)
         self.hub_allow, self.s3_allow = list(config.hub_allow), list(config.s3_allow)
         self.replica_id, self.url = config.replica, config.reachable_url
         # adapters are keyed by base model: another base's are not this server's to list,
@@ -163,27 +164,32 @@ class AdapterManager:
 
     # ---- registering ---------------------------------------------------------------------
     async def upload(self, adapter_id: str, config_raw: bytes, weights_raw: bytes,
-                     replace: bool = False, owner: str | None = None,
-                     draft: str = "") -> AdapterInfo:
-        """`draft`: the source of its draft-model LoRA (speculative decoding), if any."""
+                     replace: bool = False, owner: str | None = None, draft: str = "",
+                     chat: AdapterChat = NO_CHAT,
+                     chat_files: dict[str, bytes] | None = None) -> AdapterInfo:
+        """`draft`: the source of its draft-model LoRA (speculative decoding), if any; `chat`
+        over `chat_files` (adapters/chat_files.py): how it speaks chat, if not as the base."""
         check_new_id(adapter_id, self.base_name)
         await self.catalog.refresh(adapter_id)
         async with self._locks[adapter_id]:
             check_free(self.records, adapter_id, replace, conflict=409)
             meta = StoredMeta(sources.UPLOAD_SOURCE, version=self._next_version(adapter_id),
-                              owner=self.catalog.owner_for(adapter_id, owner), draft_source=draft)
-            await self._announce(await self.tiers.put(adapter_id, config_raw, weights_raw, meta))
+                              owner=self.catalog.owner_for(adapter_id, owner), draft_source=draft,
+                              chat=chat)
+            await self._announce(await self.tiers.put(adapter_id, config_raw, weights_raw, meta,
+                                                      chat_files=chat_files))
         return await self.get(adapter_id)
 
     async def register(self, adapter_id: str, source: str, replace: bool = False,
-                       owner: str | None = None, draft: str = "") -> AdapterInfo:
+                       owner: str | None = None, draft: str = "",
+                       chat: AdapterChat = NO_CHAT) -> AdapterInfo:
         """A Hub (hf://ORG/REPO[@REV], ORG/REPO), s3:// or local (a server directory) source;
-        `draft` as for `upload`."""
+        `draft` as for `upload`, `chat` over the chat files the source holds."""
         check_new_id(adapter_id, self.base_name)
         await self.catalog.refresh(adapter_id)
         async with self._locks[adapter_id]:
             await self._add(adapter_id, source, conflict=409, replace=replace, owner=owner,
-                            draft=draft)
+                            draft=draft, chat=chat)
         return await self.get(adapter_id)
 
     async def load(self, adapter_id: str, source: str | None = None,
@@ -201,12 +207,14 @@ class AdapterManager:
         return await self.get(adapter_id)
 
     async def _add(self, adapter_id: str, source: str, *, conflict: int | None,
-                   replace: bool, owner: str | None = None, draft: str = "") -> None:
+                   replace: bool, owner: str | None = None, draft: str = "",
+                   chat: AdapterChat = NO_CHAT) -> None:
         """Fetch, validate, store, register and announce; the caller holds the id's lock."""
         if conflict is not None:
             check_free(self.records, adapter_id, replace, conflict)
         owner, version = self.catalog.owner_for(adapter_id, owner), self._next_version(adapter_id)
-        await self._announce(await self.tiers.fetch(adapter_id, source, version, owner, draft))
+        await self._announce(await self.tiers.fetch(adapter_id, source, version, owner, draft,
+                                                    chat))
 
     def _next_version(self, adapter_id: str) -> int:
         """One past the catalog's version and any this disk ever stored."""
@@ -253,9 +261,6 @@ class AdapterManager:
         logger.info("adapter %s deleted", adapter_id)
 
     # ---- what the OpenAI handlers call ----------------------------------------------------------
-    def list_models(self) -> list[AdapterRecord]:
-        return list(self.records.values())
-
     def residency(self, name: str, snapshot: EngineSnapshot | None) -> str:
         return residency(self.records.get(name), name, snapshot)
 

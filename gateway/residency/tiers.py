@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from loragw.adapters.base_identity import BaseIdentity
+from loragw.adapters.chat_files import NO_CHAT, AdapterChat, chat_from_files
 from loragw.adapters.errors import AdapterNotFound
 from loragw.adapters.format import parse_adapter
 from loragw.adapters.object_store import ObjectStore
@@ -37,12 +39,18 @@ from loragw.gateway.residency.fetch import fetch_bytes
 if TYPE_CHECKING:  # imported only when tracing
     from loragw.gateway.observe.tracing import Tracing
 
+# (an adapter's chat, the tokens its tokenizer adds) -> None, or AdapterError for what the
+# gateway cannot serve of it (gateway/openai/adapter_chats.py); None: anything goes
+ChatCheck = Callable[[AdapterChat, tuple[str, ...]], None]
+
 
 class AdapterTiers:
     def __init__(self, adapter_dir: str, engine: EngineClient, metrics: Metrics,
                  *, hub_endpoint: str | None, hub_cache_dir: str | None,
-                 object_store: ObjectStore | None = None, tracing: Tracing | None = None):
+                 object_store: ObjectStore | None = None, tracing: Tracing | None = None,
+                 check_chat: ChatCheck | None = None):
         self.adapter_dir, self.engine, self.metrics = adapter_dir, engine, metrics
+        self.check_chat = check_chat
         self.hub_endpoint, self.hub_cache_dir = hub_endpoint, hub_cache_dir
         self.object_store = object_store
         self.tracing = tracing  # None: no spans (no --otlp-traces-endpoint)
@@ -68,11 +76,11 @@ class AdapterTiers:
         return record
 
     # ---- onto disk (and into the engine) -----------------------------------------------------
-    async def fetch(self, adapter_id: str, source: str, version: int,
-                    owner: str = "", draft_source: str = "") -> StoredAdapter:
-        """A local, Hub or s3:// source, fetched, validated and stored; see `put`. Only a path's
-        bytes are written through to the object store (the others' sources serve any
-        replica)."""
+    async def fetch(self, adapter_id: str, source: str, version: int, owner: str = "",
+                    draft_source: str = "", chat: AdapterChat = NO_CHAT) -> StoredAdapter:
+        """A local, Hub or s3:// source, fetched, validated and stored; see `put` (`chat`: what
+        the caller set, over the chat files the source holds). Only a path's bytes are written
+        through to the object store (the others' sources serve any replica)."""
         parsed = parse_source(source)
         started = time.perf_counter()
         files = await asyncio.to_thread(resolve_source, parsed, endpoint=self.hub_endpoint,
@@ -81,14 +89,17 @@ class AdapterTiers:
             self._observe("disk", started, adapter_id, version)
         return await self.put(adapter_id, files.config_raw, files.weights_raw,
                               StoredMeta(files.origin, files.revision, version=version,
-                                         owner=owner, draft_source=draft_source),
-                              write_through=parsed.kind == "local")
+                                         owner=owner, draft_source=draft_source, chat=chat),
+                              write_through=parsed.kind == "local", chat_files=files.chat_files)
 
     async def put(self, adapter_id: str, config_raw: bytes, weights_raw: bytes,
-                  meta: StoredMeta, write_through: bool = True) -> StoredAdapter:
+                  meta: StoredMeta, write_through: bool = True,
+                  chat_files: Mapping[str, bytes] | None = None) -> StoredAdapter:
         """Validate against the base model (and its draft LoRA against the draft model, which
-        then drafts for it), write through to the object store (if there is one and
-        `write_through`), store `meta.version` here, register it in the engine."""
+        then drafts for it) and its chat (`meta.chat` over its `chat_files`), write through to
+        the object store (if there is one and `write_through`), store `meta.version` here,
+        register it in the engine."""
+        chat = await asyncio.to_thread(self._chat, meta.chat, chat_files or {})
         digests = FileDigests.of(config_raw, weights_raw)  # once, for every use below
         adapter = await asyncio.to_thread(parse_adapter, config_raw, weights_raw,
                                           self.engine.adapter_spec, digests)
@@ -100,7 +111,7 @@ class AdapterTiers:
                                           digests)
         meta = StoredMeta(meta.source, meta.revision, adapter.max_rank, adapter.targets,
                           meta.version, key, adapter.warnings, meta.owner,
-                          draft_source=meta.draft_source)
+                          draft_source=meta.draft_source, chat=chat)
         stored = await asyncio.to_thread(self.store.put, adapter_id, config_raw, weights_raw,
                                          meta, True, digests)
         started = time.perf_counter()
@@ -118,7 +129,7 @@ class AdapterTiers:
         self._observe("disk", started, entry.adapter_id, entry.version)
         meta = StoredMeta(entry.source, entry.revision, version=entry.version,
                           object_key=entry.object_key, owner=entry.owner,
-                          draft_source=entry.draft_source)
+                          draft_source=entry.draft_source, chat=entry.chat)
         return await self.put(entry.adapter_id, config_raw, weights_raw, meta,
                               write_through=False)
 
@@ -194,6 +205,14 @@ class AdapterTiers:
         """`forget`, and the record too."""
         await self.forget(adapter_id)
         del self.records[adapter_id]
+
+    def _chat(self, asked: AdapterChat, files: Mapping[str, bytes]) -> AdapterChat:
+        """The chat an adapter is stored with: the caller's fields over its files', checked."""
+        from_files, added = chat_from_files(files, "the adapter's ")
+        chat = asked.over(from_files).check()
+        if self.check_chat is not None:
+            self.check_chat(chat, added)
+        return chat
 
     async def _attach_draft(self, adapter_id: str, source: str) -> None:
         await attach_draft(self.engine, self.store.root, adapter_id, source,

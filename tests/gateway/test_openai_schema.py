@@ -196,8 +196,8 @@ def test_errors_of_every_status_conform(http, server, server_config, tmp_path, m
         _error(c.post("/v1/chat/completions", json=chat), 503)
         _error(c.get("/ready"), 503)
 
-    def broken():
+    def broken(*_):
         raise RuntimeError("simulated bug")
 
-    monkeypatch.setattr(services.adapters, "list_models", broken)
+    monkeypatch.setattr(services.adapters, "residency", broken)  # each adapter's card reads it
     _error(http.get("/v1/models"), 500)
