@@ -14,9 +14,9 @@ repeats spans of the prompt ("lookup hit" says how often the next token is what 
 would propose). Random workload: 272 random tokens. Greedy, ignore_eos. Requests join as others
 finish (spec_driver.drive); 8 requests at concurrency 1 and 4, 32 at 16.
 
-Modes: off; ngram (k = --k, prompt_lookup_min 1, max 3, the default disable_by_batch_size rule);
-at concurrency 16 also "ngram, rule lifted" (disable_by_batch_size 64), which shows what the
-rule saves; draft (method draft_model: the model's first 2 of 8 layers, its norm and head, as
+Modes: off; ngram (k = --k at most, prompt_lookup_min 1, max 3; each request's draft length
+chosen per step by the goodput model, engine/spec/goodput.py); "ngram, every draft" (every
+lookup drafted in full, the model bypassed), which shows what the model saves; draft (method draft_model: the model's first 2 of 8 layers, its norm and head, as
 the draft) and, with adapters, "draft + drafters" (each adapter's layers 0-1 as its draft
 LoRA). Random weights give a draft that agrees with its target only by chance, so these draft
 rows measure the machinery's cost at the acceptance they get; with --trained-draft STEPS the
@@ -47,8 +47,8 @@ from spec_driver import drive  # noqa: E402
 from train_drafter import distil_draft, distil_drafters  # noqa: E402
 
 from loragw.engine import LLM, SamplingParams  # noqa: E402
+from loragw.engine.spec import speculator as speculator_module  # noqa: E402
 from loragw.engine.spec.ngram import lookup  # noqa: E402
-from loragw.engine.speculative_config import DEFAULT_DISABLE_BY_BATCH_SIZE  # noqa: E402
 
 # o_proj left out: an adapter there would give attention back the weight the model's scaling
 # took away, and its output would stop repeating itself
@@ -138,16 +138,19 @@ def run_ours(model: str, adapters: list[str], loads: dict, tokens: int, k: int,
     modes = {"off": None,
              "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
                        "prompt_lookup_max": 3},
-             "ngram, rule lifted": {"method": "ngram", "num_speculative_tokens": k,
-                                    "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-                                    "disable_by_batch_size": 64},
+             "ngram, every draft": {"method": "ngram", "num_speculative_tokens": k,
+                                    "prompt_lookup_min": 1, "prompt_lookup_max": 3},
              "draft": {"method": "draft_model", "num_speculative_tokens": k, "model": draft}}
     if drafters:
         modes["draft + drafters"] = modes["draft"] | {"draft_adapters": drafters}
     modes = {m: c for m, c in modes.items() if only is None or m in only}
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     ids = itertools.count()
+    choose = speculator_module.choose_lengths
     for mode, spec in modes.items():
+        speculator_module.choose_lengths = (
+            (lambda alphas, caps, rows, costs, forced=None: list(caps))
+            if mode == "ngram, every draft" else choose)
         with LLM(model, max_model_len=2048, max_loras=max(len(adapters), 1), max_num_seqs=16,
                  speculative_config=spec) as llm:
             for i, path in enumerate(adapters):
@@ -155,9 +158,6 @@ def run_ours(model: str, adapters: list[str], loads: dict, tokens: int, k: int,
             engine = llm.engine
             for workload, (prompts, names, _) in loads.items():
                 for conc, n in CONCURRENCY.items():
-                    if mode == "ngram, rule lifted" and conc != 16:
-                        continue
-
                     def add(i, prompts=prompts, names=names, engine=engine):
                         adapter = f"a{names[i]}" if names[i] is not None else None
                         return engine.add_request(prompts[i], params, adapter, str(next(ids)))
@@ -250,8 +250,7 @@ def main() -> None:
         print("trained draft:", distil_draft(model, draft, model + "-draft2-trained",
                                              args.trained_draft), flush=True)
         draft = model + "-draft2-trained"
-    print(f"machine: {machine()}; default disable_by_batch_size "
-          f"{DEFAULT_DISABLE_BY_BATCH_SIZE}; o_proj scale {args.attention_scale:g}")
+    print(f"machine: {machine()}; o_proj scale {args.attention_scale:g}")
     results, hit_rates = {}, {}
     for count in args.adapters:
         adapters = write_adapters(os.path.join(root, "loragw-bench-spec-adapters"), hf_config,

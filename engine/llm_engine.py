@@ -34,6 +34,7 @@ from loragw.engine.request.structured import GrammarCompiler, GuidedState
 from loragw.engine.request.tokenizer import eos_token_ids, tokenize, try_load_tokenizer
 from loragw.engine.runner.prompt_logprobs import record_prompt_logprobs
 from loragw.engine.runner.sampler import Sampler
+from loragw.engine.sched.batch import ScheduledBatch
 from loragw.engine.sched.pipeline import InFlight, drop_pending
 from loragw.engine.sched.plan import plan_step
 from loragw.engine.sched.scheduler import Scheduler
@@ -158,20 +159,26 @@ class LLMEngine(AdapterCalls):
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and sample one step; the outputs of the tokens read back in it (under
-        async scheduling, engine/sched/pipeline.py, the step before's, and this one's when it does
-        not stay in flight)."""
+        """Schedule, run and sample one step (drafts first; timed for engine/spec/goodput.py):
+        the outputs of the tokens read back in it (async: the step before's, and this one's)."""
         self._check_open()
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running, self.sampler)
+        if self.speculator is None:
+            return self._step()[0]
+        self.speculator.propose(self.scheduler.running, self.sampler)
+        started = time.perf_counter()
+        outputs, batch = self._step()
+        self.speculator.measure(batch, time.perf_counter() - started)
+        return outputs
+
+    def _step(self) -> tuple[list[RequestOutput], ScheduledBatch]:
         batch = self.scheduler.schedule()
         flight, self.in_flight = self.in_flight, None
         if not batch.seqs:
             if flight is not None:
-                return self._read(flight)
+                return self._read(flight), batch
             if self.lora.reads.pending:  # what waits, waits for an adapter read
                 self.lora.reads.wait(timeout=0.01)
-            return []
+            return [], batch
         try:
             lora = self.lora.prepare(batch)  # None when no row has an adapter
             sampling = batch.sampling_seqs()
@@ -191,13 +198,14 @@ class LLMEngine(AdapterCalls):
             outputs = self._read(flight) if flight is not None else []
             launched.hold()
             self.in_flight = launched
-            return outputs
+            return outputs, batch
         if flight is None:  # (the common step: no row can have ended since it was scheduled)
-            return self._advance(sampling, *self._sample(step, sampling, masks)) if sampling else []
+            return (self._advance(sampling, *self._sample(step, sampling, masks)) if sampling
+                    else []), batch
         outputs = self._read(flight)
         if sampling:
             outputs += self._advance(sampling, *self._sample(step, sampling, masks), True)
-        return outputs
+        return outputs, batch
 
     def _advance(self, seqs: list[Sequence], tokens: list[list[int]], logprobs: list,
                  after_read: bool = False) -> list[RequestOutput]:

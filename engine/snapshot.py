@@ -78,6 +78,9 @@ class EngineSnapshot:
     spec_drafts: dict[str, int] = field(default_factory=dict)
     spec_draft_tokens: dict[str, int] = field(default_factory=dict)
     spec_accepted_tokens: dict[str, int] = field(default_factory=dict)
+    # decoding rows a draft length was chosen for, and the lengths summed (engine/spec/goodput.py)
+    spec_choices: dict[str, int] = field(default_factory=dict)
+    spec_chosen_tokens: dict[str, int] = field(default_factory=dict)
     # Seconds of the engine's loads per tier ("device": slot fills, "host": re-reads)
     load_seconds: dict[str, LoadTimes] = field(default_factory=dict)
     # Adapter ids of the running and of the waiting sequences, each from its own queue, each
@@ -125,4 +128,4 @@ def _adapters(queue) -> tuple[str, ...]:
 def _spec_counters(engine: LLMEngine) -> dict[str, dict[str, int]]:
     counts = engine.speculator.counts if engine.speculator is not None else {}
     return {f"spec_{name}": {adapter or "": getattr(c, name) for adapter, c in counts.items()}
-            for name in ("drafts", "draft_tokens", "accepted_tokens")}
+            for name in ("drafts", "draft_tokens", "accepted_tokens", "choices", "chosen_tokens")}

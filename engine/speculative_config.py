@@ -5,9 +5,11 @@
     {"method": "draft_model", "model": DIR, "num_speculative_tokens": 4,
      "draft_adapters": {"pirate": DIR}}
 
-`disable_by_batch_size` (vLLM's key): a step with more decoding sequences than this proposes
-nothing, as verifying k more tokens per row then costs more than the accepted ones save
-(benchmarks/bench_spec.py measures where; RESULTS.md states the rule).
+`num_speculative_tokens` is the most drafts a request proposes in a step; how many it does (0
+included) is chosen per request and step from its measured acceptance and the step's measured
+cost (engine/spec/goodput.py), which also stops proposing when a batch is large enough that
+verification costs more than it saves. `disable_by_batch_size` (vLLM's key), when given, is a
+hard limit on top: a step with more decoding sequences than this proposes nothing.
 """
 
 from __future__ import annotations
@@ -17,9 +19,6 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 METHODS = ("ngram", "draft_model")
-# Measured on a 2-core AVX-512 CPU: 4 decoding rows still gain from k = 4 drafts each (1.25-1.29x
-# TPOT), 16 lose (0.69-1.02x) (benchmarks/RESULTS.md, "Speculative decoding").
-DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
 @dataclass(frozen=True)
@@ -30,7 +29,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 3  # ngram: longest
     model: str | None = None  # draft_model: the draft checkpoint (same tokenizer)
     draft_adapters: dict[str, str] = field(default_factory=dict)  # target adapter -> draft LoRA
-    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    disable_by_batch_size: int | None = None  # None: the goodput model alone decides
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -40,6 +39,8 @@ class SpeculativeConfig:
                 "disable_by_batch_size")
         for name in ints:
             value = getattr(self, name)
+            if value is None and name == "disable_by_batch_size":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config {name} must be an integer >= 1, got "
                                  f"{value!r}")

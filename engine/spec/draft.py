@@ -76,6 +76,9 @@ class DraftProposer:
         self.runner.close()
         self.lora.close()
 
+    def free_drafts(self, seqs: list[Sequence], ks: list[int]) -> None:
+        return None  # every draft is a step of the draft model
+
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int],
                 sampler: Sampler) -> list[tuple[list[int], torch.Tensor | None]]:

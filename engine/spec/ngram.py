@@ -71,6 +71,10 @@ class NgramProposer:
         n-gram (no distribution: they are looked up, not sampled)."""
         return [(self.lookup(seq, k), None) for seq, k in zip(seqs, ks, strict=True)]
 
+    def free_drafts(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
+        """The same lookups: they cost no model step."""
+        return [self.lookup(seq, k) for seq, k in zip(seqs, ks, strict=True)]
+
     def lookup(self, seq: Sequence, k: int) -> list[int]:
         history = self.histories.get(seq.seq_id)
         if history is None:

@@ -23,6 +23,11 @@ class Proposer(Protocol):
         """Up to ks[j] drafts for seqs[j] and, where the drafts were sampled, their
         distribution q: [len(drafts), V] (None: greedy, or no model behind them)."""
 
+    def free_drafts(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]] | None:
+        """Up to ks[j] drafts for seqs[j] made without a model step (prompt lookup), or None
+        where drafting needs one (a draft model): the Speculator then learns a row's
+        acceptance from rows that did not verify them too, and proposes with them."""
+
     def forget(self, seq_id: int) -> None:
         """Drop what it keeps of a finished or aborted request."""
 

@@ -17,17 +17,27 @@ step's plan like any other, so every rank computes them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from loragw.engine.config import Config
-from loragw.engine.request.sequence import Sequence, TokenLogprob
+from loragw.engine.request.sequence import PENDING, Sequence, TokenLogprob
 from loragw.engine.request.token_mask import TokenMask
 from loragw.engine.runner.sampler import Sampler
+from loragw.engine.sched.batch import ScheduledBatch
+from loragw.engine.spec.goodput import (
+    ADAPTER_DECAY,
+    PROBE_EVERY,
+    START_RATE,
+    Acceptance,
+    StepCosts,
+    choose_lengths,
+)
 from loragw.engine.spec.proposer import Proposer, make_proposer
 from loragw.engine.spec.verify import NewTokens, sample_plain, verify
 from loragw.engine.speculative_config import SpeculativeConfig
@@ -35,16 +45,25 @@ from loragw.engine.speculative_config import SpeculativeConfig
 if TYPE_CHECKING:
     from loragw.engine.runner.model_runner import StepLogits
 
-MAX_BACKOFF_STEPS = 16
-
-
 @dataclass(slots=True)
 class SpecCounts:
-    """Per adapter (None: the base): vLLM's spec_decode counters."""
+    """Per adapter (None: the base): vLLM's spec_decode counters, and the draft lengths the
+    goodput model chose (engine/spec/goodput.py)."""
 
     drafts: int = 0  # verification rows (sequences that proposed, per step)
     draft_tokens: int = 0  # tokens proposed
     accepted_tokens: int = 0  # of those, kept
+    choices: int = 0  # decoding rows a length was chosen for (0 included)
+    chosen_tokens: int = 0  # the lengths chosen, summed (mean k = chosen_tokens / choices)
+
+
+@dataclass(slots=True)
+class RowState:
+    """What the Speculator keeps of one request between steps."""
+
+    acceptance: Acceptance = field(default_factory=Acceptance)
+    shadow: tuple[int, int] | None = None  # (position, token) a free first draft predicted
+    quiet: int = 0  # steps since it last verified a draft (probes: engine/spec/goodput.py)
 
 
 class Speculator:
@@ -54,59 +73,100 @@ class Speculator:
         self.counts: dict[str | None, SpecCounts] = {}
         self.proposer: Proposer = make_proposer(config, target, num_kv_blocks, vocab_size)
         self.draft_probs: dict[int, Tensor] = {}  # seq_id -> q [k, V] of a sampled row's drafts
-        # seq_id -> [steps still to skip, the skip after the next miss]: a request whose drafts
-        # were all rejected proposes nothing for 1, 2, 4 ... 16 steps, so an answer that does not
-        # repeat its context stops paying for verification; a kept draft resets it
-        self.backoff: dict[int, list[int]] = {}
+        self.rows: dict[int, RowState] = {}  # seq_id -> its acceptance, shadow draft, probe clock
+        self.pooled: dict[str | None, Acceptance] = {}  # adapter -> every request's, the prior
+        self.costs = StepCosts()
 
     def close(self) -> None:
         self.proposer.close()
 
     def propose(self, running: Iterable[Sequence], sampler: Sampler) -> None:
-        """Set every running sequence's drafts for this step ([] for none): only decoding
-        sequences that allow it propose, and none when more than disable_by_batch_size
-        decode (the rule: RESULTS.md)."""
+        """Set every running sequence's drafts for this step ([] for none): decoding sequences
+        that allow it get the lengths engine/spec/goodput.py chooses (0 included), never more
+        than num_speculative_tokens, and none when more than disable_by_batch_size decode
+        (a hard limit when set; by default the model alone decides)."""
         running = list(running)
         alive = {s.seq_id for s in running}
         self.proposer.forget_all_but(alive)  # preempted requests' copies (and any left over)
-        if len(self.backoff) > len(alive):
-            self.backoff = {i: b for i, b in self.backoff.items() if i in alive}
+        if len(self.rows) > len(alive):
+            self.rows = {i: r for i, r in self.rows.items() if i in alive}
         decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         for seq in running:
             seq.spec_tokens = []
         self.draft_probs.clear()
-        if len(decoding) > self.config.disable_by_batch_size:
-            decoding = []
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(decoding) > limit:
+            return
         # the step emits up to k + 1 tokens: never past max_tokens
-        ks = [min(self.config.num_speculative_tokens,
-                  seq.params.max_tokens - seq.num_output_tokens - 1) for seq in decoding]
-        wanted = [(seq, k) for seq, k in zip(decoding, ks)
-                  if k > 0 and seq.params.speculative and not self._backing_off(seq)]
+        candidates = [(seq, cap) for seq in decoding if seq.params.speculative and (cap := min(
+            self.config.num_speculative_tokens, seq.params.max_tokens - seq.num_output_tokens - 1)) > 0]
+        if not candidates:
+            return
+        seqs = [seq for seq, _ in candidates]
+        states = [self._row(seq) for seq in seqs]
+        free = self.proposer.free_drafts(seqs, [cap for _, cap in candidates])
+        if free is not None:
+            caps = [len(drafts) for drafts in free]  # no match, nothing to verify
+            forced = None
+        else:
+            caps = [cap for _, cap in candidates]
+            forced = [int(state.quiet >= PROBE_EVERY) for state in states]
+        alphas = [state.acceptance.rate(self._pooled(seq.adapter).rate(START_RATE, 1.0))
+                  for seq, state in zip(seqs, states)]
+        ks = choose_lengths(alphas, caps, len(decoding), self.costs, forced)
+        for seq, state, k in zip(seqs, states, ks):
+            counts = self.counts.setdefault(seq.adapter, SpecCounts())
+            counts.choices += 1
+            counts.chosen_tokens += k
+            state.quiet = 0 if k else state.quiet + 1
+        if free is not None:
+            for seq, state, drafts, k in zip(seqs, states, free, ks):
+                seq.spec_tokens = drafts[:k]
+                if not k and drafts:  # learnt for free: did the next token match?
+                    state.shadow = (seq.num_tokens, drafts[0])
+            return
+        wanted = [(seq, k) for seq, k in zip(seqs, ks) if k]
+        started = time.perf_counter()
         proposals = self.proposer.propose([s for s, _ in wanted], [k for _, k in wanted],
                                           sampler)
+        self.costs.observe_proposal(max(ks), time.perf_counter() - started)
         for (seq, _), (drafts, q) in zip(wanted, proposals):
             seq.spec_tokens = drafts
             if q is not None:
                 self.draft_probs[seq.seq_id] = q
 
+    def measure(self, batch: ScheduledBatch, seconds: float) -> None:
+        """A step's time: the cost model learns from steps of decode and verify rows only (a
+        prompt chunk's time says nothing of what a draft costs)."""
+        if batch.seqs and batch.num_decode + batch.num_drafted == len(batch.seqs):
+            self.costs.observe(batch.num_tokens, seconds)
+
     def forget(self, seq: Sequence) -> None:
         """A request finished or was aborted: drop what the proposer kept of it."""
         self.proposer.forget(seq.seq_id)
-        self.backoff.pop(seq.seq_id, None)
+        self.rows.pop(seq.seq_id, None)
 
-    def _backing_off(self, seq: Sequence) -> bool:
-        state = self.backoff.get(seq.seq_id)
-        if state is None or state[0] == 0:
-            return False
-        state[0] -= 1
-        return True
+    def _row(self, seq: Sequence) -> RowState:
+        """seq's state, its shadow draft settled against the token that came."""
+        state = self.rows.get(seq.seq_id)
+        if state is None:
+            state = self.rows[seq.seq_id] = RowState()
+        if state.shadow is not None:
+            position, token = state.shadow
+            if position < seq.num_tokens and seq.token_ids[position] != PENDING:
+                state.shadow = None
+                self._learn(seq, int(seq.token_ids[position] == token), 1, state)
+        return state
 
-    def _record(self, seq: Sequence, kept: int) -> None:
-        if kept:
-            self.backoff.pop(seq.seq_id, None)
-            return
-        state = self.backoff.setdefault(seq.seq_id, [0, 1])
-        state[0], state[1] = state[1], min(2 * state[1], MAX_BACKOFF_STEPS)
+    def _pooled(self, adapter: str | None) -> Acceptance:
+        pooled = self.pooled.get(adapter)
+        if pooled is None:
+            pooled = self.pooled[adapter] = Acceptance()
+        return pooled
+
+    def _learn(self, seq: Sequence, kept: int, drafted: int, state: RowState) -> None:
+        state.acceptance.add(kept, drafted)
+        self._pooled(seq.adapter).add(kept, drafted, ADAPTER_DECAY)
 
     def sample(self, sampler: Sampler, step: StepLogits, seqs: list[Sequence],
                mask: TokenMask | None) -> NewTokens:
@@ -137,7 +197,8 @@ class Speculator:
                 counts.drafts += 1
                 counts.draft_tokens += len(seqs[j].spec_tokens)
                 counts.accepted_tokens += v.num_accepted
-                self._record(seqs[j], v.num_accepted)
+                self._learn(seqs[j], v.num_accepted, len(seqs[j].spec_tokens),
+                            self._row(seqs[j]))
         return tokens, logprobs
 
     def _q(self, seq: Sequence) -> Tensor | None:

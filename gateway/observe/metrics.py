@@ -188,7 +188,7 @@ class _LiveCollector(Collector):
                 family = CounterMetricFamily(f"loragw_{name}", doc)
                 family.add_metric([], value)
                 yield family
-        if snap is not None and snap.spec_drafts:
+        if snap is not None and snap.spec_choices:
             yield from _spec_decode(snap, m.labels)
         for name in ("loads", "evictions", "hits"):
             family = CounterMetricFamily(f"loragw_adapter_{name}", f"Adapter {name} per tier",
@@ -202,7 +202,8 @@ class _LiveCollector(Collector):
 
 def _spec_decode(snap: EngineSnapshot, labels: AdapterLabels):
     """Speculative decoding per adapter, as vLLM's spec_decode metrics: verifications, drafted
-    and accepted tokens, and the acceptance rate (accepted / drafted). Adapters without a label
+    and accepted tokens, the acceptance rate (accepted / drafted) and the mean draft length
+    chosen (engine/spec/goodput.py). Adapters without a label
     of their own are summed under "other", as in the per-adapter families."""
     def by_label(counts: dict[str, int]) -> Tally:
         out: Tally = Tally()
@@ -225,6 +226,13 @@ def _spec_decode(snap: EngineSnapshot, labels: AdapterLabels):
     for label, tokens in sorted(drafted.items()):
         rate.add_metric([label], accepted[label] / max(tokens, 1))
     yield rate
+    choices, chosen = by_label(snap.spec_choices), by_label(snap.spec_chosen_tokens)
+    length = GaugeMetricFamily("loragw_spec_decode_mean_draft_length", "Drafts chosen per "
+                               "decoding row and step by the goodput model (0 included), since "
+                               "start", labels=["adapter"])
+    for label, rows in sorted(choices.items()):
+        length.add_metric([label], chosen[label] / max(rows, 1))
+    yield length
 
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

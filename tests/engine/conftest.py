@@ -45,3 +45,15 @@ def lora_world(tmp_path_factory) -> World:
 def qv_replacement(lora_world) -> Retrained:
     """qv-r16's config with other weights: what replacing qv-r16 must switch to."""
     return lora_world.retrain("qv-r16", seed=2)
+
+
+@pytest.fixture
+def every_draft(monkeypatch):
+    """Every candidate row drafts as many tokens as its proposer gives (up to
+    num_speculative_tokens), whatever the goodput model would choose: for tests of what
+    verification keeps, on test models whose drafts would rarely pay. The choice itself is
+    tested in test_spec_goodput.py."""
+    from loragw.engine.spec import speculator
+
+    monkeypatch.setattr(speculator, "choose_lengths",
+                        lambda alphas, caps, rows, costs, forced=None: list(caps))

@@ -17,7 +17,9 @@ from loragw.engine.spec.ngram import lookup
 from loragw.engine.spec.verify import verify
 from loragw.engine.speculative_config import parse_speculative_config
 
-pytestmark = pytest.mark.slow  # engines with a draft model, many generations
+# engines with a draft model, many generations; verification is checked on every draft the
+# proposer makes (the lengths' choice: test_spec_goodput.py)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("every_draft")]
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3, "disable_by_batch_size": 64}
@@ -370,24 +372,3 @@ def test_draft_model_sampling_is_seeded_and_refuses_another_vocabulary(checkpoin
     assert runs[0] == runs[1]
     with pytest.raises(ValueError, match="vocabulary"):
         make_llm(checkpoint, speculative_config=config | {"model": demo_model})
-
-
-def test_a_request_whose_drafts_are_rejected_backs_off():
-    from loragw.engine.spec.speculator import Speculator
-
-    speculator = Speculator(parse_speculative_config(NGRAM), None, 0, 0)
-    seq = Sequence([1, 2, 3, 1, 2], SamplingParams(max_tokens=10))
-    seq.num_computed_tokens = 4  # decoding its last token
-
-    def drafts() -> list[int]:
-        speculator.propose([seq], Sampler())
-        return seq.spec_tokens
-
-    assert drafts() == [3, 1, 2]
-    speculator._record(seq, 0)  # all rejected: skip 1 step, then 2
-    assert drafts() == [] and drafts() == [3, 1, 2]
-    speculator._record(seq, 0)
-    assert drafts() == [] and drafts() == [] and drafts() == [3, 1, 2]
-    speculator._record(seq, 2)  # a kept draft: no skipping
-    speculator._record(seq, 0)
-    assert drafts() == [] and drafts() == [3, 1, 2]

@@ -50,6 +50,7 @@ def test_mixed_adapters_match_peft_under_chunked_prefill_and_preemption(lora_wor
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.usefixtures("every_draft")  # the draft model is the base itself: it never pays
 def test_speculative_decoding_matches_peft(lora_world: World, method):
     """Drafts (prompt lookup; a draft model, the base itself, unsplit on rank 0) verified in
     the same mixed, chunked, preempting batches: every rank computes the drafted rows of the
