@@ -1,11 +1,13 @@
 """Where the fleet's aliases are kept, and this replica's copy of them.
 
 With --redis-url: one Redis hash, `{prefix}aliases` (alias -> Alias JSON), under the
-registry's prefix; without: a dict in this process. `AliasBook` mirrors the store in a map
-that every heartbeat (and every admin read) replaces whole by a fresh read, so a request
-sees one alias map or the next, never a mix, and a PUT on any replica is followed by every
-replica within one heartbeat. Redis away: the last map read keeps serving; only changes fail
-(AliasesUnavailable, 503).
+registry's prefix, and a marker `{prefix}aliases:kept` written with every change: Redis without
+it while a replica holds aliases has lost its data (restarted empty), and that replica writes
+back the aliases it holds, as the catalog and the keys are; without: a dict in this process.
+`AliasBook` mirrors the store in a map that every heartbeat (and every admin read) replaces
+whole by a fresh read, so a request sees one alias map or the next, never a mix, and a PUT on
+any replica is followed by every replica within one heartbeat. Redis away: the last map read
+keeps serving; only changes fail (AliasesUnavailable, 503).
 """
 
 from __future__ import annotations
@@ -32,23 +34,44 @@ class RedisAliasStore:
     def __init__(self, url: str, prefix: str):
         self.redis = Redis.from_url(url, socket_timeout=REDIS_TIMEOUT_S,
                                     socket_connect_timeout=REDIS_TIMEOUT_S)
-        self.key = f"{prefix}aliases"
+        self.key, self.kept_key = f"{prefix}aliases", f"{prefix}aliases:kept"
 
-    async def read_all(self) -> dict[str, Alias]:
+    async def read_all(self) -> tuple[dict[str, Alias], bool]:
+        """The aliases, and whether Redis kept them (False: it lost its data, or none was
+        ever written)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(self.key)
+            pipe.exists(self.kept_key)
+            raw, kept = await pipe.execute()
         out = {}
-        for raw in (await self.redis.hgetall(self.key)).values():
+        for value in raw.values():
             try:
-                alias = _decode(raw)
+                alias = _decode(value)
             except msgspec.DecodeError:
                 continue  # written by an incompatible version: not an alias we can honour
             out[alias.alias] = alias
-        return out
+        return out, bool(kept)
 
     async def put(self, alias: Alias) -> None:
-        await self.redis.hset(self.key, alias.alias, _encode(alias))
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.key, alias.alias, _encode(alias))
+            pipe.set(self.kept_key, 1)
+            await pipe.execute()
 
     async def delete(self, name: str) -> bool:
-        return bool(await self.redis.hdel(self.key, name))
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hdel(self.key, name)
+            pipe.set(self.kept_key, 1)
+            found, _ = await pipe.execute()
+        return bool(found)
+
+    async def restore(self, aliases: dict[str, Alias]) -> None:
+        """Write back what a replica holds after Redis lost its data, unless someone did."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            for alias in aliases.values():
+                pipe.hsetnx(self.key, alias.alias, _encode(alias))
+            pipe.set(self.kept_key, 1)
+            await pipe.execute()
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -58,14 +81,17 @@ class InProcessAliasStore:
     def __init__(self):
         self._aliases: dict[str, Alias] = {}
 
-    async def read_all(self) -> dict[str, Alias]:
-        return dict(self._aliases)
+    async def read_all(self) -> tuple[dict[str, Alias], bool]:
+        return dict(self._aliases), True
 
     async def put(self, alias: Alias) -> None:
         self._aliases[alias.alias] = alias
 
     async def delete(self, name: str) -> bool:
         return self._aliases.pop(name, None) is not None
+
+    async def restore(self, aliases: dict[str, Alias]) -> None:
+        pass  # this process is the store: nothing to lose
 
     async def close(self) -> None:
         pass
@@ -86,10 +112,16 @@ class AliasBook:
         return cls(RedisAliasStore(redis_url, prefix) if redis_url else InProcessAliasStore())
 
     async def sync(self) -> None:
-        """Replace the map by the store's; on an outage keep the last one."""
+        """Replace the map by the store's; on an outage keep the last one; write back the
+        map to a store that lost its data."""
         writes = self._writes
         try:
-            fresh = await self.store.read_all()
+            fresh, kept = await self.store.read_all()
+            if not kept and self._aliases:
+                logger.warning("aliases: Redis lost its data; writing back the %d alias(es) "
+                               "this replica holds", len(self._aliases))
+                await self.store.restore(self._aliases)
+                fresh, _ = await self.store.read_all()
         except REDIS_ERRORS as exc:
             if not self._away:
                 logger.warning("aliases: Redis does not answer (%s); serving the %d alias(es) "

@@ -28,6 +28,7 @@ from loragw.gateway.admin.tenants import AuditController, TenantKeyController
 from loragw.gateway.common.config import MB, ServerConfig
 from loragw.gateway.fleet.router import served_by_hook
 from loragw.gateway.http.auth import PRINCIPAL, RATE_LIMIT_HEADERS
+from loragw.gateway.http.body_deadline import BodyDeadline
 from loragw.gateway.http.error_handlers import EXCEPTION_HANDLERS
 from loragw.gateway.http.ops import OpsController
 from loragw.gateway.http.outcome import Outcome, tracking
@@ -192,7 +193,8 @@ def create_app(config: ServerConfig, services: Services | None = None,
         state=State({"config": config, "tenants": services.tenants, "services": services}),
         dependencies=services.dependencies(config),
         exception_handlers=EXCEPTION_HANDLERS,
-        middleware=[RequestContextMiddleware(services.metrics), *traced(services)],
+        middleware=[RequestContextMiddleware(services.metrics), *traced(services),
+                    BodyDeadline(config)],
         before_send=[_unrouted_request_id, served_by_hook(config.replica),
                      rate_limit_hook(services.tenants)],
         request_max_body_size=config.max_request_mb * MB,  # the upload route has its own

@@ -39,6 +39,7 @@ from loragw.gateway.observe.metrics import Metrics
 from loragw.gateway.openai.adapter_chats import AdapterChats
 from loragw.gateway.openai.admission import Admission
 from loragw.gateway.openai.chat_setup import base_setup
+from loragw.gateway.openai.prompt_bounds import longest_token_bytes
 from loragw.gateway.residency.manager import AdapterManager
 from loragw.gateway.tenants.service import Tenants
 
@@ -137,6 +138,8 @@ class Services:
                 readiness.watchdog.start()
                 self.info = self.metrics.info = self.engine.info
                 tokenizer = await asyncio.to_thread(try_load_tokenizer, config.model)
+                if tokenizer is not None:  # what bounds a prompt's text, not on a request
+                    await asyncio.to_thread(longest_token_bytes, tokenizer)
                 self.served = ServedModel(config.model_name, str(config.model), self.info,
                                          tokenizer, TokenText(tokenizer), self.started_at)
                 chats = AdapterChats(base_setup(config, tokenizer), tokenizer)

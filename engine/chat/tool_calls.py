@@ -73,7 +73,9 @@ class ToolSpec:
     def from_openai(cls, tool: Mapping[str, object]) -> ToolSpec:
         """From `{"type": "function", "function": {"name", "parameters"}}` (or the inner part)."""
         function = tool.get("function", tool)
-        assert isinstance(function, Mapping), tool
+        if not isinstance(function, Mapping) or "name" not in function:
+            raise ValueError(f"a tool must be {{\"type\": \"function\", \"function\": "
+                             f"{{\"name\": ..., \"parameters\": {{...}}}}}}, got {str(tool)[:200]}")
         return cls(str(function["name"]), dict(function.get("parameters") or {}))
 
     def parameter_type(self, parameter: str) -> str | None:

@@ -31,6 +31,7 @@ from loragw.gateway.http.auth import principal, require_admin_key
 from loragw.gateway.http.capacity import Capacity
 from loragw.gateway.http.error_handlers import error_responses
 from loragw.gateway.http.openapi_docs import MultipartUpload
+from loragw.gateway.http.strict_body import strict_body
 from loragw.gateway.http.upload_body import UploadBody
 from loragw.gateway.residency.drafts import check_draft_source
 from loragw.gateway.residency.info import AdapterInfo
@@ -97,6 +98,7 @@ async def write(adapters: AdapterManager, audit: AuditLog, request: Request, ada
 class AdminController(Controller):
     path = "/admin/adapters"
     guards = [require_admin_key]
+    before_request = strict_body  # no string-to-number coercion of bodies and queries
     tags = ["Admin"]
 
     @get("/", responses=error_responses(401, 403, 503))

@@ -12,12 +12,16 @@ Alias names may hold one '/' (TENANT/NAME), so the routes take the rest of the p
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 from litestar import Controller, Request, delete, get, put
+from msgspec import Meta
 
-from loragw.adapters.aliases import Alias, AliasTarget
+from loragw.adapters.aliases import MAX_TARGETS, MAX_WEIGHT, Alias, AliasTarget
 from loragw.gateway.http.auth import principal, require_admin_key
 from loragw.gateway.http.error_handlers import error_responses
+from loragw.gateway.http.strict_body import strict_body
 from loragw.gateway.residency import aliases
 from loragw.gateway.residency.manager import AdapterManager
 from loragw.gateway.tenants.audit import AuditLog, now_entry
@@ -26,11 +30,11 @@ from loragw.gateway.tenants.keys import Principal
 
 class TargetBody(msgspec.Struct, forbid_unknown_fields=True):
     adapter: str  # ID, ID@N or ID@sha256:HEXPREFIX
-    weight: int
+    weight: Annotated[int, Meta(ge=0, le=MAX_WEIGHT)]
 
 
 class PutAlias(msgspec.Struct, forbid_unknown_fields=True):
-    targets: list[TargetBody]
+    targets: Annotated[list[TargetBody], Meta(min_length=1, max_length=MAX_TARGETS)]
     owner: str | None = None  # the operator's: the tenant it belongs to ("": shared)
 
 
@@ -65,6 +69,7 @@ async def _audit(audit: AuditLog, caller: Principal, action: str, alias: Alias) 
 class AliasController(Controller):
     path = "/admin/aliases"
     guards = [require_admin_key]
+    before_request = strict_body  # no string-to-number coercion of bodies and queries
     tags = ["Admin"]
 
     @get("/", responses=error_responses(401, 403, 503))

@@ -4,18 +4,26 @@ gateway/tenants/minting.py's."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 from litestar import Controller, Request, delete, get, post
 from litestar.params import Parameter
+from msgspec import Meta
 
 from loragw.gateway.common.config import ServerConfig
 from loragw.gateway.common.errors import APIError
 from loragw.gateway.http.auth import principal, require_admin_key
 from loragw.gateway.http.error_handlers import error_responses
+from loragw.gateway.http.strict_body import strict_body
 from loragw.gateway.tenants.audit import MAX_READ, AuditEntry, AuditLog, now_entry
 from loragw.gateway.tenants.keyring import KeyRing
 from loragw.gateway.tenants.keys import KeyRecord, Principal
 from loragw.gateway.tenants.minting import (
+    MAX_CONCURRENCY,
+    MAX_GRACE_S,
+    MAX_RPM,
+    MAX_TPM,
     check_grace,
     check_manager,
     check_role,
@@ -26,14 +34,14 @@ from loragw.gateway.tenants.minting import (
 
 class CreateKey(msgspec.Struct, forbid_unknown_fields=True):
     role: str
-    adapters: list[str] | None = None
-    rpm: int | None = None
-    tpm: int | None = None
-    max_concurrency: int | None = None
+    adapters: list[str] | None = None  # globs: TENANT/NAME-PATTERN
+    rpm: Annotated[int, Meta(ge=1, le=MAX_RPM)] | None = None
+    tpm: Annotated[int, Meta(ge=1, le=MAX_TPM)] | None = None
+    max_concurrency: Annotated[int, Meta(ge=1, le=MAX_CONCURRENCY)] | None = None
 
 
 class Rotate(msgspec.Struct, forbid_unknown_fields=True):
-    grace_seconds: int = 0
+    grace_seconds: Annotated[int, Meta(ge=0, le=MAX_GRACE_S)] = 0
 
 
 class KeyFields(msgspec.Struct):
@@ -99,6 +107,7 @@ async def _key(keys: KeyRing, tenant: str, key_id: str) -> KeyRecord:
 class TenantKeyController(Controller):
     path = "/admin/tenants/{tenant:str}/keys"
     guards = [require_admin_key]
+    before_request = strict_body  # no string-to-number coercion of bodies and queries
     tags = ["Tenants"]
 
     @post("/", status_code=201, responses=error_responses(400, 401, 403, 413, 503))
@@ -107,7 +116,7 @@ class TenantKeyController(Controller):
         caller = _manager(request, tenant, config)
         asked = {"rpm": data.rpm, "tpm": data.tpm, "max_concurrency": data.max_concurrency}
         record, secret = await keys.create(tenant, check_role(data.role),
-                                           new_key_globs(caller, data.adapters),
+                                           new_key_globs(caller, tenant, data.adapters),
                                            new_key_limits(caller, asked))
         await audit.append(now_entry(caller, "key.created", owner=tenant,
                                      target_key_id=record.id))
@@ -150,6 +159,7 @@ class TenantKeyController(Controller):
 class AuditController(Controller):
     path = "/admin/audit"
     guards = [require_admin_key]
+    before_request = strict_body  # no string-to-number coercion of bodies and queries
     tags = ["Tenants"]
 
     @get("/", responses=error_responses(400, 401, 403, 503))

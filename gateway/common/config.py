@@ -63,6 +63,10 @@ class ServerConfig(EngineOptions):
                                  "(413 past it)")
     upload_timeout_s: float = option(60.0, "an upload body that sends nothing for this many "
                                      "seconds is cut off (408)")
+    body_seconds_per_mb: float = option(
+        30.0, "every request body (JSON or upload) must arrive within --upload-timeout-s plus "
+        "this many seconds per MB received so far (an average of at least 1/N MB/s once past "
+        "--upload-timeout-s); a slower one, such as a drip of a byte a second, is cut off (408)")
     metrics_key: str | None = option(None, "Bearer key required on /metrics (its labels name "
                                      "adapters; default: open)")
     metrics_max_adapters: int = option(
@@ -125,7 +129,8 @@ class ServerConfig(EngineOptions):
             if getattr(self, name) < 1:
                 raise ValueError(f"{self.option_name(name)} must be at least 1, got "
                                  f"{getattr(self, name)}")
-        for name in ("upload_timeout_s", "health_timeout_s", "tenant_key_cache_s"):
+        for name in ("upload_timeout_s", "body_seconds_per_mb", "health_timeout_s",
+                     "tenant_key_cache_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{self.option_name(name)} must be positive, got "
                                  f"{getattr(self, name)}")

@@ -11,6 +11,9 @@ import math
 from loragw.adapters.errors import AdapterError, short_name
 
 RETRY_AFTER_S = 1  # what a 429 or 503 asks the client to wait
+# On a 429 for the caller's own key (value "key"): a forwarder relays it, since no replica
+# would admit that key either; any other 429 is a full replica (gateway/fleet/router.py).
+LIMIT_HEADER = "x-loragw-limit"
 
 
 class APIError(Exception):
@@ -61,7 +64,8 @@ class APIError(Exception):
                      headers: dict[str, str]) -> APIError:
         """Over one of a key's limits (DESIGN.md, Tenants): OpenAI's body and headers."""
         return cls(429, message, code="rate_limit_exceeded", kind="rate_limit_exceeded",
-                   headers={"Retry-After": str(max(1, math.ceil(retry_after_s))), **headers})
+                   headers={"Retry-After": str(max(1, math.ceil(retry_after_s))),
+                            LIMIT_HEADER: "key", **headers})
 
     @classmethod
     def from_engine(cls, exc: ValueError) -> APIError | ValueError:

@@ -29,7 +29,7 @@ from litestar import Request, Response
 from litestar.response import Stream
 
 from loragw.adapters.registry import Registry, ReplicaState
-from loragw.gateway.common.errors import APIError
+from loragw.gateway.common.errors import LIMIT_HEADER, APIError
 from loragw.gateway.tenants.forwarding import IDENTITY_HEADER
 
 if TYPE_CHECKING:  # imported only when tracing
@@ -211,9 +211,9 @@ async def _relay(upstream: httpx.Response, span: ClientSpan | None) -> AsyncIter
 
 def _over_key_limit(upstream: httpx.Response) -> bool:
     """A 429 for the caller's key (its limits hold fleet-wide: no other replica would admit
-    it either), told from a full replica's 429 by the x-ratelimit-* headers only it carries."""
-    return upstream.status_code == 429 and any(k.lower().startswith("x-ratelimit-")
-                                               for k in upstream.headers)
+    it either), told from a full replica's 429 by the mark only a key's refusal carries (a
+    max_concurrency-only key has no x-ratelimit-* headers to tell it by)."""
+    return upstream.status_code == 429 and upstream.headers.get(LIMIT_HEADER) == "key"
 
 
 def _has_header(headers: Mapping[str, str], name: str) -> bool:

@@ -78,6 +78,7 @@ from loragw.gateway.openai.params import (
     sampling_params,
     tool_names,
 )
+from loragw.gateway.openai.prompt_bounds import ContextBound
 from loragw.gateway.openai.prompts import (
     chat_prompt,
     completion_prompts,
@@ -125,6 +126,10 @@ class Admission:
         """How the model (and version) `location` names speaks chat."""
         return self.chats.setup(chat_of(self.adapters.records, location))
 
+    def bound(self, first: SamplingParams) -> ContextBound:
+        """The room a prompt has beside the max_tokens `first` asks for."""
+        return ContextBound(self.served.info.limits.max_model_len, first.max_tokens)
+
 
 # As a route's dependency: built once by Services, never re-validated per request.
 AdmissionDep = Annotated[Admission, Dependency(skip_validation=True)]
@@ -136,7 +141,8 @@ async def serve_completion(request: Request, data: CompletionRequest, admission:
         check_prompt_logprobs(data)
         first = sampling_params(data, data.logprobs, guided_decoding(data, None),
                                 completion_prompt_logprobs(data))
-        prompts = await off_loop_if_large(completion_prompts, data, admission.served.tokenizer)
+        prompts = await off_loop_if_large(partial(completion_prompts, bound=admission.bound(first)),
+                                          data, admission.served.tokenizer)
         # what echo shows, once the engine has accepted the prompts' token ids
         echo = (lambda: prompt_texts(data, prompts, admission.served.tokenizer)) if data.echo else None
         return prompts, first, lambda job: CompletionFormat(
@@ -157,8 +163,9 @@ async def serve_chat(request: Request, data: ChatCompletionRequest, admission: A
                                 data.prompt_logprobs, setup.generation)
         if keep_specials:  # the parsers' markers are special tokens: decode them
             first = replace(first, skip_special_tokens=False)
-        prompt = await off_loop_if_large(partial(chat_prompt, setup=setup), data,
-                                         admission.served.tokenizer)
+        prompt = await off_loop_if_large(
+            partial(chat_prompt, setup=setup, bound=admission.bound(first)), data,
+            admission.served.tokenizer)
         if first.guided is not None:  # a grammar constrains the answer, not the thinking
             first = replace(first, guided=replace(first.guided, after=setup.answer_after(prompt)))
         return [prompt], first, lambda job: ChatFormat(

@@ -1,6 +1,7 @@
 """Request bodies -> token ids: completion prompts (text or token ids, one or many), chat
 messages through the chat template, and what `echo` shows back. Long texts are tokenized on a
-worker thread so the event loop keeps serving."""
+worker thread so the event loop keeps serving, a few at a time, and only as far as they can fit
+the context window (prompt_bounds.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from typing import TypeVar
 
 import msgspec
 
-from loragw.engine.api import InvalidParam, encode_chat, tokenize
+from loragw.engine.api import ChatTemplate, InvalidParam, render_chat
 from loragw.gateway.common.errors import APIError
 from loragw.gateway.openai.chat_setup import ChatSetup
+from loragw.gateway.openai.prompt_bounds import ContextBound, encode_bounded, tokenizing_cap
 from loragw.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 # Prompts whose text is longer than this are tokenized on a worker thread, not the event loop.
@@ -20,9 +22,11 @@ TOKENIZE_INLINE_MAX_CHARS = 16_384
 T = TypeVar("T")
 
 
-def completion_prompts(data: CompletionRequest, tokenizer) -> list[list[int]]:
+def completion_prompts(data: CompletionRequest, tokenizer,
+                       bound: ContextBound) -> list[list[int]]:
     """str | list[str] | list[int] | list[list[int]] -> one token-id list per prompt (the
-    engine checks token ids against its vocabulary when they are queued)."""
+    engine checks token ids against its vocabulary when they are queued); a text that cannot
+    fit `bound` is refused before it is tokenized whole."""
     prompt = data.prompt
     if isinstance(prompt, str):
         items: list = [prompt]
@@ -35,10 +39,11 @@ def completion_prompts(data: CompletionRequest, tokenizer) -> list[list[int]]:
         raise APIError.bad_request("prompt must be a string, a list of strings, a list of token "
                                    "ids or a list of token-id lists (not empty, not mixed)",
                                    param="prompt")
-    try:
-        return [tokenize(tokenizer, item) for item in items]
-    except ValueError as exc:
-        raise APIError.bad_request(str(exc), param="prompt") from None
+    if tokenizer is None and any(isinstance(item, str) for item in items):
+        raise APIError.bad_request("this model has no tokenizer; pass prompts as token-id "
+                                   "lists", param="prompt")
+    return [encode_bounded(tokenizer, item, bound) if isinstance(item, str) else list(item)
+            for item in items]
 
 
 def prompt_texts(data: CompletionRequest, prompts: list[list[int]], tokenizer) -> list[str]:
@@ -53,10 +58,12 @@ def prompt_texts(data: CompletionRequest, prompts: list[list[int]], tokenizer) -
             for ids in prompts]
 
 
-def chat_prompt(data: ChatCompletionRequest, tokenizer, setup: ChatSetup) -> list[int]:
+def chat_prompt(data: ChatCompletionRequest, tokenizer, setup: ChatSetup,
+                bound: ContextBound) -> list[int]:
     """The chat request's messages rendered by the template of `setup` (the served model's or
     adapter's) or the request's own, as transformers renders them
-    (engine/request/chat_template.py)."""
+    (engine/request/chat_template.py), then encoded without special tokens (the template
+    writes them) unless the rendered text cannot fit `bound`."""
     if any(isinstance(m.content, list) and any(p.type != "text" or p.text is None
                                                for p in m.content) for m in data.messages):
         raise APIError.not_supported("content parts other than text", "messages")
@@ -66,23 +73,27 @@ def chat_prompt(data: ChatCompletionRequest, tokenizer, setup: ChatSetup) -> lis
     template = setup.template_for(data.chat_template)
     tools = data.tools if data.tool_choice != "none" or setup.tools_on_none else None
     try:
-        return encode_chat(tokenizer, [msgspec.to_builtins(m) for m in data.messages],
-                           tools or None, template=template, kwargs=data.chat_template_kwargs,
+        text = render_chat(tokenizer, [msgspec.to_builtins(m) for m in data.messages],
+                           template=template or ChatTemplate(), tools=tools or None,
+                           kwargs=data.chat_template_kwargs,
                            add_generation_prompt=data.add_generation_prompt,
                            continue_final_message=data.continue_final_message)
     except InvalidParam as exc:
         raise APIError.from_engine(exc) from None
     except ValueError as exc:  # no template at all
         raise APIError.bad_request(str(exc), param="messages") from None
+    return encode_bounded(tokenizer, text, bound, add_special_tokens=False)
 
 
 async def off_loop_if_large(render: Callable[[SamplingRequest, object], T],
                             data: SamplingRequest, tokenizer) -> T:
     """render(data, tokenizer), on a worker thread when the text is long enough to stall the
-    event loop (fast tokenizers encode and decode concurrently without trouble)."""
+    event loop (fast tokenizers encode and decode concurrently without trouble), under the
+    loop's cap on tokenizations at once."""
     if _text_size(data) <= TOKENIZE_INLINE_MAX_CHARS:
         return render(data, tokenizer)
-    return await asyncio.to_thread(render, data, tokenizer)
+    async with tokenizing_cap():
+        return await asyncio.to_thread(render, data, tokenizer)
 
 
 def _text_size(data: SamplingRequest) -> int:

@@ -22,6 +22,7 @@ from loragw.gateway.http.auth import principal, require_api_key
 from loragw.gateway.http.error_handlers import error_responses
 from loragw.gateway.http.served import ServedModel, ServedModelDep
 from loragw.gateway.openai.admission import AdmissionDep
+from loragw.gateway.openai.prompt_bounds import ContextBound, encode_bounded
 from loragw.gateway.openai.prompts import chat_prompt, off_loop_if_large
 from loragw.gateway.openai.protocol import ChatCompletionRequest, ChatMessage, TokenId
 from loragw.gateway.residency.manager import AdapterManager
@@ -91,6 +92,8 @@ class UtilityController(Controller):
         if (data.prompt is None) == (data.messages is None):
             raise APIError.bad_request("send either `prompt` (text) or `messages` (chat), "
                                        "not both and not neither", param="prompt")
+        # a text that cannot fit the context window is refused, not tokenized whole
+        bound = ContextBound(served.info.max_model_len, None)
         if data.messages is not None:
             if data.add_special_tokens:
                 raise APIError.bad_request("add_special_tokens with messages: the chat "
@@ -103,11 +106,13 @@ class UtilityController(Controller):
                 continue_final_message=data.continue_final_message,
                 chat_template=data.chat_template)
             tokens = await off_loop_if_large(
-                partial(chat_prompt, setup=admission.chat_setup(location)), chat, tokenizer)
+                partial(chat_prompt, setup=admission.chat_setup(location), bound=bound), chat,
+                tokenizer)
         else:
             special = data.add_special_tokens is not False
             tokens = await off_loop_if_large(
-                lambda d, t: t.encode(d.prompt, add_special_tokens=special), data, tokenizer)
+                lambda d, t: encode_bounded(t, d.prompt, bound, add_special_tokens=special),
+                data, tokenizer)
         strs = tokenizer.convert_ids_to_tokens(tokens) if data.return_token_strs else None
         return TokenizeResponse(count=len(tokens), max_model_len=served.info.max_model_len,
                                 tokens=tokens, token_strs=strs)

@@ -190,8 +190,9 @@ async def serve_responses(request: Request, data: ResponsesRequest,
                                 setup.generation)
         if keep_specials:  # the parsers' markers are special tokens: decode them
             first = replace(first, skip_special_tokens=False)
-        prompt = await off_loop_if_large(partial(chat_prompt, setup=setup), chat,
-                                         admission.served.tokenizer)
+        prompt = await off_loop_if_large(
+            partial(chat_prompt, setup=setup, bound=admission.bound(first)), chat,
+            admission.served.tokenizer)
         template = response_template(data)
         return [prompt], first, lambda job: ResponsesFormat(
             msgspec.structs.replace(template, id=job.id.replace("resp-", "resp_", 1)),

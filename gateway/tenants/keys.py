@@ -130,13 +130,37 @@ class Principal:
 OPERATOR = Principal(OPERATOR_ID, None, "admin")
 
 
-def check_globs(globs: list[str]) -> tuple[str, ...]:
+def check_globs(globs: list[str], tenant: str) -> tuple[str, ...]:
     """A key's adapter globs (fnmatch, case-sensitive, over whole ids); ValueError naming a bad
-    one. They narrow the key's own tenant's adapters; shared ones stay usable."""
+    one. They narrow the key's own tenant's adapters (shared ones stay usable), so each names
+    ids under `TENANT/` only: `TENANT/` then a NAME pattern, no further `/`, `\\` or `..`."""
     if len(globs) > MAX_GLOBS:
         raise ValueError(f"at most {MAX_GLOBS} adapter globs per key, got {len(globs)}")
     for glob in globs:
         if not glob or len(glob) > MAX_GLOB_LEN or not glob.isascii() or not glob.isprintable():
             raise ValueError(f"adapter glob {glob[:MAX_GLOB_LEN]!r} must be 1 to {MAX_GLOB_LEN} "
                              "printable ASCII characters")
+        name = glob.removeprefix(f"{tenant}/")
+        if name == glob or not name or "/" in name or "\\" in name or ".." in name:
+            raise ValueError(f"adapter glob {glob!r} must name ids in tenant {tenant!r}'s "
+                             f"namespace: {tenant}/ then a name pattern (no '/', '\\' or '..')")
+        _check_brackets(glob)
     return tuple(globs)
+
+
+def _check_brackets(glob: str) -> None:
+    """fnmatch reads an unclosed `[` as a literal, silently; a key's glob means a set there."""
+    i = 0
+    while i < len(glob):
+        if glob[i] == "[":
+            j = i + 1 + (glob[i + 1:i + 2] == "!")
+            j += glob[j:j + 1] == "]"  # a leading ']' is a member, not the end
+            end = glob.find("]", j)
+            if end < 0:
+                raise ValueError(f"adapter glob {glob!r} has a '[' with no closing ']'")
+            i = end
+        i += 1
+    try:
+        re.compile(fnmatch.translate(glob))
+    except re.error as exc:
+        raise ValueError(f"adapter glob {glob!r} does not compile: {exc}") from None

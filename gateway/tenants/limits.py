@@ -7,7 +7,10 @@
                      can never fit: refused with too_large=True.
     max_concurrency  admitted iff fewer than max_concurrency leases are live. A lease is a zset
                      member scored by its deadline (now + LEASE_S): renew() moves this replica's
-                     on, finish() removes them, a crashed replica's lapse by themselves.
+                     on (re-creating those Redis lost with its data, so counts stay right),
+                     finish() removes them (a removal Redis refused is retried when it answers
+                     again: a lease left behind would lock the key out for LEASE_S), a crashed
+                     replica's lapse by themselves.
 
 An admission is one Lua script, one round trip: prune what left the windows, check all three
 limits, and only if all pass record all three (a refusal changes nothing). It reads Redis's clock
@@ -28,6 +31,7 @@ timeout per RETRY_REDIS_S rather than one per request.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -117,15 +121,18 @@ if reserved then
   end
 end
 redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
 """
-# KEYS: one conc key per lease. ARGV: lease, expiry (ms), then one request id per key. XX: a lease
-# finished meanwhile (or lost with Redis's data) is not brought back, so no slot ever leaks.
+# KEYS: one conc key per lease. ARGV: lease, expiry (ms), then one request id per key. A lease
+# Redis lost with its data is written again (no XX): the request still runs here. None finished
+# meanwhile is brought back: renew and finish take turns (Limiter._turn).
 _RENEW = """
 local t = redis.call('TIME')
 local deadline = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
 for i, key in ipairs(KEYS) do
-  redis.call('ZADD', key, 'XX', deadline, ARGV[i + 2]); redis.call('PEXPIRE', key, ARGV[2])
+  redis.call('ZADD', key, deadline, ARGV[i + 2]); redis.call('PEXPIRE', key, ARGV[2])
 end
+return 1
 """
 
 
@@ -137,6 +144,11 @@ class Limiter:
         self._redis, self._prefix = redis, prefix
         self._local = LocalWindows()
         self._leases: dict[tuple[str, str], Reservation] = {}  # admitted via Redis, not finished
+        # finished, but Redis refused the release: retried before Redis is asked anything else
+        self._unreleased: dict[tuple[str, str], tuple[Reservation, int]] = {}
+        # renew and release take turns, so a renew in flight never re-creates a lease that a
+        # release has just removed
+        self._turn = asyncio.Lock()
         self._last: dict[str, Decision] = {}
         self._last_at: dict[str, float] = {}  # time.monotonic() of each key's last decision
         self._retry_redis_at = 0.0  # time.monotonic() before which Redis is not asked
@@ -173,6 +185,10 @@ class Limiter:
         """The admission script's answer (None: Redis absent or failing)."""
         if not self._use_redis():
             return None
+        if self._unreleased and not look:
+            await self._retry_releases()  # else a slot Redis still holds would refuse this
+            if not self._use_redis():
+                return None  # it failed again: decide here, without another timeout
         keys = [self._key(key_id, name) for name in ("req", "tok", "tokn", "conc", "toksum")]
         args = ["" if v is None else v for v in (limits.rpm, limits.tpm, limits.max_concurrency)]
         args += [request_id, tokens, *(round(s * 1000) for s in (WINDOW_S, LEASE_S, TTL_S))]
@@ -216,7 +232,7 @@ class Limiter:
 
     async def finish(self, reservation: Reservation, tokens_used: int) -> None:
         """Release the concurrency slot and correct the tpm reservation to `tokens_used`. Never
-        raises: on a Redis error the lease lapses by itself within LEASE_S."""
+        raises: a release Redis refuses is kept and retried when it answers again."""
         if reservation.local:
             self._local.finish(reservation, tokens_used)
             return
@@ -224,17 +240,45 @@ class Limiter:
             return  # rpm only: an admission is final, nothing to release (no round trip)
         self._leases.pop((reservation.key_id, reservation.request_id), None)
         # Tried even while Redis is left alone: a leaked slot would refuse requests for LEASE_S.
+        async with self._turn:
+            if not await self._release(reservation, tokens_used):
+                self._unreleased[reservation.key_id, reservation.request_id] = (
+                    reservation, tokens_used)
+
+    async def _release(self, reservation: Reservation, tokens_used: int) -> bool:
+        """One release in Redis (idempotent: a retry changes nothing twice); False if it failed."""
         keys = [self._key(reservation.key_id, name) for name in ("tokn", "conc", "toksum")]
-        await self._call(self._finish, keys, [reservation.request_id, tokens_used])
+        return await self._call(self._finish, keys, [reservation.request_id, tokens_used]) \
+            is not None
+
+    async def _retry_releases(self) -> None:
+        """The releases Redis refused, in the order they came; stops at the first failure."""
+        async with self._turn:
+            done = 0
+            while self._unreleased:
+                key, (reservation, used) = next(iter(self._unreleased.items()))
+                if not await self._release(reservation, used):
+                    return
+                self._unreleased.pop(key, None)
+                done += 1
+            if done:
+                logger.info("limits: %d release(s) Redis refused, done now", done)
 
     async def renew(self) -> None:
-        """Extend the leases of every request admitted here through Redis and not finished, in
-        one round trip. Never raises."""
-        if self._leases and self._use_redis():
-            leases = list(self._leases.values())
-            args = [round(LEASE_S * 1000), round((LEASE_S + WINDOW_S) * 1000),
-                    *(r.request_id for r in leases)]
-            await self._call(self._renew, [self._key(r.key_id, "conc") for r in leases], args)
+        """Retry the releases Redis refused, then extend (re-create, where Redis lost them) the
+        leases of every request admitted here through Redis and not finished, in one round
+        trip. Never raises."""
+        if not self._use_redis():
+            return
+        if self._unreleased:
+            await self._retry_releases()
+        async with self._turn:
+            if self._leases and self._use_redis():
+                leases = list(self._leases.values())
+                args = [round(LEASE_S * 1000), round((LEASE_S + WINDOW_S) * 1000),
+                        *(r.request_id for r in leases)]
+                await self._call(self._renew, [self._key(r.key_id, "conc") for r in leases],
+                                 args)
 
     def last(self, key_id: str) -> Decision | None:
         """The most recent Decision for `key_id` made here."""

@@ -18,6 +18,8 @@ from loragw.gateway.tenants.keys import ROLES, Principal, check_globs, valid_ten
 from loragw.gateway.tenants.windows import Limits
 
 MAX_GRACE_S = 30 * 24 * 3600
+# Far above any real key's, well inside what Redis's Lua (doubles) counts exactly.
+MAX_RPM, MAX_TPM, MAX_CONCURRENCY = 10**9, 10**12, 10**6
 
 
 def check_manager(caller: Principal, tenant: str, config: ServerConfig) -> None:
@@ -63,10 +65,10 @@ def new_key_limits(caller: Principal, asked: dict[str, int | None]) -> Limits:
     return Limits(**values)
 
 
-def new_key_globs(caller: Principal, asked: list[str] | None) -> tuple[str, ...]:
-    """The new key's adapter globs, within the caller's own."""
+def new_key_globs(caller: Principal, tenant: str, asked: list[str] | None) -> tuple[str, ...]:
+    """The new key's adapter globs, in `tenant`'s namespace and within the caller's own."""
     try:
-        globs = check_globs(asked or [])
+        globs = check_globs(asked or [], tenant)
     except ValueError as exc:
         raise APIError.bad_request(str(exc), param="adapters") from None
     if caller.adapters and not globs:

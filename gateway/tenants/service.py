@@ -1,8 +1,10 @@
 """`Tenants`: the keyring, the limiter, the audit log and the fleet's forwarding secret of one
 replica, started before anything else in Services and kept current by a heartbeat of its own
-(`HEARTBEAT_S`): keys re-read when they changed anywhere, concurrency leases renewed, last
-uses flushed. With --redis-url all of it lives in Redis (keys, limits, audit: fleet-wide);
-without, keys and audit live in `<adapter dir>/.tenants/` and limits in this process.
+(`HEARTBEAT_S`): keys re-read when they changed anywhere, concurrency leases renewed (and
+releases Redis refused retried), last uses flushed, audit entries Redis lost put back. With
+--redis-url all of it lives in Redis (keys, limits, audit: fleet-wide; the audit also in each
+replica's own file); without, keys and audit live in `<adapter dir>/.tenants/` and limits in
+this process.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Tenants:
     async def start(self) -> None:
         await self.keys.sync()
         await self._read_secret()
+        await self.audit.sync()
         self._beat = asyncio.create_task(self._heartbeat(), name="tenants-heartbeat")
         self.started = True
         logger.info("tenant keys: %d known (%s)", len(self.keys.records),
@@ -123,6 +126,7 @@ class Tenants:
                 await self.keys.sync()
                 await self.limiter.renew()
                 await self._read_secret()
+                await self.audit.sync()
             except Exception:  # a bug must not stop revocations from arriving
                 logger.exception("tenants heartbeat failed")
 

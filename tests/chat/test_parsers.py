@@ -439,3 +439,10 @@ def test_reasoning_stream_matches_split_on_random_texts(name, options):
 ])
 def test_qwen3_coder_values_follow_the_schema_type(text, kind, value):
     assert json.dumps(convert(text, kind)) == json.dumps(value)
+
+
+@pytest.mark.parametrize("tool", [{"type": "function", "function": "get_weather"},
+                                  {"type": "function", "function": {"parameters": {}}}])
+def test_a_malformed_tool_is_a_named_error(tool):
+    with pytest.raises(ValueError, match="a tool must be"):
+        ToolSpec.from_openai(tool)

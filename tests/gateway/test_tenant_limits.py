@@ -151,12 +151,36 @@ async def test_renew_keeps_a_lease_and_an_unrenewed_one_lapses(redis_server, mon
     assert (await b.admit("k", limits, "b2", 1)).admitted  # 2.2 s: its lease lapsed
 
 
-async def test_renew_never_brings_back_a_lost_lease(redis_server, store):
-    limiter = Limiter(client(redis_server.url))
-    assert (await limiter.admit("k", Limits(max_concurrency=1), "r1", 1)).admitted
+async def test_renew_recreates_a_lease_redis_lost_but_never_a_finished_one(redis_server, store):
+    limiter, other = Limiter(client(redis_server.url)), Limiter(client(redis_server.url))
+    one = Limits(max_concurrency=1)
+    running = await limiter.admit("k", one, "r1", 1)
+    done = await limiter.admit("j", one, "r2", 1)
+    await limiter.finish(done.reservation, 1)
     await store.flushall()  # as a Redis restarted empty loses it
     await limiter.renew()
-    assert await store.dbsize() == 0  # else a slot could be held with no request behind it
+    # the request still running here holds its slot again, fleet-wide; the finished one does not
+    assert (await other.admit("k", one, "r3", 1)).limit == "concurrency"
+    assert await store.exists(f"{PREFIX}rl:j:conc") == 0
+    await limiter.finish(running.reservation, 1)
+    assert (await other.admit("k", one, "r4", 1)).admitted
+
+
+async def test_a_release_redis_refused_is_retried_when_it_answers(redis_server, store,
+                                                                  monkeypatch):
+    """A client leaves while Redis is paused: its slot is freed once Redis answers, not a
+    lease (LEASE_S) later."""
+    monkeypatch.setattr(limits_module, "RETRY_REDIS_S", 0.3)
+    limiter, other = Limiter(client(redis_server.url)), Limiter(client(redis_server.url))
+    one = Limits(max_concurrency=1)
+    held = await limiter.admit("k", one, "r1", 1)
+    await store.client_pause(2000)  # every client waits; one that gives up is dropped
+    await limiter.finish(held.reservation, 1)  # times out: kept to retry
+    await asyncio.sleep(2.2)
+    # Redis still holds the slot (a retry-less replica would leave it there for LEASE_S) ...
+    assert (await other.admit("k", one, "r2", 1)).limit == "concurrency"
+    # ... until this replica's next call to Redis releases it first
+    assert (await limiter.admit("k", one, "r3", 1)).admitted
 
 
 async def test_redis_killed_limits_hold_locally(redis_server, monkeypatch, caplog):

@@ -137,7 +137,7 @@ def test_revocation_and_rotation_reach_the_other_replica(fleet):
 
 # ---- 9. the audit log -------------------------------------------------------------------
 def test_the_audit_log_shows_each_tenant_only_its_own(fleet):
-    # a history of its own, made now: a Redis outage (test 10) empties the log
+    # a history of its own, made now: the test rests on no other test's
     acme_admin = minted(fleet, "r1", "acme", OP, role="admin")
     acme_member = minted(fleet, "r1", "acme", acme_admin["key"], role="member")
     globex_admin = minted(fleet, "r1", "globex", OP, role="admin")

@@ -10,15 +10,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import threading
 import time
 
 import httpx
 import pytest
 from fleet_harness import served_by
+from held_streams import HeldStream, hold
 from tenant_fleet import (
     BASE,
-    MODEL_LEN,
     OP,
     PROMPT,
     RIDS,
@@ -59,57 +58,6 @@ async def burst(fleet: TenantFleet, by: str, bodies: list[dict]) -> list[httpx.R
             client.post(fleet.urls[RIDS[i % 2]] + "/v1/completions", json=body,
                         headers={"Authorization": f"Bearer {by}"})
             for i, body in enumerate(bodies)))
-
-
-class HeldStream(threading.Thread):
-    """A streamed completion that lasts seconds, held open (its client reading nothing more)
-    until `release` is set; leaving it closes the connection mid-stream."""
-
-    def __init__(self, fleet: TenantFleet, rid: str, by: str):
-        super().__init__(daemon=True)
-        self.url, self.by = fleet.urls[rid] + "/v1/completions", by
-        self.status: int | None = None
-        self.response: httpx.Response | None = None
-        self.answered, self.release, self.closed = (threading.Event(), threading.Event(),
-                                                    threading.Event())
-
-    def run(self) -> None:
-        body = {"model": BASE, "prompt": PROMPT, "max_tokens": MODEL_LEN - 64,
-                "ignore_eos": True, "stream": True, "temperature": 0}
-        try:
-            with httpx.Client(timeout=60) as client, client.stream(
-                    "POST", self.url, json=body,
-                    headers={"Authorization": f"Bearer {self.by}"}) as response:
-                self.status, self.response = response.status_code, response
-                if response.status_code == 200:
-                    # kept: an abandoned line iterator would close the connection
-                    self.lines = response.iter_lines()
-                    next(line for line in self.lines if line.startswith("data: "))
-                else:
-                    response.read()
-                self.answered.set()
-                self.release.wait(60)
-        finally:
-            self.answered.set()
-            self.closed.set()
-
-    def close(self) -> None:
-        self.release.set()
-        self.closed.wait(30)
-
-
-def hold(fleet: TenantFleet, rid: str, by: str, tries: int = 10) -> HeldStream:
-    """A HeldStream, answered; a refused one is retried (a finished request's slot is given
-    back just after its response) up to `tries` times, 0.2 s apart."""
-    for _ in range(tries):
-        stream = HeldStream(fleet, rid, by)
-        stream.start()
-        assert stream.answered.wait(60)
-        if stream.status == 200:
-            return stream
-        stream.close()
-        time.sleep(0.2)
-    return stream
 
 
 # ---- 6. limits hold across the fleet ----------------------------------------------------------
@@ -236,6 +184,23 @@ def test_a_forwarded_request_is_served_and_counted_once(fleet):
 def test_a_forwarded_request_over_its_limit_gets_the_429(fleet, forwarded_to_its_limit):
     response = complete(fleet, "r2", forwarded_to_its_limit["key"], "acme/bot")
     assert_rate_limited(response, REQUEST_HEADERS)
+
+
+@pytest.mark.usefixtures("world")
+def test_a_concurrency_only_key_forwarded_to_the_sole_holder_gets_its_429(fleet):
+    """No x-ratelimit-* headers (no rpm or tpm) to tell the key's 429 from a full replica's:
+    the holder's own mark does, and the forwarder relays it rather than answering 503."""
+    limited = minted(fleet, "r1", "acme", key(fleet, "acme-admin"), role="member",
+                     max_concurrency=1)
+    held = hold(fleet, "r1", limited["key"])
+    try:
+        assert held.status == 200
+        response = complete(fleet, "r2", limited["key"], "acme/bot")  # only r1 holds it
+        assert_rate_limited(response)
+        assert response.headers["x-served-by"] == "r1"
+        assert not any(h.startswith("x-ratelimit-") for h in response.headers)
+    finally:
+        held.close()
 
 
 @pytest.mark.usefixtures("world")
