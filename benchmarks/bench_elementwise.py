@@ -2,11 +2,12 @@
 engine, weights and requests, its elementwise backend switched between runs (torch, cpu, cpu,
 torch, ...), so this machine's drift falls on both alike.
 
-    python benchmarks/bench_elementwise.py [--rounds 4] [--tokens 64]
+    python benchmarks/bench_elementwise.py [--rounds 4] [--tokens 64] [--dtype bfloat16]
 
 The bench Llama (hidden 512, 8 layers), batch 32 and 128 of 32-token prompts decoding --tokens
 greedy tokens, without adapters and with 32 distinct rank-16 adapters on all seven projections
-(batch 32 only); per cell the median over rounds of the decode step (ms) and tok/s.
+(batch 32 only); per cell the median over rounds of the decode step (ms) and tok/s. --dtype
+(float32 by default; bfloat16 measures the kernels' bf16 paths, auto what this CPU serves).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"))
     ap.add_argument("--root", default=tempfile.gettempdir())
     args = ap.parse_args()
     from transformers import AutoConfig
@@ -45,7 +47,7 @@ def main() -> None:
     for batch, adapters in CASES:
         bench_roofline.BATCH = batch  # engine_tok_s's batch
         llm = LLM(model, device="cpu", max_num_seqs=batch, max_loras=ADAPTERS,
-                  max_lora_rank=RANK, max_model_len=512)
+                  max_lora_rank=RANK, max_model_len=512, dtype=args.dtype)
         names = []
         for i, path in enumerate(dirs[:adapters]):
             names.append(f"a{i:02d}")
@@ -64,7 +66,7 @@ def main() -> None:
                    for k, v in seen.items()}
         rows.append((batch, adapters, medians))
         del llm
-    print(f"\n{args.rounds} rounds each, interleaved; medians\n")
+    print(f"\n{args.dtype}, {args.rounds} rounds each, interleaved; medians\n")
     print("| batch | adapters | decode step ms: torch ops / C | tok/s: torch ops / C | C / torch tok/s |")
     print("|---:|---:|---:|---:|---:|")
     for batch, adapters, m in rows:

@@ -5,11 +5,14 @@ only here), each checkpoint written by llm-compressor; decode tok/s at batch 1, 
 no adapter and with distinct rank-16 all-linear adapters (min(batch, 32) of 32 registered),
 side by side in one run; batch 1 as a fraction of the bandwidth bound (resident weight bytes
 read once per step at the measured copy bandwidth); vLLM's CPU build on the same checkpoints
-where it serves them (its failure named where it does not). Last, the rule kernels/quant.py
-states, measured: one projection (the model's gate_up, 2752 x 512) as dequantize-then-GEMM vs
-torch's own weight-only CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`).
+where it serves them (its failure named where it does not). Last, one projection (the model's
+gate_up, 2752 x 512) each way the CPU can multiply by a quantized weight: dequantize-then-GEMM,
+the C kernel (kernels/cpu_quant.py, the engine's path) and torch's own weight-only kernels
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), with the fp32 GEMM beside them, and the
+C kernel's weight bytes per second at batch 1 against the copy bandwidth (`--kernels`: that
+table alone).
 
-    python benchmarks/bench_quant.py [--quick] [--vllm-python V/bin/python]
+    python benchmarks/bench_quant.py [--quick] [--kernels] [--vllm-python V/bin/python]
         [--quant-python .venv-quant/bin/python] [--root DIR]
 """
 
@@ -134,34 +137,46 @@ def best_us(fn, repeats: int = 20) -> float:
     return best
 
 
-def kernel_table(rows: int = 2752, columns: int = 512, group: int = 32) -> str:
-    """Microseconds of one projection per way of multiplying by a quantized weight."""
+def kernel_table(bandwidth: float, rows: int = 2752, columns: int = 512, group: int = 32) -> str:
+    """Microseconds of one projection per way of multiplying by a quantized weight; at batch 1,
+    the weight bytes the fp32 GEMM and the C kernel read per second, against the copy
+    bandwidth."""
     import torch.nn.functional as F
 
-    from loragw.kernels.quant import QuantWeight, dequant_linear, pack_int4
+    from loragw.kernels import cpu_quant
+    from loragw.kernels.quant import dequant_linear, unpack_int4
 
     g = torch.Generator().manual_seed(0)
-    q4 = torch.randint(-8, 8, (rows, columns), generator=g, dtype=torch.int8)
-    scales = torch.rand(rows, columns // group, generator=g) * 0.01
-    zeros = torch.randint(-8, 8, (rows, columns // group), generator=g, dtype=torch.int8)
-    w4 = QuantWeight("int4", pack_int4(q4), scales, zeros, group, columns)
-    packed4 = torch._convert_weight_to_int4pack_for_cpu(q4.int() + 8, 1)
-    scales_zeros = torch.stack([scales.T, (-zeros.float() * scales).T], -1).contiguous()
-    q8 = torch.randint(-127, 128, (rows, columns), generator=g, dtype=torch.int8)
-    w8 = QuantWeight("int8", q8, torch.rand(rows, 1, generator=g) * 0.01, None, columns, columns)
+    w4 = cpu_quant.random_weight("int4", rows, columns, group, True, False, g)
+    w8 = cpu_quant.random_weight("int8", rows, columns, columns, False, False, g)
+    fp8 = cpu_quant.random_weight("fp8", rows, columns, columns, False, False, g)
+    packed4 = torch._convert_weight_to_int4pack_for_cpu(
+        unpack_int4(w4.qweight, columns).int() + 8, 1)
+    scales_zeros = torch.stack([w4.scales.T, (-w4.zeros.float() * w4.scales).T], -1).contiguous()
     dense = torch.randn(rows, columns, generator=g)
+    # (header, weight bytes read or None, the call)
+    ways = [("fp32 GEMM", dense.numel() * 4, lambda x: F.linear(x, dense))]
+    for name, w in (("int4 g32", w4), ("int8 channel", w8), ("fp8 channel", fp8)):
+        ways += [(f"{name}: dequantize + GEMM", None, lambda x, w=w: dequant_linear(x, w)),
+                 (f"{name}: C kernel", w.num_bytes, lambda x, w=w: cpu_quant.quant_linear(x, w))]
+    ways += [("int4: `_weight_int4pack_mm_for_cpu`", None,
+              lambda x: torch._weight_int4pack_mm_for_cpu(x, packed4, group, scales_zeros)),
+             ("int8: `_weight_int8pack_mm`", None,
+              lambda x: torch._weight_int8pack_mm(x, w8.qweight, w8.scales[:, 0]))]
     lines = [f"One projection, {rows} x {columns}, microseconds (best of 5):", "",
-             "| tokens | fp32 GEMM | int4 g32: dequantize + GEMM | int4: `_weight_int4pack_mm_for_cpu` "
-             "| int8: dequantize + GEMM | int8: `_weight_int8pack_mm` |",
-             "|---:|---:|---:|---:|---:|---:|"]
+             "| tokens | " + " | ".join(head for head, _, _ in ways) + " |",
+             "|---:|" + "---:|" * len(ways)]
+    rates = []
     for tokens in (1, 8, 32, 256):
         x = torch.randn(tokens, columns, generator=g)
-        cells = [best_us(lambda x=x: F.linear(x, dense)), best_us(lambda x=x: dequant_linear(x, w4)),
-                 best_us(lambda x=x: torch._weight_int4pack_mm_for_cpu(x, packed4, group,
-                                                                       scales_zeros)),
-                 best_us(lambda x=x: dequant_linear(x, w8)),
-                 best_us(lambda x=x: torch._weight_int8pack_mm(x, q8, w8.scales[:, 0]))]
+        cells = [best_us(lambda call=call, x=x: call(x)) for _, _, call in ways]
         lines.append(f"| {tokens} | " + " | ".join(f"{c:.0f}" for c in cells) + " |")
+        if tokens == 1:
+            rates = [f"{head.removesuffix(': C kernel')} {size / us / 1e3:.1f}"
+                     for (head, size, _), us in zip(ways, cells) if size]
+    lines += ["", f"Batch 1, weight bytes read per second (codes, scales and zero points; the "
+              f"C kernel but for the fp32 GEMM), GB/s: {', '.join(rates)}; copy bandwidth "
+              f"{bandwidth / 1e9:.1f} GB/s (bytes read + written)"]
     return "\n".join(lines)
 
 
@@ -200,8 +215,12 @@ def main() -> None:
         os.path.dirname(HERE), ".venv-quant", "bin", "python"))
     parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "loragw-bench-quant"))
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--kernels", action="store_true", help="the one-projection table alone")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.kernels:
+        print(f"machine: {machine()}\n\n{kernel_table(copy_bandwidth())}")
+        return
     from transformers import AutoConfig
 
     os.makedirs(args.root, exist_ok=True)
@@ -226,7 +245,7 @@ def main() -> None:
           f"tokens per request after a {PROMPT_LEN}-token prompt; tok/s\n")
     print(table(rows, bandwidth, tokens))
     print()
-    print(kernel_table())
+    print(kernel_table(bandwidth))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ distinct rank-16 adapters on all seven projections (request i on adapter i). Row
 the float32 step with torch's paths throughout (F.linear, the torch attention, embedding-bag
 LoRA, torch's norms and rotary), the default as it was before the C norm and rotary kernels,
 the float32 default now (oneDNN, the C decode attention, LoRA, norm and rotary kernels), and
-bfloat16 where the CPU has it. A decode step's roofline time is max(FLOPs / peak, bytes /
+where the CPU has bf16 units (AMX-BF16 or AVX-512 BF16: what --dtype auto serves there)
+bfloat16 on torch's paths and on the C kernels' bf16 paths. A decode step's roofline time is max(FLOPs / peak, bytes /
 bandwidth): FLOPs = 2 x batch x (projection + lm_head parameters, and each row's adapter's),
 bytes = the weights once (and each distinct adapter once) and every row's K and V in every
 layer at the run's mean decode context (prompt + half the new tokens). The profile times one batch-32 run
@@ -43,10 +44,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import build_llama25m_with_tokenizer, machine, timed, write_adapters  # noqa: E402
 
 from loragw.engine import LLM, SamplingParams  # noqa: E402
+from loragw.engine.config import cpu_auto_dtype  # noqa: E402
 from loragw.engine.layers.attention import PagedAttention  # noqa: E402
 from loragw.engine.layers.embedding import LMHead  # noqa: E402
 from loragw.engine.layers.linear import Linear, LoRABuffers  # noqa: E402
 from loragw.kernels import cpu_linear, cpu_lora  # noqa: E402
+from loragw.kernels.native import cpu_flags  # noqa: E402
 
 BATCH, PROMPT_LEN, ADAPTERS, RANK = 32, 32, 32, 16
 # (row, LLM options, the C LoRA kernel on): the CPU step as it was before each change, and now
@@ -56,8 +59,10 @@ CONFIGS = [
     ("float32: oneDNN, C attention, C LoRA, torch norms and rotary", dict(
         elementwise_backend="torch"), True),
     ("float32: oneDNN, C attention, C LoRA, C norms and rotary (the default)", dict(), True),
-    ("bfloat16: oneDNN, torch attention, embedding bags (the default)", dict(dtype="bfloat16"),
-     True),
+    ("bfloat16: oneDNN, torch attention, embedding bags, torch norms and rotary", dict(
+        dtype="bfloat16", attention_backend="torch", elementwise_backend="torch"), False),
+    ("bfloat16: oneDNN, C attention, C LoRA, C norms and rotary (auto's dtype there)", dict(
+        dtype="bfloat16"), True),
 ]
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -94,9 +99,8 @@ def copy_bandwidth() -> float:
 
 
 def has_bf16() -> bool:
-    with open("/proc/cpuinfo") as f:
-        flags = f.read()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """Whether this CPU has bf16 units (the engine's `--dtype auto` rule)."""
+    return cpu_auto_dtype(cpu_flags())[0] == torch.bfloat16
 
 
 def decode_cost(llm: LLM, batch: int, adapters: int, context: int) -> tuple[float, float]:

@@ -9,6 +9,7 @@ option (the field name here, `--max-loras` on the command line).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from loragw.engine.models.args import ModelArgs
 from loragw.engine.quant.scheme import CHOICES as QUANTIZATION_CHOICES
 from loragw.engine.quant.scheme import QuantConfig, read_quantization
 from loragw.engine.speculative_config import SpeculativeConfig, as_json, parse_speculative_config
+from loragw.kernels.native import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +48,40 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+# The default of `dtype` everywhere (the flag, LLM(), ServerConfig): $LORAGW_DTYPE when set, so
+# one variable pins a deployment (or a test session, whose oracle is float32) whatever the CPU
+DEFAULT_DTYPE = os.environ.get("LORAGW_DTYPE", "auto")
+
+# /proc/cpuinfo flags of units that multiply bfloat16 in hardware: AMX tiles (Sapphire Rapids
+# on) and AVX-512 BF16 dot products (Cooper Lake, Zen 4 on)
+BF16_UNITS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_auto_dtype(flags: str) -> tuple[torch.dtype, str]:
+    """`--dtype auto` on a CPU with these feature flags (/proc/cpuinfo's flags line), and why:
+    bfloat16 where the CPU has bf16 units (half the bytes per weight and KV entry, and oneDNN's
+    GEMMs run on the units), float32 otherwise (without them a bf16 matmul converts in software:
+    ~100x slower than float32's)."""
+    units = [unit for unit in BF16_UNITS if unit in flags.split()]
+    if units:
+        return torch.bfloat16, f"the CPU has {' and '.join(units)}"
+    return torch.float32, f"the CPU has neither {' nor '.join(BF16_UNITS)}: bfloat16 is slower"
+
+
+@functools.cache
+def _this_cpu_auto_dtype() -> torch.dtype:
+    """cpu_auto_dtype of this CPU, decided (and logged) once per process."""
+    dtype, reason = cpu_auto_dtype(cpu_flags())
+    logger.info("--dtype auto on this CPU: %s, as %s", str(dtype).removeprefix("torch."), reason)
+    return dtype
+
+
 def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
-    """`auto`: the checkpoint's dtype on CUDA; float32 on CPU (bf16 matmuls there are ~100x slower)."""
+    """`auto`: the checkpoint's dtype on CUDA (bfloat16 when it names none); on a CPU bfloat16
+    where it has bf16 units, else float32 (cpu_auto_dtype)."""
     if dtype == "auto":
         if device.type == "cpu":
-            return torch.float32
+            return _this_cpu_auto_dtype()
         return DTYPES.get(str(checkpoint_dtype), torch.bfloat16)
     return DTYPES[dtype]
 
@@ -58,7 +89,9 @@ def resolve_dtype(dtype: str, device: torch.device, checkpoint_dtype: str | None
 @dataclass(frozen=True, kw_only=True)
 class EngineOptions:
     device: str = option("auto", "auto | cpu | cuda", choices=DEVICES)
-    dtype: str = option("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU)",
+    dtype: str = option(DEFAULT_DTYPE, "auto | float32 | bfloat16 | float16 (auto: the "
+                        "checkpoint's on CUDA; on a CPU bfloat16 where it has AMX-BF16 or "
+                        "AVX-512 BF16, float32 otherwise; the default: $LORAGW_DTYPE, else auto)",
                         choices=("auto", *DTYPES))
     max_num_seqs: int = option(64, "sequences decoded together per step")
     max_num_batched_tokens: int = option(2048, "tokens per engine step (prefill chunk budget)")
@@ -91,9 +124,10 @@ class EngineOptions:
                                  "passes its start-up check; torch's elsewhere), torch or onednn",
                                  choices=LINEAR_BACKENDS)
     elementwise_backend: str = option("auto", "residual add + RMSNorm, rotary and SiLU-and-mul: "
-                                      "auto (the C kernels on a float32 CPU engine, the Triton "
-                                      "kernels on CUDA, each once it passes its start-up "
-                                      "check; torch's ops elsewhere), torch, cpu or triton",
+                                      "auto (the C kernels on a float32 or bfloat16 CPU engine, "
+                                      "the Triton kernels on CUDA, each once it passes its "
+                                      "start-up check; torch's ops elsewhere), torch, cpu or "
+                                      "triton",
                                       choices=ELEMENTWISE_BACKENDS)
     # Counted in steps, not seconds, so it bounds the wait in forward passes whatever the
     # hardware and is deterministic in tests. None turns aging off (0 on the command line).

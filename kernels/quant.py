@@ -18,26 +18,40 @@
                                 g(k) = g_idx[row_slice[o], k], one row per output slice of a
                                 merged projection (q, k and v each keep their own order)
     row_slice int32 [O] | None  with g_idx: which g_idx row output row o uses
+    act     ActQuant | None     W8A8 / FP8 schemes' input activations (kernels/act_quant.py):
+                                every GEMM here quantizes x as the checkpoint's forward does
+                                (x_hat = (Q(x / s + z) - z) * s, per token, group or tensor)
+                                before multiplying; None: weight-only (W4A16, W8A16, ...)
 
 Math (the dequantized weight, then the GEMM) runs in float32 whatever the activation dtype; in
 float32 `dequantize` is bit-for-bit the weight compressed-tensors decompresses to
-((q - z) * s, one rounding), so a dequantize-then-GEMM projection is the decompressed model's.
+((q - z) * s, one rounding), so a dequantize-then-GEMM projection is the decompressed model's;
+with `act`, x_hat is compressed-tensors' own fake quantization in x.dtype, so the projection is
+the checkpoint's forward (transformers running compressed-tensors' quantized Linear).
 
-    y = dequant_linear(x, w, bias)      # x: [T, I] -> y: [T, O], x.dtype: the CPU path
+    y = dequant_linear(x, w, bias)      # x: [T, I] -> y: [T, O], x.dtype: any device
+    y = quant_linear(x, w, bias)        # kernels/cpu_quant.py: the CPU, in C
     y = quant_matmul(x, w, bias)        # kernels/quant_triton.py: CUDA (imported on first use)
+    x_hat = quantize_activations(x, w.act)   # kernels/act_quant.py, for any other GEMM:
+    y = linear_with_input_quant(gemm, x, w, bias)   # gemm(x_hat, w, bias), per static slice
 
-On the CPU, dequantize-then-GEMM is also the fastest path measured: torch's own weight-only
-kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) were slower at every batch
-(benchmarks/RESULTS.md, "Quantized bases"), so the engine's Backends.quant is "torch" there.
+On the CPU the engine's Backends.quant is "cpu" (kernels/cpu_quant.py: a C kernel reading this
+layout as it is held, dequantizing in registers to the same float32 weights), once it passed
+its start-up check; dequantize-then-GEMM, which writes the whole float32 weight and reads it
+back on every call, is the fallback. torch's own weight-only kernels (`_weight_int8pack_mm`,
+`_weight_int4pack_mm_for_cpu`) were slower than even that at every batch (benchmarks/RESULTS.md,
+"Quantized bases"; benchmarks/bench_quant.py's last table has all of them side by side).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from loragw.kernels.act_quant import ActQuant, linear_with_input_quant
 
 KINDS = ("int4", "int8", "fp8")
 BITS = {"int4": 4, "int8": 8, "fp8": 8}
@@ -58,6 +72,7 @@ class QuantWeight:
     in_features: int
     g_idx: Tensor | None = None
     row_slice: Tensor | None = None
+    act: ActQuant | None = None  # None: activations stay as they come
 
     @property
     def out_features(self) -> int:
@@ -108,6 +123,22 @@ class QuantWeight:
                 problems.append(f"zero points outside {low}..{high}")
         if problems:
             raise ValueError(f"{self.kind} weight: {'; '.join(problems)}")
+        if self.act is not None:
+            self.act.check(rows, columns)
+
+    def rows(self, start: int, length: int) -> QuantWeight:
+        """Output rows [start, start + length): a slice of a merged projection, a column-parallel
+        rank's share (a per-slice static `act` keeps the one slice those rows are)."""
+        cut = slice(start, start + length)
+        act = self.act
+        if act is not None and act.rows:
+            act = next((one for first, count, one in act.slices()
+                        if (first, count) == (start, length)), None)
+            assert act is not None, f"rows {start}..{start + length} are not one input slice"
+        return replace(self, qweight=self.qweight[cut], scales=self.scales[cut],
+                       zeros=None if self.zeros is None else self.zeros[cut],
+                       row_slice=None if self.row_slice is None else self.row_slice[cut],
+                       act=act)
 
 
 def unpack_int4(packed: Tensor, columns: int) -> Tensor:
@@ -159,11 +190,21 @@ def dequantize(w: QuantWeight, dtype: torch.dtype = torch.float32) -> Tensor:
 
 
 def dequant_linear(x: Tensor, w: QuantWeight, bias: Tensor | None = None) -> Tensor:
-    """y = x @ W.T (+ bias): the dequantize-then-GEMM path (any device, any dtype)."""
+    """y = x_hat @ W.T (+ bias): the dequantize-then-GEMM path (any device, any dtype); x_hat
+    is x quantized as w.act declares, else x."""
+    return linear_with_input_quant(_dequant_gemm, x, w, bias)
+
+
+def _dequant_gemm(x: Tensor, w: QuantWeight, bias: Tensor | None) -> Tensor:
     return F.linear(x, dequantize(w, x.dtype), bias)
 
 
 def oracle_linear(x: Tensor, w: QuantWeight, bias: Tensor | None = None) -> Tensor:
-    """The float64 meaning the kernels are tested against."""
+    """The float64 meaning the kernels are tested against (x_hat, defined in x.dtype, then a
+    float64 product)."""
+    return linear_with_input_quant(_oracle_gemm, x, w, bias)
+
+
+def _oracle_gemm(x: Tensor, w: QuantWeight, bias: Tensor | None) -> Tensor:
     y = x.double() @ dequantize(w, torch.float64).T
     return y if bias is None else y + bias.double()

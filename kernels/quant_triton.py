@@ -3,6 +3,9 @@
 Meaning (kernels/quant.py's layout; `oracle_linear` is this line in float64):
     y[t, o] = sum_k x[t, k] * (q[o, k] - z[o, g(o, k)]) * s[o, g(o, k)]  (+ bias[o])
     g(o, k) = k // group_size, or g_idx[row_slice[o], k] with act order
+W8A8 / FP8 schemes (a QuantWeight with `act`) first quantize x as the checkpoint declares, in
+torch (kernels/act_quant.py: x_hat, per static slice where slices' scales differ); the kernel
+then runs on x_hat, so the GPU computes what the CPU's dequant_linear does.
 
 Each program owns one BLOCK_M x BLOCK_N tile of y and walks I in BLOCK_K steps: it loads the
 tile's quantized weights ([BLOCK_K, BLOCK_N] codes: int4 nibbles, int8, or e4m3 bits), the
@@ -48,6 +51,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from loragw.kernels.act_quant import linear_with_input_quant
 from loragw.kernels.meta import DECODE_MAX_TOKENS
 from loragw.kernels.quant import FP8_MIN_CAPABILITY, QuantWeight
 
@@ -171,11 +175,18 @@ def triton_supports(kind: str, device: torch.device) -> bool:
 
 def quant_matmul(x: Tensor, w: QuantWeight, bias: Tensor | None = None,
                  config: QuantConfig | None = None) -> Tensor:
-    """y = x @ dequantize(w).T (+ bias), accumulated in fp32.
+    """y = x_hat @ dequantize(w).T (+ bias), accumulated in fp32; x_hat: x quantized as w.act
+    declares (W8A8 / FP8 schemes; kernels/act_quant.py, in torch before the kernel), else x.
 
     x: [T, I] fp32/fp16/bf16 (any strides)   w: QuantWeight [O, I] on x's device
     bias: [O] x.dtype | None   ->  y: [T, O] x.dtype, contiguous
     """
+    return linear_with_input_quant(
+        lambda xq, part, b: _quant_matmul(xq, part, b, config), x, w, bias)
+
+
+def _quant_matmul(x: Tensor, w: QuantWeight, bias: Tensor | None,
+                  config: QuantConfig | None) -> Tensor:
     T, columns = x.shape
     rows = w.out_features
     assert columns == w.in_features, (

@@ -55,6 +55,11 @@ def isolate_home() -> tuple[Path, dict[str, str | None]]:
 
 
 TEST_HOME, _USER_ENVIRONMENT = isolate_home()
+# The oracle (transformers + PEFT) runs float32: every engine and server of the session, and
+# every process a test starts, serves float32 unless a test names a dtype, also on CPUs where
+# `--dtype auto` picks bfloat16 (AMX, AVX-512 BF16). Read when loragw.engine.config is imported.
+assert "loragw.engine.config" not in sys.modules, "set LORAGW_DTYPE before the engine is imported"
+os.environ["LORAGW_DTYPE"] = "float32"
 
 
 def pytest_unconfigure(config):

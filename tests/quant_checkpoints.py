@@ -15,10 +15,17 @@ request, made by the same scripts, reads it back). tests/quant_reference/ says h
     world.adapters                          # {name: PEFT dir}, made on the float base
 
 Every scheme's tokens differ from the float base's (`expected_float`) in at least one request,
-so a loader that drops a scale or a zero point fails. For schemes whose transformers forward
-quantizes each Linear's input on the fly (w8a8, fp8-dynamic, fp8-block: compressed-tensors'
-input_activations), `expected_weight_only` holds the answers with that turned off; for every
-other scheme it equals `expected`.
+so a loader that drops a scale or a zero point fails. For schemes whose forward quantizes each
+Linear's input on the fly (`activations`: w8a8*, fp8-*, hf-fp8-block: compressed-tensors'
+input_activations, Hugging Face fp8's activation_scheme), `expected` is that forward's and
+`expected_weight_only` holds the answers with it turned off, which differ in at least one
+request (the oracle really quantizes them); for every other scheme the two are equal.
+
+Those schemes round every Linear input to 255 levels, so a float32 rounding difference upstream
+(RMSNorm, attention: two implementations, ~1e-7 relative apart) can move an input across a
+rounding boundary: one code, ~1e-3 on the logits. `check` therefore lets such a request take
+the oracle's runner-up where the oracle itself chose by less than NEAR_TIE nats (`margins`),
+and compares it up to there; every other token must be the oracle's.
 """
 
 from __future__ import annotations
@@ -49,6 +56,9 @@ ADAPTERS = {
     "all-r16": {"r": 16, "lora_alpha": 16, "target_modules": ALL_SEVEN},
     "qv-r4": {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]},
 }
+# An activation-quantizing scheme's request may take the oracle's runner-up where the oracle led
+# it by less than this (log-probability, nats): see the module docstring.
+NEAR_TIE = 0.01
 # Prompt lengths, one per request of make_requests, in order.
 LENGTHS = (5, 1, 17, 9, 23, 3, 12, 7, 14, 2, 19, 6, 11, 8, 4, 10, 13, 16, 3)
 
@@ -77,7 +87,9 @@ class QuantCheckpoint:
     family: str  # "compressed-tensors", "gptq", "awq" or "fp8"
     dir: str  # the quantized checkpoint
     dequantized: str  # its float32 twin (tests/quant_reference/formats.py), a plain checkpoint
+    activations: bool  # whether its forward quantizes Linear inputs
     expected: list[list[int]]  # the oracle's tokens per request of QuantWorld.requests
+    margins: list[list[list[float]]]  # per expected token: [lead over the runner-up, its id]
     expected_weight_only: list[list[int]]  # the same without activation quantization
     max_weight_error: float  # largest relative RMS error of a Linear against the float base
 
@@ -102,15 +114,27 @@ class QuantWorld:
     def request_adapters(self) -> list[str | None]:
         return [adapter for _, adapter in self.requests]
 
-    def check(self, outputs, scheme: str, weight_only: bool = False) -> None:
-        """Every output (in request order, with .token_ids) has the oracle's tokens."""
+    def check(self, outputs, scheme: str, weight_only: bool = False) -> int:
+        """Every output (in request order, with .token_ids) has the oracle's tokens; with
+        activation quantization, up to a near tie where it took the runner-up (module
+        docstring). Returns how many requests parted at a near tie."""
         checkpoint = self.checkpoints[scheme]
         expected = checkpoint.expected_weight_only if weight_only else checkpoint.expected
+        ties = 0
         for i, (out, want) in enumerate(zip(outputs, expected, strict=True)):
             prompt, adapter = self.requests[i]
-            assert out.token_ids == want, (
+            got = out.token_ids
+            part = next((k for k, (a, b) in enumerate(zip(got, want, strict=True)) if a != b),
+                        None)
+            tied = False
+            if part is not None and checkpoint.activations and not weight_only:
+                lead, runner_up = checkpoint.margins[i][part]
+                tied = lead < NEAR_TIE and got[part] == runner_up
+            ties += bool(tied)
+            assert part is None or tied, (
                 f"{scheme}: request {i} (adapter {adapter}, prompt of {len(prompt)} tokens) "
-                f"gave {out.token_ids}, transformers + PEFT {want}")
+                f"gave {got}, transformers + PEFT {want}")
+        return ties
 
 
 def make_requests(adapter_names: list[str], seed: int = 7,
@@ -183,7 +207,8 @@ def _read_world(root: Path) -> QuantWorld:
     checkpoints = {
         name: QuantCheckpoint(scheme=name, family=entry["family"], dir=str(root / entry["dir"]),
                               dequantized=str(root / entry["dequantized"]),
-                              expected=entry["expected"],
+                              activations=entry["activations"], expected=entry["expected"],
+                              margins=entry["margins"],
                               expected_weight_only=entry["expected_weight_only"],
                               max_weight_error=entry["max_weight_error"])
         for name, entry in world["schemes"].items()}

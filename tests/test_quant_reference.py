@@ -14,12 +14,15 @@ import torch
 
 pytestmark = pytest.mark.slow  # one subprocess in the quant venv: ~30 s
 
-SCHEMES = ["w4a16-asym-g32", "w8a8", "gptq-desc-act", "awq-g32", "hf-fp8-block"]
+SCHEMES = ["w4a16-asym-g32", "w8a8", "w8a8-static-asym", "gptq-desc-act", "awq-g32",
+           "hf-fp8-block"]
 # Layer 0's q_proj (128 x 128) as each scheme writes it: tensor suffix -> (dtype, shape).
 Q_PROJ = {
     "w4a16-asym-g32": {"weight_packed": ("int32", [128, 16]), "weight_scale": ("float32", [128, 4]),
                        "weight_zero_point": ("int32", [16, 4]), "weight_shape": ("int64", [2])},
     "w8a8": {"weight": ("int8", [128, 128]), "weight_scale": ("float32", [128, 1])},
+    "w8a8-static-asym": {"weight": ("int8", [128, 128]), "weight_scale": ("float32", [128, 1]),
+                         "input_scale": ("float32", [1]), "input_zero_point": ("int8", [1])},
     "gptq-desc-act": {"qweight": ("int32", [16, 128]), "qzeros": ("int32", [4, 16]),
                       "scales": ("float16", [4, 128]), "g_idx": ("int32", [128])},
     "awq-g32": {"qweight": ("int32", [128, 16]), "qzeros": ("int32", [4, 16]),
@@ -37,6 +40,9 @@ QUANT_CONFIG = {
              "config_groups": {"group_0": {"weights": {"num_bits": 8, "strategy": "channel"},
                                            "input_activations": {"dynamic": True,
                                                                  "strategy": "token"}}}},
+    "w8a8-static-asym": {"quant_method": "compressed-tensors", "format": "int-quantized",
+                         "config_groups": {"group_0": {"input_activations": {
+                             "dynamic": False, "strategy": "tensor", "symmetric": False}}}},
     "gptq-desc-act": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
                       "sym": True, "checkpoint_format": "gptq"},
     "awq-g32": {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True,
@@ -92,8 +98,11 @@ def test_quantizing_changed_the_oracles_tokens(world):
             assert len(tokens) == len(world.requests), scheme
             assert all(len(row) == world.max_tokens for row in tokens), scheme
             assert tokens != world.expected_float, scheme
-        # only w8a8 quantizes activations in transformers' forward
-        assert (checkpoint.expected != checkpoint.expected_weight_only) == (scheme == "w8a8")
+        # W8A8 and fp8 quantize activations in the checkpoint's forward, and it shows
+        assert checkpoint.activations == (scheme in ("w8a8", "w8a8-static-asym", "hf-fp8-block"))
+        assert (checkpoint.expected != checkpoint.expected_weight_only) == checkpoint.activations
+        assert len(checkpoint.margins) == len(world.requests), scheme
+        assert all(lead >= 0 for row in checkpoint.margins for lead, _ in row), scheme
 
 
 def test_dequantized_twin_is_a_plain_float_checkpoint_near_the_base(world):

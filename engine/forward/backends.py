@@ -5,24 +5,28 @@ and read by every layer from the forward context, as the callables themselves.
                production path) or "triton" (kernels/lora_triton.py).
     attention  decode rows of engine/layers/attention.py: "torch" (gather whole blocks, then
                SDPA), "triton" (kernels/paged_attention.py reads K/V in place) or "cpu"
-               (kernels/cpu_attention.py, a C kernel that reads K/V in place, float32).
+               (kernels/cpu_attention.py, a C kernel that reads K/V in place, float32 or bf16).
     linear     dense projections (and lm_head): "torch" (F.linear) or "onednn" (kernels/
                cpu_linear.py: weights packed once at load; the CPU's auto once it passes its
                start-up check).
     elementwise  residual add + RMSNorm, rotary and SiLU-and-mul (engine/layers/norm.py,
                rotary.py, models/llama.py): "torch" (its ops), "cpu" (kernels/cpu_fused.py, C,
-               float32: the CPU's auto once it passes its start-up check; SiLU stays torch's)
-               or "triton" (kernels/fused_triton.py: CUDA's auto once it passes its check).
+               float32 or bf16: the CPU's auto once it passes its start-up check; SiLU stays
+               torch's) or "triton" (kernels/fused_triton.py: CUDA's auto once it passes its
+               check).
     quant      a quantized base's projections: "torch" (kernels/quant.py, dequantize then GEMM:
-               the CPU path, and CUDA's for FP8 before sm_89) or "triton" (kernels/quant_triton.py,
-               dequantizing in the GEMM's tiles: CUDA). None: the base is not quantized.
+               CUDA's for FP8 before sm_89, and the CPU's when its C kernel fails its check),
+               "cpu" (kernels/cpu_quant.py, a C kernel dequantizing in registers: the CPU's once
+               it passes its start-up check) or "triton" (kernels/quant_triton.py, dequantizing
+               in the GEMM's tiles: CUDA). None: the base is not quantized.
 
 `auto` is triton on CUDA and torch elsewhere, except that auto decode attention takes the
-Triton kernel on CUDA, and the C kernel on a float32 CPU engine, only after it matched the
-float64 reference on a small random cache of the model's shapes (each module's self_check);
-otherwise it warns and keeps torch, so a kernel that fails to compile or is wrong on some
-machine never serves. A forced backend is used as
-it is. A model with sliding-window or soft-capped layers (Mistral, Gemma) has the self-check
+Triton kernel on CUDA, and the C kernel on a float32 or bfloat16 CPU engine, only after it
+matched the float64 reference on a small random cache of the model's shapes in the engine's
+dtype (each module's self_check); otherwise it warns and keeps torch, so a kernel that fails to
+compile or is wrong on some machine never serves. (The CPU's "torch" LoRA path runs its decode
+bags through kernels/cpu_lora.py's C kernel the same way, checked per dtype at first use.) A
+forced backend is used as it is. A model with sliding-window or soft-capped layers (Mistral, Gemma) has the self-check
 run with its window and cap too (AttentionShape). Triton on CPU runs under its interpreter
 only: TRITON_INTERPRET=1 must be set before the kernels are first imported (tests do this).
 """
@@ -38,7 +42,14 @@ from dataclasses import dataclass, field
 import torch
 
 from loragw.engine.forward.elementwise import TORCH, Elementwise, FusedElementwise
-from loragw.kernels import LoRAKernels, cpu_attention, cpu_fused, cpu_linear, lora_kernels
+from loragw.kernels import (
+    LoRAKernels,
+    cpu_attention,
+    cpu_fused,
+    cpu_linear,
+    cpu_quant,
+    lora_kernels,
+)
 from loragw.kernels.quant import dequant_linear
 
 logger = logging.getLogger(__name__)
@@ -68,6 +79,8 @@ class Backends:
         quant = dequant_linear
         if self.quant == "triton":
             quant = importlib.import_module("loragw.kernels.quant_triton").quant_matmul
+        elif self.quant == "cpu":
+            quant = cpu_quant.quant_linear
         object.__setattr__(self, "quant_linear", quant)
         decode = store = None
         if self.attention == "triton":  # triton imported only when it serves
@@ -142,8 +155,8 @@ def checked(name: str, kernel: str, problem: str | None, what: str, instead: str
 
 
 def resolve_cpu_attention(name: str, dtype: torch.dtype, shape: AttentionShape) -> str:
-    if dtype != torch.float32 and name == "auto":
-        return "torch"  # the C kernel is float32 only
+    if dtype not in cpu_attention.DTYPES and name == "auto":
+        return "torch"  # float16: the C kernel takes float32 and bfloat16
     problem = cpu_attention.self_check(dtype, shape.num_heads, shape.num_kv_heads,
                                        shape.head_dim, shape.sliding_window, shape.softcap)
     return checked(name, "cpu", problem, "the CPU decode attention kernel", "torch")
@@ -158,10 +171,14 @@ def quant_kind(model) -> str | None:
 
 def resolve_quant_backend(kind: str | None, device: torch.device) -> str | None:
     """Triton's dequantizing GEMM on CUDA (FP8 weights need sm_89's e4m3 conversion; before it
-    they are dequantized, then multiplied); dequantize-then-GEMM on the CPU, where it is also
-    exactly the decompressed model's arithmetic."""
+    they are dequantized, then multiplied); on the CPU the C kernel once it matched the float64
+    oracle (its weights are dequantize's, bit for bit, so only the order of the sums differs from
+    the decompressed model's arithmetic), else dequantize-then-GEMM."""
     if kind is None:
         return None
+    if device.type == "cpu":
+        return checked("auto", "cpu", cpu_quant.self_check(), "the CPU quantized GEMM kernel",
+                       "dequantize-then-GEMM")
     if device.type != "cuda":
         return "torch"
     if kind == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
@@ -192,12 +209,12 @@ def resolve_elementwise_backend(name: str, device: torch.device, dtype: torch.dt
         fused = importlib.import_module("loragw.kernels.fused_triton")  # triton only where it serves
         return checked(name, "triton", fused.self_check(device, dtype),
                        "the Triton norm, rotary and SiLU kernels", "torch's ops")
-    if device.type != "cpu" or dtype != torch.float32:
+    if device.type != "cpu" or dtype not in cpu_fused.DTYPES:
         if name == "cpu":
-            raise ValueError(f'elementwise_backend="cpu" needs a float32 CPU engine; this is '
-                             f"{device.type} {dtype}")
+            raise ValueError(f'elementwise_backend="cpu" needs a float32 or bfloat16 CPU engine; '
+                             f"this is {device.type} {dtype}")
         return "torch"
-    return checked(name, "cpu", cpu_fused.self_check(), "the CPU norm and rotary kernels",
+    return checked(name, "cpu", cpu_fused.self_check(dtype), "the CPU norm and rotary kernels",
                    "torch's ops")
 
 

@@ -1,7 +1,7 @@
 """A layer's residual add + RMSNorm, rotary and SiLU-and-mul, one interface chosen once per
 engine (Backends.elementwise, engine/forward/backends.py): torch's ops, or fused kernels that
-compute the same (kernels/cpu_fused.py in C on a float32 CPU engine, kernels/fused_triton.py on
-CUDA), each checked against kernels/elementwise_reference.py at start-up for the engine's
+compute the same (kernels/cpu_fused.py in C on a float32 or bfloat16 CPU engine,
+kernels/fused_triton.py on CUDA), each checked against kernels/elementwise_reference.py at start-up for the engine's
 dtype, so a step never asks per call whether a kernel takes its tensors.
 
     sum, out = add_rms_norm(x, delta, w, eps)   sum = x + delta (x when delta is None),

@@ -3,8 +3,9 @@
     DenseWeights      a Parameter `weight`, as the checkpoint gives it       F.linear
     PackedWeights     oneDNN's layout of a loaded dense weight (CPU)        cpu_linear
     QuantizedWeights  a Parameter `qweight` in kernels/quant.py's layout,   the GEMM the model
-                      its scales, zero points and act-order map gathered    runner chose
-                      per slice and joined once every slice is in           (Backends.quant_linear)
+                      its scales, zero points, act-order map and input      runner chose
+                      quantization gathered per slice, joined once every    (Backends.quant_linear)
+                      slice is in
 
 A Linear (engine/layers/linear.py) holds exactly one and registers the Parameters it names as
 its own (`parameters()`), so checkpoint keys stay `...qkv_proj.weight` / `...qkv_proj.qweight`.
@@ -12,13 +13,18 @@ its own (`parameters()`), so checkpoint keys stay `...qkv_proj.weight` / `...qkv
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from loragw.engine.distributed import group
 from loragw.engine.forward.context import get_forward_context
 from loragw.engine.quant.scheme import WeightScheme
 from loragw.kernels import cpu_linear
+from loragw.kernels.act_quant import join_static, quantize_activations
 from loragw.kernels.quant import QuantWeight
 
 
@@ -148,15 +154,25 @@ class QuantizedWeights(Weights):
             row_slice = torch.cat([torch.full((p.out_features,), i, dtype=torch.int32)
                                    for i, p in enumerate(parts)])
         scales = torch.cat([p.scales for p in parts])
+        # static input scales stay each slice's own (kernels/act_quant.py says why)
+        act = join_static([(p.act, p.out_features) for p in parts])
         quant = QuantWeight(self.scheme.kind, self.qweight, scales.to(device),
                             None if zeros is None else zeros.to(device), parts[0].group_size,
                             self.in_features, None if g_idx is None else g_idx.to(device),
-                            None if row_slice is None else row_slice.to(device))
+                            None if row_slice is None else row_slice.to(device),
+                            None if act is None else act.to(device))
         quant.check()
         return quant
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return get_forward_context().backends.quant_linear(x, self.quant, bias)
+        quant_linear = get_forward_context().backends.quant_linear
+        act = self.quant.act
+        if act is not None and act.spans_ranks:
+            # a row-parallel rank: each token's scale needs the other ranks' columns too, so
+            # x is quantized here, where the collective is, and the GEMM runs weight-only
+            x = quantize_activations(x, act, _all_reduce_max)
+            return quant_linear(x, replace(self.quant, act=None), bias)
+        return quant_linear(x, self.quant, bias)
 
     def dense(self) -> torch.Tensor:
         raise ValueError("a quantized projection has no dense weight; dequantize its QuantWeight")
@@ -164,3 +180,9 @@ class QuantizedWeights(Weights):
     @property
     def num_bytes(self) -> int:
         return self.quant.num_bytes if self.quant is not None else 0
+
+
+def _all_reduce_max(t: torch.Tensor) -> None:
+    """t maxed over the tensor-parallel ranks, in place (group.all_reduce sums)."""
+    if group.shard().size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)

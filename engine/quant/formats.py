@@ -16,8 +16,9 @@ once at load. What each tool writes (all integers little-endian, packed low bits
 
 Scales become float32 [O, G] (a block's scale repeated on each of its rows, FP8 per-tensor on
 every row); unsigned integers are re-centred on zero with their zero points, so (q - z) is the
-tool's own (u - z_u) and W is the same number. Static activation scales are read and dropped:
-activations stay unquantized here.
+tool's own (u - z_u) and W is the same number. A scheme that quantizes input activations gets
+an ActQuant (kernels/act_quant.py): dynamic ones need no tensor; static ones read
+`<module>.input_scale` [1] (and `input_zero_point` [1], int8 or e4m3, where nonzero).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor
 
 from loragw.engine.quant.scheme import QuantConfig, WeightScheme
+from loragw.kernels.act_quant import ActQuant
 from loragw.kernels.quant import QuantWeight, pack_int4
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i]
@@ -39,9 +41,14 @@ PARTS = {"compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_po
          "fp8": ("weight", "weight_scale_inv", "weight_scale", "input_scale")}
 
 
-def unpack_words(words: Tensor, bits: int) -> Tensor:
-    """int32 [..., n] -> uint8 values [..., n * 32/bits], element j of a word at bits j*bits."""
-    assert words.dtype == torch.int32 and bits in (4, 8)
+def unpack_words(words: Tensor, bits: int, name: str) -> Tensor:
+    """int32 [..., n] -> uint8 values [..., n * 32/bits], element j of a word at bits j*bits.
+    `name`: the checkpoint tensor the words are, for the error when they are not int32."""
+    assert bits in (4, 8), bits  # the scheme's, checked when the Config was read
+    if words.dtype != torch.int32:
+        raise ValueError(f"checkpoint tensor {name} is {words.dtype}, expected torch.int32 "
+                         f"(packed {bits}-bit values); the checkpoint is corrupt or was not "
+                         "written by a quantization tool")
     as_bytes = words.contiguous().view(torch.uint8)  # little-endian: byte 0 holds bits 0-7
     if bits == 8:
         return as_bytes
@@ -63,6 +70,7 @@ def convert(config: QuantConfig, scheme: WeightScheme, module: str,
                    "fp8": _fp8}[method]
     try:
         w = convert_one(config, scheme, module, parts)
+        w.act = _activations(scheme, module, parts)
         w.check()
     except (RuntimeError, IndexError, ValueError) as exc:  # tensors that contradict each other
         raise ValueError(f"checkpoint module {module!r} ({method}, {scheme.describe()}): "
@@ -71,6 +79,28 @@ def convert(config: QuantConfig, scheme: WeightScheme, module: str,
         raise ValueError(f"checkpoint tensor {module}'s scale holds NaN or infinite values: "
                          "the checkpoint is corrupt; download or export it again")
     return w
+
+
+def _activations(scheme: WeightScheme, module: str,
+                 parts: dict[str, Tensor]) -> ActQuant | None:
+    """The ActQuant of the scheme's input activations (static: the module's input_scale)."""
+    a = scheme.activations
+    if a is None:
+        return None
+    if a.dynamic:
+        return ActQuant(a.kind, True, a.symmetric, a.group_size)
+    scale, zero = parts.get("input_scale"), parts.get("input_zero_point")
+    if scale is None:
+        raise ValueError(f"checkpoint has no {module}.input_scale, which static {a.kind} "
+                         "activations need")
+    if scale.numel() != 1 or zero is not None and zero.numel() != 1:
+        raise ValueError(f"checkpoint tensor {module}.input_scale (or input_zero_point) has "
+                         f"shape {tuple(scale.shape)}, expected one per tensor")
+    if zero is None and not a.symmetric:
+        raise ValueError(f"checkpoint has no {module}.input_zero_point, which asymmetric static "
+                         "activations need")
+    zeros = None if zero is None or not bool(zero.float().any()) else zero.float().reshape(1)
+    return ActQuant(a.kind, False, a.symmetric, scales=scale.float().reshape(1), zeros=zeros)
 
 
 def _scales(scale: Tensor, rows: int, groups: int, block_rows: int | None, name: str) -> Tensor:
@@ -132,8 +162,8 @@ def _compressed_tensors(config: QuantConfig, scheme: WeightScheme, module: str,
     bits = 4 if scheme.kind == "int4" else 8
     if "weight_packed" in parts:
         rows, columns = (int(n) for n in parts["weight_shape"].tolist())
-        q = (unpack_words(parts["weight_packed"], bits)[:, :columns].to(torch.int16)
-             - (1 << bits - 1)).to(torch.int8)
+        packed = unpack_words(parts["weight_packed"], bits, f"{module}.weight_packed")
+        q = (packed[:, :columns].to(torch.int16) - (1 << bits - 1)).to(torch.int8)
         if q.shape != (rows, columns):
             raise ValueError(f"checkpoint tensor {module}.weight_packed does not hold "
                              f"weight_shape {rows} x {columns}")
@@ -156,8 +186,8 @@ def _compressed_tensors(config: QuantConfig, scheme: WeightScheme, module: str,
     zeros = parts.get("weight_zero_point")
     if zeros is not None:
         if zeros.dtype == torch.int32:  # packed along the rows
-            zeros = (unpack_words(zeros.T, bits)[:, :rows].T.to(torch.int16)
-                     - (1 << bits - 1)).to(torch.int8)
+            zeros = unpack_words(zeros.T, bits, f"{module}.weight_zero_point")[:, :rows].T
+            zeros = (zeros.to(torch.int16) - (1 << bits - 1)).to(torch.int8)
         zeros = zeros.to(torch.int8).reshape(-1, 1 if zeros.numel() == rows else groups)
         if scheme.block_rows is not None:
             zeros = zeros.repeat_interleave(scheme.block_rows, dim=0)[:rows]
@@ -172,13 +202,13 @@ def _unsigned_to_signed(u: Tensor, bits: int) -> Tensor:
 def _gptq(config: QuantConfig, scheme: WeightScheme, module: str,
           parts: dict[str, Tensor]) -> QuantWeight:
     bits = 4 if scheme.kind == "int4" else 8
-    q = unpack_words(parts["qweight"].T, bits)  # [O, I] unsigned
+    q = unpack_words(parts["qweight"].T, bits, f"{module}.qweight")  # [O, I] unsigned
     rows, columns = q.shape
     groups = parts["scales"].shape[0]
     scales = _scales(parts["scales"].T, rows, groups, None, f"{module}.scales")
     zeros = None
     if "qzeros" in parts:
-        z = unpack_words(parts["qzeros"], bits)[:, :rows].T  # [O, G] unsigned
+        z = unpack_words(parts["qzeros"], bits, f"{module}.qzeros")[:, :rows].T  # [O, G]
         if config.zero_minus_one:
             z = (z.to(torch.int16) + 1) & ((1 << bits) - 1)
         zeros = _unsigned_to_signed(z, bits)
@@ -189,9 +219,9 @@ def _gptq(config: QuantConfig, scheme: WeightScheme, module: str,
     return _layout(scheme, _unsigned_to_signed(q, bits), scales, zeros, columns, g_idx)
 
 
-def _awq_columns(words: Tensor) -> Tensor:
+def _awq_columns(words: Tensor, name: str) -> Tensor:
     """AWQ's int32 [R, C/8] -> unsigned [R, C] in column order."""
-    nibbles = unpack_words(words, 4).unflatten(-1, (-1, 8))  # [R, C/8, 8], nibble i
+    nibbles = unpack_words(words, 4, name).unflatten(-1, (-1, 8))  # [R, C/8, 8], nibble i
     ordered = torch.empty_like(nibbles)
     ordered[..., list(AWQ_ORDER)] = nibbles
     return ordered.flatten(-2)
@@ -199,11 +229,11 @@ def _awq_columns(words: Tensor) -> Tensor:
 
 def _awq(config: QuantConfig, scheme: WeightScheme, module: str,
          parts: dict[str, Tensor]) -> QuantWeight:
-    q = _awq_columns(parts["qweight"]).T  # [O, I] unsigned
+    q = _awq_columns(parts["qweight"], f"{module}.qweight").T  # [O, I] unsigned
     rows, columns = q.shape
     groups = parts["scales"].shape[0]
     scales = _scales(parts["scales"].T, rows, groups, None, f"{module}.scales")
-    zeros = _unsigned_to_signed(_awq_columns(parts["qzeros"])[:, :rows].T, 4)
+    zeros = _unsigned_to_signed(_awq_columns(parts["qzeros"], f"{module}.qzeros")[:, :rows].T, 4)
     if groups != -(-columns // scheme.columns_per_scale(columns)):
         raise ValueError(f"checkpoint tensor {module}.scales has {groups} groups, expected "
                          f"{-(-columns // scheme.columns_per_scale(columns))}")

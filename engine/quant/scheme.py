@@ -8,7 +8,9 @@ process starts or any weight is read, naming the method or scheme and what is su
 Methods (vLLM's `--quantization` names): `compressed-tensors` (llm-compressor's formats),
 `gptq`, `awq`, and Hugging Face's `fp8`. Every one is converted at load to the same in-memory
 layout (kernels/quant.py) by engine/quant/formats.py; a WeightScheme is what that layout needs
-to know of one projection: kind, group size, zero points, act order.
+to know of one projection: kind, group size, zero points, act order, and the ActScheme its
+input activations are quantized with (W8A8, FP8_DYNAMIC, FP8_BLOCK, FP8: kernels/act_quant.py
+runs it as compressed-tensors' forward does), None for weight-only schemes.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
 CHOICES = ("auto", *METHODS, "none")
 CT_FORMATS = ("pack-quantized", "float-quantized", "int-quantized", "naive-quantized")
 SUPPORTED = ("compressed-tensors (pack-quantized int4/int8, float-quantized FP8 tensor/channel/"
-             "block, int-quantized W8A8), gptq (4/8-bit, desc_act), awq (4-bit GEMM), "
-             "fp8 (weight_block_size)")
+             "block, int-quantized W8A8; input activations int8/fp8, dynamic per token or group "
+             "or static per tensor), gptq (4/8-bit, desc_act), awq (4-bit GEMM), "
+             "fp8 (weight_block_size, activation_scheme dynamic)")
 
 
 class QuantizationError(ValueError):
@@ -30,6 +33,22 @@ class QuantizationError(ValueError):
 
     def __init__(self, problem: str):
         super().__init__(f"{problem}; supported: {SUPPORTED}")
+
+
+@dataclass(frozen=True, slots=True)
+class ActScheme:
+    """How a projection's input activations are quantized before its GEMM."""
+
+    kind: str  # "int8" | "fp8"
+    dynamic: bool  # scales from each token's values; else the checkpoint's input_scale
+    group_size: int | None = None  # dynamic: columns per scale along a token (None: the row)
+    symmetric: bool = True
+
+    def describe(self) -> str:
+        where = ("per tensor" if not self.dynamic else "per token" if self.group_size is None
+                 else f"per token group {self.group_size}")
+        return (f"{self.kind} {'dynamic' if self.dynamic else 'static'} {where}"
+                f"{'' if self.symmetric else ' asym'}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +61,7 @@ class WeightScheme:
     block_rows: int | None = None  # block: output rows per scale
     symmetric: bool = True
     act_order: bool = False  # a g_idx tensor maps each input column to its group
-    activations: str = "none"  # what the checkpoint asks of activations (weight-only here on CPU)
+    activations: ActScheme | None = None  # None: weight-only (activations stay as they come)
 
     def columns_per_scale(self, in_features: int) -> int:
         """Input columns sharing one scale along a row (the layout's group_size)."""
@@ -54,7 +73,8 @@ class WeightScheme:
                      self.strategy, f" per {self.strategy}")
         return (f"{self.kind}{group}{'' if self.symmetric else ' asym'}"
                 f"{' act-order' if self.act_order else ''}"
-                f"{'' if self.activations == 'none' else ', activations ' + self.activations}")
+                f"{'' if self.activations is None else ', activations '}"
+                f"{'' if self.activations is None else self.activations.describe()}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,11 +105,13 @@ class QuantConfig:
         the base's, by checkpoint module suffix)."""
         for name, (_, columns) in shapes.items():
             for _, scheme in self.groups:
-                size = scheme.group_size
-                if scheme.strategy == "group" and size < columns and columns % size:
-                    raise QuantizationError(
-                        f"{self.method} group_size {size} does not divide {name}'s {columns} "
-                        "input features")
+                act = scheme.activations
+                for what, size in (("", scheme.group_size if scheme.strategy == "group" else None),
+                                   ("activation ", act.group_size if act else None)):
+                    if size is not None and size < columns and columns % size:
+                        raise QuantizationError(
+                            f"{self.method} {what}group_size {size} does not divide {name}'s "
+                            f"{columns} input features")
 
 
 def _matches(pattern: str, module: str) -> bool:
@@ -174,12 +196,45 @@ def _ct_scheme(name: str, group: dict, fmt: str) -> WeightScheme:
                                     f"columns], got {block!r}")
         block_rows, group_size = block
     act_order = w.get("actorder") == "group"
-    a = group.get("input_activations")
-    activations = "none" if not a else (
-        f"{a.get('type', 'int')}{a.get('num_bits', '')} "
-        f"{'dynamic' if a.get('dynamic') else 'static'} per {a.get('strategy', 'tensor')}")
+    if group.get("output_activations"):
+        raise QuantizationError(f"{where}: output activation quantization is not served")
+    activations = _ct_activations(where, group.get("input_activations"))
     return WeightScheme(kind, strategy, group_size, block_rows, bool(w.get("symmetric", True)),
                         act_order, activations)
+
+
+def _ct_activations(where: str, a: dict | None) -> ActScheme | None:
+    """compressed-tensors' input_activations as an ActScheme; what kernels/act_quant.py does
+    not compute as compressed-tensors does is refused, not served weight-only."""
+    if not a:
+        return None
+    kind_type, bits = a.get("type", "int"), a.get("num_bits", 8)
+    if bits != 8 or kind_type not in ("int", "float"):
+        raise QuantizationError(f"{where}: {bits}-bit {kind_type} input activations (e.g. W4A4, "
+                                "NVFP4) are not served")
+    kind = "fp8" if kind_type == "float" else "int8"
+    dynamic, strategy = a.get("dynamic", False), a.get("strategy") or (
+        "group" if a.get("group_size") else "tensor")
+    if a.get("scale_dtype") is not None or a.get("zp_dtype") not in (None, "torch.int8",
+                                                                      "torch.float8_e4m3fn"):
+        raise QuantizationError(f"{where}: input activation scales stored as "
+                                f"{a.get('scale_dtype') or a.get('zp_dtype')} (e.g. MXFP8) are "
+                                "not served")
+    symmetric = bool(a.get("symmetric", True))
+    if dynamic is True and strategy == "token":
+        return ActScheme(kind, True, None, symmetric)
+    if dynamic is True and strategy == "group":
+        size = a.get("group_size")
+        if not isinstance(size, int) or size < 1:
+            raise QuantizationError(f"{where}: group input activations need a positive "
+                                    f"group_size, got {size!r}")
+        return ActScheme(kind, True, size, symmetric)
+    if dynamic is False and strategy == "tensor":
+        return ActScheme(kind, False, None, symmetric)
+    # dynamic per tensor: its scale would depend on which requests share a batch
+    raise QuantizationError(f"{where}: {'dynamic' if dynamic else 'static'} per-{strategy} "
+                            "input activations are not served (dynamic per token or group, "
+                            "static per tensor are)")
 
 
 def _gptq(raw: dict) -> QuantConfig:
@@ -221,9 +276,17 @@ def _fp8(raw: dict) -> QuantConfig:
         scheme = WeightScheme("fp8", "block", block[1], block[0])
     else:
         raise QuantizationError(f"fp8 weight_block_size {block!r} is not served ([rows, cols])")
-    activations = f"fp8 {raw.get('activation_scheme', 'dynamic')}"
+    activations = raw.get("activation_scheme", "dynamic")
+    if activations != "dynamic":
+        # transformers runs static FP8 activations only in its GPU kernel (CPU: dequantized,
+        # scales dropped), so there is no forward here to be exact against
+        raise QuantizationError(f"fp8 activation_scheme {activations!r} is not served "
+                                "(dynamic is); a compressed-tensors FP8 checkpoint serves "
+                                "static input scales")
+    # transformers' fp8 kernel quantizes x per token and weight block column (the whole row
+    # for per-tensor weights) with s = max|x| / 448: compressed-tensors' dynamic group rule
     scheme = WeightScheme(scheme.kind, scheme.strategy, scheme.group_size, scheme.block_rows,
-                          activations=activations)
+                          activations=ActScheme("fp8", True, scheme.group_size))
     return QuantConfig("fp8", "fp8", ((("Linear",), scheme),), _modules(raw))
 
 

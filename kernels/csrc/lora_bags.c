@@ -1,5 +1,6 @@
 /* LoRA deltas of a group of decode tokens on the CPU, each token through its own slot, from
- * the pool laid out as bag tables (kernels/cpu_dispatch.py BagTables), float32:
+ * the pool laid out as bag tables (kernels/cpu_dispatch.py BagTables, float32), x and out float32
+ * (lora_bags_f32) or bfloat16 (lora_bags_bf16, uint16 storage: bf16.h):
  *
  *   y = x[row] @ A_s          A_s: slot s's H rows of `a` ([S * H, sum_r]: every slice's
  *                             ranks side by side), summed over h in order
@@ -10,7 +11,10 @@
  * What F.embedding_bag(..., per_sample_weights) computes per bag, fused: one call per
  * projection instead of a bag per slice plus the casts, copies and adds around them. Each
  * delta is complete before it is added to out, as PEFT adds lora_B(lora_A(x)) * scale to the
- * base output. Tokens run on torch's OpenMP threads (the libgomp torch loaded).
+ * base output. In bfloat16 each x element is widened in registers, the sums stay float32, and
+ * the delta is rounded to bf16 before a bf16 add, as torch's `delta.to(out.dtype)` and `+=`
+ * round it (kernels/reference.py). Tokens run on torch's OpenMP threads (the libgomp torch
+ * loaded).
  *
  * With many adapters a step reads every token's own A and B from memory: the kernel is bound
  * by the bandwidth one thread draws. A thread walks up to MAX_GROUP tokens side by side (row h
@@ -23,12 +27,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_GROUP 4
 
-int lora_bags_f32(const float *x, int64_t x_row, float *out, int64_t out_row,
-                  const int64_t *rows, const int64_t *slots, int L, int H, const float *a,
-                  int sum_r, int n, const int32_t *cols, const int32_t *lo,
-                  const int32_t *width, const int64_t *b) {
+/* x and out float32 (is_bf16 == 0) or bfloat16: the element type is tested where x is read and
+ * out written, once per row of A and per slice, outside the loops over its columns. */
+static int bags(const void *x, int64_t x_row, void *out, int64_t out_row, const int64_t *rows,
+                const int64_t *slots, int L, int H, const float *a, int sum_r, int n,
+                const int32_t *cols, const int32_t *lo, const int32_t *width, const int64_t *b,
+                int is_bf16) {
     int max_width = 1, failed = 0;
     for (int i = 0; i < n; i++) max_width = width[i] > max_width ? width[i] : max_width;
     /* tokens side by side: as many as keep every thread busy, at most MAX_GROUP */
@@ -52,7 +60,9 @@ int lora_bags_f32(const float *x, int64_t x_row, float *out, int64_t out_row,
             memset(y, 0, sizeof(float) * m * sum_r);
             for (int h = 0; h < H; h++) {
                 for (int g = 0; g < m; g++) {
-                    const float xv = x[row[g] * x_row + h];
+                    const int64_t at = row[g] * x_row + h;
+                    const float xv = is_bf16 ? bf16_to_f32(((const bf16 *)x)[at])
+                                             : ((const float *)x)[at];
                     const float *ar = a + (slot[g] * H + h) * sum_r;
                     float *yg = y + g * sum_r;
 #pragma omp simd
@@ -74,10 +84,19 @@ int lora_bags_f32(const float *x, int64_t x_row, float *out, int64_t out_row,
                     }
                 }
                 for (int g = 0; g < m; g++) {
-                    float *orow = out + row[g] * out_row + lo[i];
+                    const int64_t at = row[g] * out_row + lo[i];
                     const float *d = delta + g * max_width;
+                    if (is_bf16) {
+                        bf16 *orow = (bf16 *)out + at;
 #pragma omp simd
-                    for (int o = 0; o < W; o++) orow[o] += d[o];
+                        for (int o = 0; o < W; o++)
+                            orow[o] = f32_to_bf16(bf16_to_f32(orow[o]) +
+                                                  bf16_to_f32(f32_to_bf16(d[o])));
+                    } else {
+                        float *orow = (float *)out + at;
+#pragma omp simd
+                        for (int o = 0; o < W; o++) orow[o] += d[o];
+                    }
                 }
             }
         }
@@ -85,4 +104,18 @@ int lora_bags_f32(const float *x, int64_t x_row, float *out, int64_t out_row,
         free(delta);
     }
     return failed;
+}
+
+int lora_bags_f32(const float *x, int64_t x_row, float *out, int64_t out_row,
+                  const int64_t *rows, const int64_t *slots, int L, int H, const float *a,
+                  int sum_r, int n, const int32_t *cols, const int32_t *lo,
+                  const int32_t *width, const int64_t *b) {
+    return bags(x, x_row, out, out_row, rows, slots, L, H, a, sum_r, n, cols, lo, width, b, 0);
+}
+
+int lora_bags_bf16(const bf16 *x, int64_t x_row, bf16 *out, int64_t out_row,
+                   const int64_t *rows, const int64_t *slots, int L, int H, const float *a,
+                   int sum_r, int n, const int32_t *cols, const int32_t *lo,
+                   const int32_t *width, const int64_t *b) {
+    return bags(x, x_row, out, out_row, rows, slots, L, H, a, sum_r, n, cols, lo, width, b, 1);
 }

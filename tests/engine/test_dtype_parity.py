@@ -44,6 +44,7 @@ import torch
 from peft_reference import MAX_TOKENS, World
 
 from loragw.engine import SamplingParams
+from loragw.kernels import cpu_fused, cpu_lora
 
 logger = logging.getLogger(__name__)
 
@@ -113,15 +114,25 @@ GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
 @pytest.mark.parametrize("world_name", ["mixed", "vocab-ends"])
 def test_mixed_batch_matches_peft_in_the_same_dtype(request, record_property, world_name,
-                                                    dtype_name, where):
-    """On the CPU (torch kernels) and, on a GPU machine, with the Triton kernels and CUDA
-    graphs against PEFT on the same GPU."""
+                                                    dtype_name, where, monkeypatch):
+    """On the CPU (bfloat16 on its C kernels: decode attention, norms and rotary, the decode
+    LoRA bags; float16 on torch's paths) and, on a GPU machine, with the Triton kernels and
+    CUDA graphs against PEFT on the same GPU."""
     world: World = request.getfixturevalue("lora_world" if world_name == "mixed"
                                            else "vocab_world")
     dtype, label = DTYPES[dtype_name], f"{world_name}/{dtype_name}/{where}"
     llm = world.llm(dtype=dtype_name, **(ON_GPU if where == "cuda" else {}))
     assert {p.dtype for p in llm.engine.runner.model.parameters()} == {dtype}
+    bags = []  # the C LoRA kernel's calls (kernels/cpu_lora.py)
+    apply_bags = cpu_lora.apply_bags
+    monkeypatch.setattr(cpu_lora, "apply_bags", lambda *args: bags.append(1) or apply_bags(*args))
     outputs = llm.generate(world.prompts, PARAMS, adapters=world.requests)
+    if where == "cpu":
+        backends, c = llm.engine.runner.backends, dtype in cpu_fused.DTYPES
+        logger.info("%s: decode attention on %s, norms and rotary on %s, %d C LoRA calls", label,
+                    backends.attention, backends.elementwise, len(bags))
+        assert (backends.attention, backends.elementwise) == (("cpu",) * 2 if c else ("torch",) * 2)
+        assert bool(bags) == c
     logits = world.peft_logits([out.token_ids for out in outputs], dtype, where)
     worst, ties = compare(world, outputs, logits, TOL[dtype], label)
     record_property("max_logprob_diff", round(worst, 5))

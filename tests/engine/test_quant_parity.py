@@ -1,12 +1,15 @@
-"""Quantized bases, served quantized, give exactly the greedy tokens of transformers' decompressed
-model with the same PEFT adapters (float32, CPU), in mixed-adapter batches: every scheme the
-real tools write (llm-compressor's compressed-tensors, AutoRound's GPTQ / AWQ, GPTQ desc_act,
-Hugging Face fp8), Llama and Qwen2 (biases), under chunked prefill and preemption and tensor
-parallelism; weights stay quantized; a checkpoint that cannot be served is refused, named.
+"""Quantized bases, served quantized, give exactly the greedy tokens of the checkpoint's own
+forward in transformers with the same PEFT adapters (float32, CPU), in mixed-adapter batches:
+every scheme the real tools write (llm-compressor's compressed-tensors, AutoRound's GPTQ / AWQ,
+GPTQ desc_act, Hugging Face fp8), Llama and Qwen2 (biases), under chunked prefill and
+preemption and tensor parallelism; weights stay quantized; a checkpoint that cannot be served
+is refused, named.
 
 The checkpoints and their oracle come from tests/quant_checkpoints.py (llm-compressor's own venv,
-`make quant-tools`). Activations are never quantized here, so W8A8 and FP8 schemes are compared
-with the decompressed model's weight-only forward (`expected_weight_only`).
+`make quant-tools`). W8A8 and FP8 schemes quantize each projection's input as the checkpoint
+declares (dynamic per token or group, static per tensor and per merged slice, int8 or fp8,
+symmetric or not), as compressed-tensors' forward does: their oracle is that forward, and its
+weight-only answers (`expected_weight_only`) are what the engine must not give.
 """
 
 from __future__ import annotations
@@ -22,13 +25,15 @@ from quant_checkpoints import (
 )
 
 from loragw.engine import LLM, SamplingParams
+from loragw.engine.forward import backends
 from loragw.engine.quant.scheme import SUPPORTED
 from loragw.engine.snapshot import engine_info
 
 pytestmark = pytest.mark.slow  # quantized checkpoints and their oracle, in another venv
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-QWEN2_SCHEMES = ("w4a16-asym-g32", "w8a16-channel", "fp8-block", "gptq-desc-act", "awq-g32")
+QWEN2_SCHEMES = ("w4a16-asym-g32", "w8a16-channel", "fp8-block", "gptq-desc-act", "awq-g32",
+                 "w8a8-asym", "fp8-static-split")
 STRESS = dict(max_loras=2, max_num_batched_tokens=8, num_kv_blocks=16, block_size=4)
 
 
@@ -54,26 +59,38 @@ def generate(llm: LLM, world: QuantWorld):
     return llm.generate(world.prompts, GREEDY, adapters=world.request_adapters)
 
 
+def check(world: QuantWorld, scheme: str, outputs) -> None:
+    """The oracle's tokens; and where the scheme quantizes activations, not the weight-only
+    forward's (the engine really quantizes them)."""
+    world.check(outputs, scheme)
+    checkpoint = world.checkpoints[scheme]
+    if checkpoint.activations:
+        assert [out.token_ids for out in outputs] != checkpoint.expected_weight_only
+
+
 @pytest.mark.parametrize("scheme", ALL_SCHEMES)
-def test_llama_mixed_adapters_match_the_decompressed_model(llama, scheme):
+def test_llama_mixed_adapters_match_the_checkpoints_forward(llama, scheme):
     with serve(llama, scheme) as llm:
-        llama.check(generate(llm, llama), scheme, weight_only=True)
+        check(llama, scheme, generate(llm, llama))
         assert llm.config.quant is not None
 
 
 @pytest.mark.parametrize("scheme", QWEN2_SCHEMES)
 def test_qwen2_with_biases_matches_under_chunked_prefill_and_preemption(qwen2, scheme):
     with serve(qwen2, scheme, **STRESS) as llm:
-        qwen2.check(generate(llm, qwen2), scheme, weight_only=True)
+        check(qwen2, scheme, generate(llm, qwen2))
         assert llm.engine.scheduler.num_preemptions > 0, "the schedule did not preempt"
 
 
-@pytest.mark.parametrize("scheme", ["w4a16-asym-g32", "gptq-desc-act", "fp8-block", "awq-g32"])
+@pytest.mark.parametrize("scheme", ["w4a16-asym-g32", "gptq-desc-act", "fp8-block", "awq-g32",
+                                    "fp8-dynamic", "w8a8-static-asym"])
 def test_tensor_parallel_quantized_weights_split_along_the_shard(llama, scheme):
     """Column-parallel rows and row-parallel columns of packed int4 with zero points, act
-    order (every rank keeps every group's scales), FP8 blocks; chunked and preempted."""
+    order (every rank keeps every group's scales), FP8 blocks; per-token activation scales
+    maxed over the ranks' halves of each row (fp8-dynamic, and fp8-block's o_proj, whose one
+    128-column group both ranks share); chunked and preempted."""
     with serve(llama, scheme, tensor_parallel_size=2, **STRESS) as llm:
-        llama.check(generate(llm, llama), scheme, weight_only=True)
+        check(llama, scheme, generate(llm, llama))
 
 
 def vocabulary_adapter(base: str, out: str) -> str:
@@ -90,7 +107,7 @@ def vocabulary_adapter(base: str, out: str) -> str:
     return out
 
 
-def test_vocabulary_loras_and_logprobs_equal_the_decompressed_twin(llama, tmp_path):
+def test_vocabulary_loras_and_logprobs_equal_the_decompressed_twin(llama, tmp_path, monkeypatch):
     """Everything beside the projections works on a quantized base as on its float32 twin
     (the same weights, dequantized once): embed_tokens / lm_head LoRA, logprobs with
     alternatives, bit for bit."""
@@ -100,9 +117,12 @@ def test_vocabulary_loras_and_logprobs_equal_the_decompressed_twin(llama, tmp_pa
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
     adapters = ["vocab", None, "all-r16", "vocab"]
     runs = []
+    monkeypatch.setattr(backends, "resolve_quant_backend",
+                        lambda kind, device: None if kind is None else "torch")
     for path in (llama.checkpoints[scheme].dir, twin):
         # bit for bit needs one GEMM for every projection: the quantized base's are
-        # dequantize-then-F.linear, so the twin's (and both lm_heads) are F.linear too
+        # dequantize-then-F.linear (not the CPU's C kernel, which sums in another order), so
+        # the twin's (and both lm_heads) are F.linear too
         with LLM(path, device="cpu", max_loras=4, max_lora_rank=16,
                  linear_backend="torch") as llm:
             llm.add_adapter("vocab", vocab)
@@ -140,6 +160,10 @@ def test_a_corrupt_scale_is_refused_at_start_naming_the_tensor(llama, tmp_path):
         LLM(corrupt(src, str(tmp_path / "nan"), scale, "nan"), device="cpu")
     with pytest.raises(ValueError, match="model.layers.1.mlp.down_proj.weight_scale has shape"):
         LLM(corrupt(src, str(tmp_path / "shape"), scale, "shape"), device="cpu")
+    static = llama.checkpoints["w8a8-static-asym"].dir
+    with pytest.raises(ValueError, match="down_proj'.*an input_scale is not a positive finite"):
+        LLM(corrupt(static, str(tmp_path / "input"), "model.layers.1.mlp.down_proj.input_scale",
+                    "nan"), device="cpu")
     gptq = llama.checkpoints["gptq-g32"].dir
     with pytest.raises(ValueError, match="model.layers.0.self_attn.k_proj"):
         LLM(corrupt(gptq, str(tmp_path / "gptq"), "model.layers.0.self_attn.k_proj.scales",

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from loragw.engine.config import Config
-from loragw.engine.quant.scheme import SUPPORTED, read_quantization
+from loragw.engine.quant.scheme import SUPPORTED, ActScheme, read_quantization
 
 W4_GROUP = {"quant_method": "compressed-tensors", "format": "pack-quantized",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
@@ -44,6 +44,18 @@ def group(**weights) -> dict:
     return config
 
 
+def w8a8(**activations) -> dict:
+    """llm-compressor's W8A8 config (int8 channel weights, int8 dynamic per-token inputs), its
+    input_activations changed by `activations`."""
+    inputs = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True,
+              "symmetric": True, "group_size": None, "scale_dtype": None, "zp_dtype": None,
+              "observer": None} | activations
+    return {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": inputs,
+                                          "weights": {"num_bits": 8, "type": "int",
+                                                      "strategy": "channel"}}}}
+
+
 @pytest.mark.parametrize("config, named", [
     ({"quant_method": "bitsandbytes"}, "'bitsandbytes' is not served"),
     ({"quant_method": "hqq"}, "'hqq' is not served"),
@@ -56,6 +68,16 @@ def group(**weights) -> dict:
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "gptq bits 3"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "'gemv'"),
     ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size [128]"),
+    (w8a8(num_bits=4), "4-bit int input activations (e.g. W4A4, NVFP4)"),
+    (w8a8(num_bits=4, type="float"), "4-bit float input activations"),
+    (w8a8(strategy="tensor"), "dynamic per-tensor input activations are not served"),
+    (w8a8(strategy="group", group_size=32, dynamic=False),
+     "static per-group input activations are not served"),
+    (w8a8(dynamic="local", strategy="tensor_group", group_size=16), "per-tensor_group"),
+    (w8a8(type="float", strategy="group", group_size=32, scale_dtype="torch.uint8"),
+     "scales stored as torch.uint8 (e.g. MXFP8)"),
+    (w8a8(strategy="group", group_size=48), "activation group_size 48 does not divide"),
+    ({"quant_method": "fp8", "activation_scheme": "static"}, "activation_scheme 'static'"),
 ])
 def test_what_is_not_served_is_named_with_the_supported_list(configured, config, named):
     with pytest.raises(ValueError) as refused:
@@ -133,4 +155,34 @@ def test_gptq_awq_and_fp8_configs():
     fp8 = read_quantization({
         "quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"},
         "fp8")
-    assert fp8.describe() == "fp8 (fp8: fp8 block [128, 128], activations fp8 dynamic)"
+    assert fp8.describe() == (
+        "fp8 (fp8: fp8 block [128, 128], activations fp8 dynamic per token group 128)")
+    per_tensor = read_quantization({"quant_method": "fp8"}, "fp8").scheme("model.layers.0.mlp")
+    assert per_tensor.activations == ActScheme("fp8", dynamic=True)
+
+
+@pytest.mark.parametrize("activations, scheme, described", [
+    ({}, ActScheme("int8", True), "int8 dynamic per token"),
+    ({"symmetric": False, "zp_dtype": "torch.int8"}, ActScheme("int8", True, symmetric=False),
+     "int8 dynamic per token asym"),
+    ({"type": "float", "strategy": "group", "group_size": 128},
+     ActScheme("fp8", True, 128), "fp8 dynamic per token group 128"),
+    ({"type": "float", "strategy": "tensor", "dynamic": False, "observer": "static_minmax"},
+     ActScheme("fp8", False), "fp8 static per tensor"),
+    ({"strategy": "tensor", "dynamic": False, "symmetric": False, "zp_dtype": "torch.int8"},
+     ActScheme("int8", False, symmetric=False), "int8 static per tensor asym"),
+])
+def test_input_activations_as_llm_compressor_writes_them(activations, scheme, described):
+    quant = read_quantization(w8a8(**activations), "auto")
+    got = quant.scheme("model.layers.0.self_attn.q_proj")
+    assert got.activations == scheme
+    assert quant.describe() == (
+        f"compressed-tensors (int-quantized: int8 per channel, activations {described})")
+    assert read_quantization(W4_GROUP, "auto").scheme("x.q_proj").activations is None
+
+
+def test_output_activations_are_refused():
+    config = w8a8()
+    config["config_groups"]["group_0"]["output_activations"] = {"num_bits": 8, "type": "int"}
+    with pytest.raises(ValueError, match="output activation quantization is not served"):
+        read_quantization(config, "auto")

@@ -95,7 +95,8 @@ def test_the_backend_choice():
         assert ft.self_check(CPU, dtype) is None
     # forced on the CPU (the interpreter is set): serves; auto on the CPU keeps the C kernels
     assert backends.resolve_elementwise_backend("triton", CPU, torch.float32) == "triton"
-    assert backends.resolve_elementwise_backend("auto", CPU, torch.bfloat16) == "torch"
+    assert backends.resolve_elementwise_backend("auto", CPU, torch.bfloat16) == "cpu"
+    assert backends.resolve_elementwise_backend("auto", CPU, torch.float16) == "torch"
     assert backends.Backends(elementwise="triton").fused.kernels is ft
     assert backends.Backends(elementwise="torch").fused is TORCH
 

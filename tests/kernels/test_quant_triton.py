@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from loragw.kernels.act_quant import ActQuant
 from loragw.kernels.meta import DECODE_MAX_TOKENS
 from loragw.kernels.quant import FP8_MIN_CAPABILITY, KINDS, QuantWeight, oracle_linear, pack_int4
 
@@ -147,6 +148,30 @@ def test_small_blocks(kind, asym, act_order):
     assert qt.quant_grid(129, 40, cfg) == (9 * 3,) and qt.GROUP_M == 8
     y = qt.quant_matmul(x, w, config=cfg)
     torch.testing.assert_close(y.double().cpu(), oracle_linear(x, w).cpu(), atol=1e-5, rtol=1e-5)
+
+
+# W8A8 / FP8 schemes: x quantized first (per token, per group, or a static scale per merged
+# slice, O_SLICES' two with different scales), then the kernel on x_hat: the oracle's meaning.
+ACTS = {"int8-token": ActQuant("int8", True), "fp8-group32-asym": ActQuant(
+    "fp8", True, False, group_size=32), "static-per-slice": ActQuant(
+    "int8", False, scales=torch.tensor([0.02, 0.05]), rows=O_SLICES)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("act", ACTS)
+def test_quantized_activations(act, dtype):
+    kind = "int8" if act != "fp8-group32-asym" else "fp8"
+    skip_unsupported(kind)
+    gen = torch.Generator().manual_seed(8)
+    w = make_weight(kind, False, 256, 32, False, gen)
+    w.act = ACTS[act].to(torch.device(DEVICE))
+    w.check()
+    x = torch.randn(5, 256, generator=gen).to(dtype).to(DEVICE)
+    bias = torch.randn(w.out_features, generator=gen).to(dtype).to(DEVICE)
+    y = qt.quant_matmul(x, w, bias)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(y.double().cpu(), oracle_linear(x, w, bias).cpu(), atol=tol,
+                               rtol=tol)
 
 
 def test_every_finite_fp8_code():

@@ -19,7 +19,7 @@ import torch
 # The tensors that make up one quantized Linear, by family; the first names the Linear.
 PARTS = {
     "compressed-tensors": ("weight_scale", "weight_packed", "weight_shape", "weight_zero_point",
-                           "weight"),
+                           "weight", "input_scale", "input_zero_point"),
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
     "awq": ("qweight", "qzeros", "scales"),
     "fp8": ("weight_scale_inv", "weight"),

@@ -12,9 +12,11 @@ s: scale, g: group of an input column):
     w[o, i] = (q[o, i] - z[o, i // group]) * s[o, i // group]
     (compressed_tensors/compressors/pack_quantized/helpers.py: pack_to_int32, unpack_from_int32)
   compressed-tensors int-quantized (W8A8): weight int8 [out, in], weight_scale [out, 1]
-  compressed-tensors float-quantized (FP8_DYNAMIC, FP8_BLOCK): weight float8_e4m3fn [out, in],
-    weight_scale [out, 1] (channel) or [ceil(out/128), ceil(in/128)] (block)
-    w[o, i] = q[o, i] * s[o // 128, i // 128]
+  compressed-tensors float-quantized (FP8_DYNAMIC, FP8_BLOCK, FP8): weight float8_e4m3fn
+    [out, in], weight_scale [out, 1] (channel), [1] (tensor) or [ceil(out/128), ceil(in/128)]
+    (block); w[o, i] = q[o, i] * s[o // 128, i // 128]
+  static activation schemes (FP8, W8A8 static) add input_scale [1] and, asymmetric,
+    input_zero_point int8 [1]: the activations' quantization, not the weight's
   GPTQ (checkpoint_format "gptq", the v1 layout of AutoGPTQ / GPTQModel / AutoRound):
     qweight int32 [in*b/32, out]: input row i in bits [b*(i%(32/b)), +b) of word i//(32/b), q
       unsigned in [0, 2**b)
@@ -95,8 +97,8 @@ def dequant_compressed_tensors(tensors: dict[str, torch.Tensor], prefix: str, we
         if weights["strategy"] == "block":
             s = _blocks(scale, q.shape, weights["block_structure"])
         else:
-            assert weights["strategy"] == "channel", weights["strategy"]
-            s = scale.to(torch.float64).expand(q.shape)
+            assert weights["strategy"] in ("channel", "tensor"), weights["strategy"]
+            s = scale.to(torch.float64).expand(q.shape)  # [out, 1] or [1]
         w = q.to(torch.float64) * s
     else:
         raise ValueError(f"no dequantizer for compressed-tensors format {fmt!r}")

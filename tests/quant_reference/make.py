@@ -10,17 +10,22 @@ caller's cache key}.
 It writes, under OUT_DIR: base/ (the float base, tiny.py), adapters/<name>/ (PEFT's), and per
 scheme <scheme>/ (the quantized checkpoint) and <scheme>.dequantized/ (its float32 twin from
 formats.py); then world.json: {"request", "base", "adapters": {name: dir}, "expected_float",
-"schemes": {scheme: {"dir", "dequantized", "family", "expected", "expected_weight_only",
-"max_weight_error", "seconds"}}, "seconds"}, directories relative to OUT_DIR.
+"schemes": {scheme: {"dir", "dequantized", "family", "activations", "expected", "margins",
+"expected_weight_only", "max_weight_error", "seconds"}}, "seconds"}, directories relative to
+OUT_DIR.
 
-`expected` is the oracle's tokens per request (reference.py), `expected_weight_only` the same
-with compressed-tensors' activation quantization off (equal to `expected` for weight-only
-schemes); `expected_float` is the float base's. Asserted on the way: every adapter changes its
-requests' tokens on the float base; each scheme's weights agree with the tools' own unpacking
-and dequantization and lie near the float weights (dequantize.py); each scheme changes at
-least one request's tokens against the float base, in both of its answers; the float base
-answers the same after all the quantizing; hf-fp8-block answers as fp8-block weight-only, and
-gptq-g32 as awq-g32 (one AutoRound rounding, packed two ways).
+`expected` is the oracle's tokens per request (reference.py: with the activation quantization
+the checkpoint declares), `expected_weight_only` the same with it off (equal to `expected` for
+weight-only schemes), `margins` per expected token [its log-probability lead over the runner-up,
+the runner-up's id], `activations` whether the checkpoint quantizes activations;
+`expected_float` is the float base's. Asserted on the way: every adapter
+changes its requests' tokens on the float base; each scheme's weights agree with the tools' own
+unpacking and dequantization and lie near the float weights (dequantize.py); each scheme
+changes at least one request's tokens against the float base, in both of its answers; a scheme
+that quantizes activations answers differently with them off (the oracle really quantizes
+them); the float base answers the same after all the quantizing; hf-fp8-block answers as
+fp8-block (the same weights, the same activation rule), and gptq-g32 as awq-g32 (one AutoRound
+rounding, packed two ways).
 """
 
 from __future__ import annotations
@@ -60,26 +65,32 @@ def build_scheme(out_dir: str, name: str, base: str, adapters: dict[str, str],
         model = reference.load(scheme.family, ckpt)
         dequantize.check_loaded(model, weights)
     oracle = reference.with_adapters(model, adapters)
-    expected = reference.greedy(oracle, requests, max_tokens)
+    expected, margins = reference.greedy_with_margins(oracle, requests, max_tokens)
     expected_weight_only = expected
-    if quantizes_activations(config):
+    activations = quantizes_activations(config)
+    if activations:
         reference.weight_only(model)
         expected_weight_only = reference.greedy(oracle, requests, max_tokens)
+        assert expected_weight_only != expected, (
+            f"{name}: the oracle's activation quantization changed no request's tokens")
     for label, tokens in (("expected", expected), ("expected_weight_only", expected_weight_only)):
         assert tokens != expected_float, (
             f"{name}: quantizing changed no request's tokens ({label}); lengthen the requests")
     seconds = round(time.perf_counter() - started, 2)
     logger.info("%s: %.1f s, max relative weight error %.4f", name, seconds, error)
     return {"dir": name, "dequantized": name + ".dequantized", "family": scheme.family,
-            "expected": expected, "expected_weight_only": expected_weight_only,
+            "activations": activations, "expected": expected, "margins": margins,
+            "expected_weight_only": expected_weight_only,
             "max_weight_error": round(error, 5), "seconds": seconds}
 
 
 def quantizes_activations(config: dict) -> bool:
-    """Whether transformers' forward quantizes Linear inputs (compressed-tensors
-    input_activations)."""
-    groups = config["quantization_config"].get("config_groups", {})
-    return any(group.get("input_activations") for group in groups.values())
+    """Whether the checkpoint's forward quantizes Linear inputs (compressed-tensors
+    input_activations, Hugging Face fp8's activation_scheme)."""
+    quant = config["quantization_config"]
+    if quant["quant_method"] == "fp8":
+        return quant.get("activation_scheme", "dynamic") == "dynamic"
+    return any(group.get("input_activations") for group in quant.get("config_groups", {}).values())
 
 
 def main(out_dir: str) -> None:
@@ -111,8 +122,9 @@ def main(out_dir: str) -> None:
     assert reference.greedy(float_oracle, requests, max_tokens) == expected_float, (
         "the float base answers differently after quantizing: a tool patched transformers")
     if {"fp8-block", "hf-fp8-block"} <= set(schemes):
-        assert (schemes["hf-fp8-block"]["expected"]
-                == schemes["fp8-block"]["expected_weight_only"]), "one weight set, two answers"
+        for answer in ("expected", "expected_weight_only"):
+            assert schemes["hf-fp8-block"][answer] == schemes["fp8-block"][answer], (
+                f"one weight set, two answers ({answer})")
     if {"gptq-g32", "awq-g32"} <= set(schemes):  # AutoRound's one rounding, packed two ways
         assert schemes["gptq-g32"]["expected"] == schemes["awq-g32"]["expected"], (
             "one weight set, two answers")

@@ -1,8 +1,13 @@
 """Quantized checkpoints of a float base, one writer per tool, and SCHEMES, the names tests use.
 
     compressed-tensors  llm-compressor's oneshot(QuantizationModifier(targets="Linear",
-                        scheme or config_groups, ignore=["lm_head"])), no calibration data,
-                        then save_pretrained(save_compressed=True)
+                        scheme or config_groups, ignore=["lm_head"])), then
+                        save_pretrained(save_compressed=True); no calibration data, except for
+                        static activation scales (FP8, W8A8 static): CALIBRATION's random
+                        token sequences as a datasets.Dataset
+    static, split       fp8-static with k_proj's and up_proj's input_scale times 1.5, as
+                        another calibration could leave them: the slices of one merged
+                        projection then quantize the same x with different scales
     gptq, awq           AutoRound in its round-to-nearest mode (iters=0, disable_opt_rtn) with
                         quantize_and_save(format="auto_gptq" / "auto_awq"): its own packers
                         (auto_round_extension/torch/qlinear_torch_zp.py, auto_round/export/
@@ -31,7 +36,7 @@ from functools import partial
 import torch
 
 EXTRA_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
-CALIBRATION = dict(sequences=8, length=32, seed=3)  # desc_act's activation order
+CALIBRATION = dict(sequences=8, length=32, seed=3)  # desc_act's order, static input scales
 
 
 @dataclass(frozen=True)
@@ -40,9 +45,11 @@ class Scheme:
     write: Callable[[str, str], None] = field(repr=False)  # (float base dir, out dir)
 
 
-def write_llmcompressor(base: str, out: str, preset: str, weights: dict | None = None) -> None:
-    """llm-compressor's data-free oneshot with compressed-tensors' `preset` scheme; `weights`
-    overrides fields of its weights arguments (group_size, strategy) through config_groups."""
+def write_llmcompressor(base: str, out: str, preset: str, weights: dict | None = None,
+                        activations: dict | None = None) -> None:
+    """llm-compressor's oneshot with compressed-tensors' `preset` scheme; `weights` and
+    `activations` override fields of its weights and input_activations arguments (group_size,
+    strategy, dynamic, symmetric) through config_groups. Static activations are calibrated."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
     from llmcompressor import oneshot
@@ -50,16 +57,48 @@ def write_llmcompressor(base: str, out: str, preset: str, weights: dict | None =
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if weights:
-        args = dict(PRESET_SCHEMES[preset])
-        args["weights"] = QuantizationArgs(**{**args["weights"].model_dump(), **weights})
+    args = dict(PRESET_SCHEMES[preset])
+    for key, changes in (("weights", weights), ("input_activations", activations)):
+        if changes:
+            args[key] = QuantizationArgs(**{**args[key].model_dump(), **changes})
+    if weights or activations:
         groups = {"group_0": QuantizationScheme(targets=["Linear"], **args)}
         recipe = QuantizationModifier(config_groups=groups, ignore=["lm_head"])
     else:
         recipe = QuantizationModifier(targets="Linear", scheme=preset, ignore=["lm_head"])
-    oneshot(model=model, processor=None, recipe=recipe)
+    static = args.get("input_activations") is not None and not args["input_activations"].dynamic
+    if static:
+        oneshot(model=model, dataset=_calibration_set(model.config.vocab_size), recipe=recipe,
+                num_calibration_samples=CALIBRATION["sequences"],
+                max_seq_length=CALIBRATION["length"])
+    else:
+        oneshot(model=model, processor=None, recipe=recipe)
     model.save_pretrained(out, save_compressed=True)
     _copy_extras(base, out)
+
+
+def write_split_input_scales(base: str, out: str) -> None:
+    """fp8-static with k_proj's and up_proj's input_scale times 1.5 (module docstring)."""
+    import safetensors.torch
+
+    write_llmcompressor(base, out, "FP8")
+    path = os.path.join(out, "model.safetensors")
+    tensors = safetensors.torch.load_file(path)
+    for name in tensors:
+        if name.endswith(("k_proj.input_scale", "up_proj.input_scale")):
+            tensors[name] = tensors[name] * 1.5
+    safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _calibration_set(vocab: int):
+    """CALIBRATION's random token sequences, as llm-compressor's oneshot takes a dataset."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(CALIBRATION["seed"])
+    ids = torch.randint(0, vocab, (CALIBRATION["sequences"], CALIBRATION["length"]),
+                        generator=g)
+    return Dataset.from_dict({"input_ids": ids.tolist(),
+                              "attention_mask": torch.ones_like(ids).tolist()})
 
 
 def write_autoround(base: str, out: str, fmt: str, group_size: int, sym: bool) -> None:
@@ -148,6 +187,13 @@ SCHEMES: dict[str, Scheme] = {
     "w8a16-asym-g32": Scheme("compressed-tensors", partial(
         write_llmcompressor, preset="W8A16", weights={"symmetric": False, "group_size": 32})),
     "w8a8": Scheme("compressed-tensors", partial(write_llmcompressor, preset="W8A8")),
+    "w8a8-asym": Scheme("compressed-tensors", partial(
+        write_llmcompressor, preset="W8A8", activations={"symmetric": False})),
+    "w8a8-static-asym": Scheme("compressed-tensors", partial(
+        write_llmcompressor, preset="W8A8", activations={
+            "strategy": "tensor", "dynamic": False, "symmetric": False})),
+    "fp8-static": Scheme("compressed-tensors", partial(write_llmcompressor, preset="FP8")),
+    "fp8-static-split": Scheme("compressed-tensors", write_split_input_scales),
     "fp8-dynamic": Scheme("compressed-tensors",
                           partial(write_llmcompressor, preset="FP8_DYNAMIC")),
     "fp8-block": Scheme("compressed-tensors", partial(write_llmcompressor, preset="FP8_BLOCK")),
