@@ -262,10 +262,10 @@ async def test_metrics_take_the_metrics_key_once_one_is_set(server, server_confi
 
 def test_an_unexpected_failure_is_a_logged_500_naming_the_request_id(http, server,
                                                                     monkeypatch, caplog):
-    def broken():
+    def broken(*_):
         raise RuntimeError("simulated bug")
 
-    monkeypatch.setattr(server.services.adapters, "list_models", broken)
+    monkeypatch.setattr(server.services.adapters, "resident_on", broken)  # /v1/models reads it
     r = http.get("/v1/models", headers={"X-Request-Id": "req-500"})
     error = assert_openai_error(r, 500, "internal_error")
     assert "req-500" in error["message"] and error["type"] == "server_error"
