@@ -93,7 +93,11 @@ def json_calls(value: object, require_arguments: bool) -> list[RawCall] | None:
 
 
 @dataclass(frozen=True, slots=True)
-class HermesSyntax:
+class TaggedSyntax:
+    """Calls each in <tool_call>...</tool_call>, the body read by `parse` (Hermes' JSON object,
+    Qwen3-Coder's <function=...> block)."""
+
+    parse: Callable[[str], list[RawCall] | None]
     markers: tuple[str, ...] = ("<tool_call>",)
     close: str = "</tool_call>"
     reads: tuple[str, ...] = ("<tool_call>", "</tool_call>")
@@ -102,12 +106,12 @@ class HermesSyntax:
         return marker_start(text, self.markers)
 
     def read(self, text: str, at: int, final: bool) -> Read:
-        return read_tagged(text, at + len(self.markers[0]), self.close, final, self._calls)
+        return read_tagged(text, at + len(self.markers[0]), self.close, final, self.parse)
 
-    @staticmethod
-    def _calls(body: str) -> list[RawCall] | None:
-        call = json_call(load_json(body), False)
-        return [call] if call else None
+
+def hermes_body(body: str) -> list[RawCall] | None:
+    call = json_call(load_json(body), False)
+    return [call] if call else None
 
 
 # A bare call's first key; after a call, ";" and the next one.
@@ -201,7 +205,7 @@ class Phi4MiniSyntax:
 
 
 def hermes(tools: tuple[ToolSpec, ...] = ()) -> SyntaxToolParser:
-    return SyntaxToolParser("hermes", HermesSyntax(), True, openai_call_id)
+    return SyntaxToolParser("hermes", TaggedSyntax(hermes_body), True, openai_call_id)
 
 
 def llama3_json(tools: tuple[ToolSpec, ...] = ()) -> SyntaxToolParser:

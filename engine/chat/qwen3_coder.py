@@ -25,15 +25,15 @@ several <function=...> blocks. A block without a <function=NAME>...</function> i
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import regex
 
-from loragw.engine.chat.call_stream import RawCall, Read, Start, SyntaxToolParser
-from loragw.engine.chat.json_calls import load_json, marker_start, read_tagged
+from loragw.engine.chat.call_stream import RawCall, SyntaxToolParser
+from loragw.engine.chat.json_calls import TaggedSyntax, load_json
 from loragw.engine.chat.tool_calls import ToolSpec, openai_call_id, tools_by_name
 
 FUNCTION = regex.compile(r"<function=([A-Za-z0-9_.\-]+)>(.*?)</function>", regex.DOTALL)
@@ -111,22 +111,7 @@ def function_calls(body: str, tools: Mapping[str, ToolSpec]) -> list[RawCall] | 
     return calls if calls and not body[last:].strip() else None
 
 
-@dataclass(frozen=True, slots=True)
-class Qwen3CoderSyntax:
-    tools: Mapping[str, ToolSpec] = field(default_factory=dict)
-    markers: tuple[str, ...] = ("<tool_call>",)
-    close: str = "</tool_call>"
-    reads: tuple[str, ...] = ("<tool_call>", "</tool_call>")
-
-    def find_start(self, text: str, at_output_start: bool, after_call: bool) -> Start | None:
-        return marker_start(text, self.markers)
-
-    def read(self, text: str, at: int, final: bool) -> Read:
-        return read_tagged(text, at + len(self.markers[0]), self.close, final,
-                           lambda body: function_calls(body, self.tools))
-
-
 def qwen3_coder(tools: tuple[ToolSpec, ...] = ()) -> SyntaxToolParser:
     """`tools` give the parameters' types; without them every value stays text."""
-    return SyntaxToolParser("qwen3_coder", Qwen3CoderSyntax(tools_by_name(tools)), True,
-                            openai_call_id)
+    syntax = TaggedSyntax(functools.partial(function_calls, tools=tools_by_name(tools)))
+    return SyntaxToolParser("qwen3_coder", syntax, True, openai_call_id)
