@@ -27,6 +27,7 @@ of one token per PROBE_EVERY steps.
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 
 DECAY = 0.85  # per verification: a request's acceptance follows what it writes now
@@ -60,6 +61,7 @@ class StepCosts:
 
     seconds: dict[int, float] = field(default_factory=dict)
     counts: list[int] = field(default_factory=list)  # the measured token counts, sorted
+    floors: list[float] = field(default_factory=list)  # per count: the largest time up to it
     proposal: float = 0.0  # seconds per drafted position of a proposal (a draft model's step)
 
     def observe(self, tokens: int, seconds: float) -> None:
@@ -69,6 +71,8 @@ class StepCosts:
             self.seconds[tokens] = seconds
         else:
             self.seconds[tokens] = COST_DECAY * old + (1 - COST_DECAY) * seconds
+        # once per step here, so cost() (many calls per step) reads them in O(1)
+        self.floors = list(itertools.accumulate((self.seconds[c] for c in self.counts), max))
 
     def observe_proposal(self, positions: int, seconds: float) -> None:
         if positions > 0:
@@ -96,7 +100,7 @@ class StepCosts:
 
     def _floor(self, i: int) -> float:
         """The measured time at counts[i], raised to the largest measured below it."""
-        return max(self.seconds[c] for c in self.counts[:i + 1])
+        return self.floors[i]
 
     def _unit(self) -> float:
         """A one-token step's time as the smallest measured step suggests it."""
