@@ -33,7 +33,7 @@ def bearer(key: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def tserver(model_dir, tmp_path_factory):
     config = ServerConfig(model=model_dir, served_model_name="demo-base", device="cpu",
-                          max_model_len=256, max_num_seqs=8, max_loras=4, admin_key=OP,
+                          max_model_len=2048, max_num_seqs=8, max_loras=4, admin_key=OP,
                           api_key=USER, adapter_dir=str(tmp_path_factory.mktemp("t-store")))
     app = create_app(config)
     with BackgroundServer(app) as background:
@@ -198,7 +198,8 @@ def test_tpm_reserves_prompt_and_max_tokens(call):
 
 async def test_a_stream_holds_its_slot_until_its_client_goes(call, tserver):
     key = mint(call, "acme", "member", max_concurrency=1)["key"]
-    body = {**BODY, "model": "shared", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    # Long enough that no loaded machine finishes it before the second request is admitted.
+    body = {**BODY, "model": "shared", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     async with httpx.AsyncClient(base_url=tserver.url, timeout=60, headers=bearer(key)) as c:
         async with c.stream("POST", "/v1/completions", json=body) as stream:
             assert stream.status_code == 200
