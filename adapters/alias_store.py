@@ -158,14 +158,15 @@ class AliasBook:
                                      f"answer ({exc}); retry when it is back") from None
 
     def resolve(self, model: str, user: str | None,
-                may_use: Callable[[str, str], bool] = lambda name, owner: True,
+                usable: Callable[[Alias], bool] = lambda alias: True,
                 rng: random.Random | None = None, chosen: str | None = None) -> str:
         """The target a request for `model` goes to, if `model` is an alias the caller may
-        use (`may_use(name, owner)`); else `model` itself (an alias the caller may not use is
-        answered as a name that does not exist). `chosen`: the target the replica that
-        forwarded the request drew, kept while it is still one of the alias's live targets."""
+        use (`usable(alias)`, gateway/residency/aliases.py); else `model` itself (an alias
+        the caller may not use is answered as a name that does not exist). `chosen`: the
+        target the replica that forwarded the request drew, kept while it is still one of
+        the alias's live targets."""
         alias = self._aliases.get(model)
-        if alias is None or not may_use(alias.alias, alias.owner):
+        if alias is None or not usable(alias):
             return model
         if chosen is not None and any(t.adapter == chosen and t.weight > 0
                                       for t in alias.targets):

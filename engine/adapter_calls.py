@@ -9,14 +9,16 @@ from loragw.engine.spec.ngram import NO_DRAFT_MODEL
 
 
 class AdapterCalls:
-    def add_adapter(self, name: str, path: str | None, adapter: LoraAdapter | None = None) -> int:
+    def add_adapter(self, name: str, path: str | None, adapter: LoraAdapter | None = None,
+                    catalog_version: int | None = None) -> int:
         """Register or replace an adapter (`adapter`, parsed and validated where its bytes were
         read, else read from the PEFT directory `path`, its disk copy too; None: in memory only);
-        returns its version. A bad adapter raises AdapterError, changing nothing."""
+        returns its engine version. `catalog_version`: the fleet's number for it, the one logs
+        name. A bad adapter raises AdapterError, changing nothing."""
         if adapter is None:
             adapter = read_adapter(path, self.lora.spec)
         busy = {r.seq.adapter for r in self.requests.values() if r.seq.adapter}
-        return self.lora.add(name, adapter, path=path, busy=busy)
+        return self.lora.add(name, adapter, path=path, busy=busy, catalog_version=catalog_version)
 
     def add_draft_adapter(self, name: str, path: str) -> None:
         """Register (or replace) the draft-model LoRA that drafts for adapter `name`'s rows

@@ -66,14 +66,19 @@ class SpeculativeConfig:
 KEYS = tuple(f.name for f in fields(SpeculativeConfig))
 
 
+EMPTY = ("speculative_config is empty; leave the flag out to serve without speculation, or "
+         'give {"method": ..., "num_speculative_tokens": ...}')
+
+
 def parse_speculative_config(value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
-    """The flag's JSON text, or a dict (`LLM(speculative_config={...})`), checked; None for
-    off (None, "" or {})."""
+    """The flag's JSON text, or a dict (`LLM(speculative_config={...})`), checked; None (the
+    flag left out) for off. An empty one ("", {}) is refused rather than read as off: it is
+    most often a config template's unset variable, and silence would hide that."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
     if isinstance(value, str):
         if not value.strip():
-            return None
+            raise ValueError(EMPTY)
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
@@ -81,7 +86,7 @@ def parse_speculative_config(value: str | dict | SpeculativeConfig | None) -> Sp
     if not isinstance(value, dict):
         raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
     if not value:
-        return None
+        raise ValueError(EMPTY)
     unknown = sorted(set(value) - set(KEYS))
     if unknown:
         raise ValueError(f"speculative_config has unknown keys {unknown}; known: "

@@ -216,12 +216,15 @@ class EngineClient:
         await self._call("probe")
 
     async def add_adapter(self, name: str, path: str | None,
-                          adapter: LoraAdapter | None = None) -> int:
+                          adapter: LoraAdapter | None = None,
+                          catalog_version: int | None = None) -> int:
         """Register or replace `name`: `adapter`, parsed and validated already where its bytes
         were read, or else read and parsed from `path` (its disk copy, also where the engine
-        re-reads it after a host eviction) on the engine's loader thread. Its version."""
-        return await self._request(lambda call: AddAdapter(call, name, path, adapter),
-                                   off_loop=adapter is not None)
+        re-reads it after a host eviction) on the engine's loader thread. Its engine version;
+        `catalog_version` is the fleet's, the number the engine's logs give it."""
+        return await self._request(
+            lambda call: AddAdapter(call, name, path, adapter, catalog_version),
+            off_loop=adapter is not None)
 
     async def to_device(self, name: str) -> str:
         """Into a device slot now if one can be had; "device" or "host"."""

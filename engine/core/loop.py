@@ -102,8 +102,8 @@ class EngineLoop:
             future.add_done_callback(lambda f: self.inbox.put_local(Parsed(message, f)))
         elif isinstance(message, Parsed):
             m = message.message
-            self.reply(m.call, lambda: self.engine.add_adapter(m.name, m.path,
-                                                               message.future.result()))
+            self.reply(m.call, lambda: self.engine.add_adapter(
+                m.name, m.path, message.future.result(), m.catalog_version))
         elif isinstance(message, Call):
             method = self.calls.get(message.method)
             if method is None:

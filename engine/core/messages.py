@@ -43,6 +43,7 @@ class AddAdapter(msgspec.Struct, tag=True):
     name: str
     path: str | None
     adapter: Any = None
+    catalog_version: int | None = None  # what logs name it (the engine counts its own)
 
 
 class Call(msgspec.Struct, tag=True):

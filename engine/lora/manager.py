@@ -54,10 +54,10 @@ class LoRAManager:
 
     # ---- registry and host tier -----------------------------------------------------------
     def add(self, name: str, adapter: LoraAdapter, path: str | None = None,
-            busy: set[str] = frozenset()) -> int:
-        """Register or replace `name` with `adapter`, validated already (`path`, if given, is
-        its disk copy for re-reading after a host eviction); returns its version. `busy`:
-        adapters with queued requests, kept in host memory if at all possible."""
+            busy: set[str] = frozenset(), catalog_version: int | None = None) -> int:
+        """Register or replace `name` with `adapter`, validated already (`path`: its disk copy,
+        re-read after a host eviction); its engine version (`catalog_version`: the fleet's, what
+        logs name). `busy`: adapters with queued requests, kept in host memory if possible."""
         if adapter.saved_modules and not self.pool.full.capacity:
             raise full_modules_off(tuple(adapter.saved_modules))
         adapter = host_copy(adapter, self.device)
@@ -69,7 +69,8 @@ class LoRAManager:
             self._retire(name)
         self.adapters[name] = RegisteredAdapter(
             self._versions, path, adapter, adapter.num_bytes, adapter.max_rank,
-            tuple(adapter.saved_modules), pinned=previous.pinned if previous else False)
+            tuple(adapter.saved_modules), pinned=previous.pinned if previous else False,
+            label="" if catalog_version is None else f" (v{catalog_version})")
         self._trim_host(keep={name} | set(busy))
         return self._versions
 
@@ -278,7 +279,7 @@ class LoRAManager:
             self.pool.fill(index, adapter)
         self.slots[index] = Slot(adapter=name, version=entry.version, last_used=time.monotonic())
         self.stats.device_loads += 1
-        logger.info("adapter %s (v%d) loaded into slot %d", name, entry.version, index)
+        logger.info("adapter %s%s loaded into slot %d", name, entry.label, index)
 
     def _clear(self, index: int) -> None:
         assert self.slots[index].ref_count == 0, "clearing a slot that a sequence still uses"

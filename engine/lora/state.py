@@ -25,7 +25,7 @@ class Slot:
 
 @dataclass(slots=True)
 class RegisteredAdapter:
-    version: int
+    version: int  # the engine's own count of registrations: prefix-cache keys, slot identity
     path: str | None  # the disk tier; None for adapters handed over only in memory
     host: LoraAdapter | None  # the host tier; None once evicted from host memory
     num_bytes: int
@@ -33,6 +33,7 @@ class RegisteredAdapter:
     saved_modules: tuple[str, ...] = ()  # modules_to_save targets: needs a full-module slot
     pinned: bool = False
     last_used: float = field(default_factory=time.monotonic)
+    label: str = ""  # what logs call it: " (v3)", the catalog's version, where one was given
 
 
 # Buckets of the seconds a load into a tier takes (the gateway's load-seconds histogram too).

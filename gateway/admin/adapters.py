@@ -33,6 +33,7 @@ from loragw.gateway.http.error_handlers import error_responses
 from loragw.gateway.http.openapi_docs import MultipartUpload
 from loragw.gateway.http.strict_body import strict_body
 from loragw.gateway.http.upload_body import UploadBody
+from loragw.gateway.residency import aliases
 from loragw.gateway.residency.drafts import check_draft_source
 from loragw.gateway.residency.info import AdapterInfo
 from loragw.gateway.residency.manager import AdapterManager
@@ -182,23 +183,26 @@ class AdminController(Controller):
         await audited(audit, caller, f"adapter.{DONE[verb]}", info)
         return info
 
-    @delete("/{adapter_id:path}", status_code=200,
-            responses=error_responses(400, 401, 403, 404, 503))
+    @delete("/{adapter_id:path}", status_code=200, responses=error_responses(
+        400, 401, 403, 404, 409, 503, e409="an alias points at it (?force=true deletes it "
+        "anyway, leaving the alias dangling)"))
     async def delete_adapter(self, request: Request, adapter_id: str, adapters: AdapterManager,
-                             audit: AuditLog, capacity: Capacity) -> Deleted:
+                             audit: AuditLog, capacity: Capacity, force: bool = False) -> Deleted:
         return Deleted(await remove(adapters, audit, capacity, principal(request),
-                                    adapter_id.strip("/")))
+                                    adapter_id.strip("/"), force=force))
 
 
 async def remove(adapters: AdapterManager, audit: AuditLog, capacity: Capacity,
-                 caller: Principal, raw: str, lenient: bool = False) -> str:
+                 caller: Principal, raw: str, lenient: bool = False, force: bool = False) -> str:
     """Delete an adapter the caller may change, first ending its requests in flight (their
-    clients get finish_reason "abort"); audited. `lenient` (vLLM's unload): an invalid name
-    is just one that is not loaded (404), as vLLM answers."""
+    clients get finish_reason "abort"); audited. 409 while an alias points at it, unless
+    `force`. `lenient` (vLLM's unload): an invalid name is just one that is not loaded (404),
+    as vLLM answers."""
     if lenient and not valid_adapter_id(raw):
         raise not_registered(raw)
     adapter_id = await check_change(adapters.catalog, caller, raw)
     info = await adapters.get(adapter_id)  # 404 if it is not registered
+    await aliases.targeting(adapters, adapter_id, caller, force)
     capacity.abort(adapter_id)
     await adapters.delete(adapter_id)
     await audited(audit, caller, "adapter.deleted", info)

@@ -87,6 +87,7 @@ from loragw.gateway.openai.prompts import (
 )
 from loragw.gateway.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from loragw.gateway.openai.streaming import collect, stream_sse
+from loragw.gateway.residency import aliases
 from loragw.gateway.residency.info import chat_of
 from loragw.gateway.residency.manager import AdapterManager
 from loragw.gateway.residency.versions import VERSION_HEADER, header_value
@@ -203,9 +204,8 @@ async def admit(request: Request, data: SamplingRequest, admission: Admission, k
     state, caller = request.scope["state"], principal(request)
     state["model"] = data.model
     # an alias: one target, drawn once (a forward carries the draw to the replica serving it)
-    target = adapters.aliases.resolve(data.model, data.user, caller.may_use,
-                                              chosen=request.headers.get(ALIAS_TARGET_HEADER))
-    location = await adapters.locate(target, caller)
+    target, location = await aliases.locate_model(adapters, caller, data.model, data.user,
+                                                  request.headers.get(ALIAS_TARGET_HEADER))
     if span is not None:
         span.set_attributes(admission.tracing.located(location, adapters.records))
     forwarded = await admission.router.route(

@@ -25,6 +25,7 @@ from loragw.gateway.openai.admission import AdmissionDep
 from loragw.gateway.openai.prompt_bounds import ContextBound, encode_bounded
 from loragw.gateway.openai.prompts import chat_prompt, off_loop_if_large
 from loragw.gateway.openai.protocol import ChatCompletionRequest, ChatMessage, TokenId
+from loragw.gateway.residency import aliases
 from loragw.gateway.residency.manager import AdapterManager
 from loragw.gateway.tenants.keys import Principal
 
@@ -140,7 +141,7 @@ class UtilityController(Controller):
 
 async def _locate(adapters: AdapterManager, model: str, caller: Principal) -> Location:
     """Where `model` is served; 404 if no such model (or one the caller may not use)."""
-    return await adapters.locate(adapters.aliases.resolve(model, None, caller.may_use), caller)
+    return (await aliases.locate_model(adapters, caller, model))[1]
 
 
 def _tokenizer(served: ServedModel):

@@ -1,8 +1,14 @@
 """The admin verbs on aliases (adapters/aliases.py): read, list, put and delete, each judged by
 the tenant rules of DESIGN.md "Tenants" as adapters are:
 
-    see       an alias a key may use (`Principal.may_use(alias, owner)`); any other is the
-              unknown alias's 404, on the admin routes and on /v1 alike
+    see       an alias a key may use (`Principal.may_use(alias, owner)`) whose every target it
+              may use too (`usable`); any other is the unknown alias's 404, on the admin
+              routes and on /v1 alike, so neither the alias nor what it points at leaks. A
+              target the catalog does not list (deleted with ?force=true) is seen by the
+              alias's tenant and the operator only; one fetched on demand (--hub-allow,
+              --s3-allow) by anyone, as /v1 serves it
+    serve     `locate_model`: the target drawn once, located; a 404 on the way names the alias
+              the client sent, never its target
     put       the operator: any name (owner "" = shared, or the tenant it names); a tenant
               admin: only `TENANT/...` names its globs match (403 otherwise, judged by the name
               alone before anything is read), never an alias the operator shares there
@@ -29,7 +35,9 @@ from loragw.adapters.aliases import (
 )
 from loragw.adapters.errors import AdapterError
 from loragw.gateway.common.errors import APIError
+from loragw.gateway.common.records import Location
 from loragw.gateway.residency.manager import AdapterManager
+from loragw.gateway.residency.names import on_demand
 from loragw.gateway.tenants.access import forbidden
 from loragw.gateway.tenants.keys import Principal, valid_tenant
 
@@ -40,19 +48,68 @@ def alias_not_found(name: str) -> APIError:
                          "aliases this key may use", code="alias_not_found")
 
 
+def usable(manager: AdapterManager, caller: Principal, alias: Alias) -> bool:
+    """May `caller` see and use `alias`: the alias itself and each of its targets, judged by
+    the catalog as this replica holds it (no I/O: the request path calls it)."""
+    if not caller.may_use(alias.alias, alias.owner):
+        return False
+    for target in alias.targets:
+        adapter_id, source = on_demand(target_id(target.adapter), manager.hub_allow,
+                                       manager.s3_allow)
+        record = manager.records.get(adapter_id)
+        if record is not None:
+            if not caller.may_use(adapter_id, record.entry.owner):
+                return False
+        elif source is None and not (caller.operator or caller.tenant == alias.owner):
+            return False  # dangling: its name is the alias tenant's business only
+    return True
+
+
+async def locate_model(manager: AdapterManager, caller: Principal, model: str,
+                       user: str | None = None, chosen: str | None = None) -> tuple[str, Location]:
+    """(the name served, where): `model`, or the target of the alias `model` names, drawn
+    once (`chosen`: a forwarding replica's draw). A 404 names `model` as the client sent it."""
+    target = manager.aliases.resolve(model, user, lambda a: usable(manager, caller, a),
+                                     chosen=chosen)
+    try:
+        return target, await manager.locate(target, caller)
+    except (APIError, AdapterError) as exc:
+        if target == model or getattr(exc, "status", None) != 404:
+            raise
+        raise APIError.model_not_found(model) from None
+
+
 async def visible(manager: AdapterManager, caller: Principal, name: str) -> Alias:
     """The alias `name`, if the caller may use it; else the unknown alias's 404 (an invalid
     name too: it names no alias)."""
     await manager.aliases.sync()
     alias = manager.aliases.get(name)
-    if alias is None or not caller.may_use(alias.alias, alias.owner):
+    if alias is None or not usable(manager, caller, alias):
         raise alias_not_found(name)
     return alias
 
 
 async def listed(manager: AdapterManager, caller: Principal) -> list[Alias]:
     await manager.aliases.sync()
-    return [a for a in manager.aliases.all() if caller.may_use(a.alias, a.owner)]
+    return [a for a in manager.aliases.all() if usable(manager, caller, a)]
+
+
+async def targeting(manager: AdapterManager, adapter_id: str, caller: Principal,
+                    force: bool) -> None:
+    """Before deleting `adapter_id`: 409 naming the aliases that point at it (those the
+    caller may see; the others counted), unless `force`."""
+    await manager.aliases.sync()
+    found = [a for a in manager.aliases.all()
+             if any(target_id(t.adapter) == adapter_id for t in a.targets)]
+    if not found or force:
+        return
+    named = [a.alias for a in found if usable(manager, caller, a)]
+    hidden = len(found) - len(named)
+    listed_names = ", ".join(repr(n) for n in named[:8]) + (" ..." if len(named) > 8 else "")
+    others = f"{' and ' if named else ''}{hidden} alias(es) this key cannot see" if hidden else ""
+    raise AliasConflict(f"adapter {adapter_id!r} is a target of {listed_names}{others}; "
+                        "point them elsewhere (PUT /admin/aliases/NAME) first, or delete with "
+                        "?force=true to leave them dangling (their requests then get 404)")
 
 
 async def put(manager: AdapterManager, caller: Principal, name: str,

@@ -115,7 +115,7 @@ class AdapterTiers:
         stored = await asyncio.to_thread(self.store.put, adapter_id, config_raw, weights_raw,
                                          meta, True, digests)
         started = time.perf_counter()
-        await self.engine.add_adapter(adapter_id, stored.path, adapter)
+        await self.engine.add_adapter(adapter_id, stored.path, adapter, meta.version)
         self._observe("host", started, adapter_id, meta.version)
         return stored
 
@@ -146,7 +146,8 @@ class AdapterTiers:
                 record.stored = await self.mirror(record.entry)
             else:  # read and parsed by the engine, off its step loop (its loader thread)
                 started = time.perf_counter()
-                await self.engine.add_adapter(adapter_id, record.stored.path)
+                await self.engine.add_adapter(adapter_id, record.stored.path,
+                                              catalog_version=record.entry.version)
                 self._observe("host", started, adapter_id, record.entry.version)
                 if record.stored.draft_source:
                     await self._attach_draft(adapter_id, record.stored.draft_source)

@@ -144,7 +144,8 @@ class PinnedVersions:
                 fetch_bytes, entry, self.object_store, hub_endpoint=self.tiers.hub_endpoint,
                 hub_cache_dir=self.tiers.hub_cache_dir)
             stored = await asyncio.to_thread(kept.put, _stored(entry), config_raw, weights_raw)
-        await self.engine.add_adapter(name, stored.path)  # read and validated by the engine
+        # read and validated by the engine
+        await self.engine.add_adapter(name, stored.path, catalog_version=entry.version)
         self.in_engine.add(name)
         logger.info("adapter %s v%d serving pinned requests as %s", entry.adapter_id,
                     entry.version, name)

@@ -8,7 +8,7 @@ client's Response model requires `tools`, `tool_choice` and `parallel_tool_calls
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from msgspec import Meta, Struct
 
@@ -16,9 +16,20 @@ from loragw.gateway.openai.protocol import PositiveInt
 
 
 # ---- the request ---------------------------------------------------------------------------
-class ResponsesRequest(Struct, kw_only=True):
+class Reasoning(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """`effort` "none" turns a thinking model's reasoning off (its template's enable_thinking);
+    any other effort is passed to the template as `reasoning_effort`. Reasoning comes back as
+    reasoning_text items, so the only summary there is to ask for is "auto" (none made)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: Literal["auto"] | None = None
+    generate_summary: Literal["auto"] | None = None  # the older spelling of `summary`
+
+
+class ResponsesRequest(Struct, kw_only=True, forbid_unknown_fields=True):
     """Stateless (store: false): nothing is stored, so `previous_response_id` and
-    `conversation` are refused; the whole conversation comes in `input`."""
+    `conversation` are refused; the whole conversation comes in `input`. A field this server
+    does not know (Chat's `n`, say) is a 400 naming it, as OpenAI answers, never ignored."""
 
     model: str
     # a string (one user message) or a list of items: messages ({role, content}, content a
@@ -38,10 +49,10 @@ class ResponsesRequest(Struct, kw_only=True):
     conversation: str | dict[str, Any] | None = None  # refused: needs stored conversations
     background: bool | None = None  # only false
     top_logprobs: Annotated[int, Meta(ge=0)] | None = None  # only 0
-    include: list[str] | None = None  # accepted, ignored: there is nothing extra to include
+    include: list[str] | None = None  # only []: each extra output named is refused (400)
     metadata: dict[str, str] | None = None  # echoed
-    reasoning: dict[str, Any] | None = None  # echoed; these models do not reason
-    truncation: str | None = None  # echoed
+    reasoning: Reasoning | None = None
+    truncation: Literal["disabled", "auto"] | None = None  # only "disabled": a prompt too long is a 400
     user: str | None = None
     # what admission.serve reads of every request: one choice, no usage chunk
     n: ClassVar[int] = 1
@@ -127,7 +138,7 @@ class ResponseObject(Struct, kw_only=True, omit_defaults=True, tag_field="object
     max_output_tokens: int | None
     parallel_tool_calls: bool
     previous_response_id: str | None
-    reasoning: dict[str, Any] | None
+    reasoning: Reasoning | None
     store: bool
     temperature: float
     top_p: float

@@ -30,7 +30,7 @@ from loragw.gateway.openai.prompts import chat_prompt, off_loop_if_large
 from loragw.gateway.openai.protocol import ChatCompletionRequest, ChatMessage, ResponseFormat
 from loragw.gateway.responses import protocol as rp
 from loragw.gateway.responses.format import ResponsesFormat
-from loragw.gateway.responses.protocol import ResponseObject, ResponsesRequest
+from loragw.gateway.responses.protocol import Reasoning, ResponseObject, ResponsesRequest
 
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")  # output_text: an earlier answer sent back
@@ -52,6 +52,11 @@ def chat_request(data: ResponsesRequest) -> ChatCompletionRequest:
         raise APIError.not_supported("background responses", "background")
     if data.top_logprobs:
         raise APIError.not_supported("logprobs on /v1/responses", "top_logprobs")
+    if data.include:
+        raise APIError.not_supported(f"include {data.include[:8]!r}", "include")
+    if data.truncation == "auto":
+        raise APIError.not_supported('truncation "auto" (dropping input to fit the context '
+                                     'window)', "truncation")
     system = [ChatMessage(role="system", content=data.instructions)] if data.instructions else []
     return ChatCompletionRequest(
         model=data.model, messages=system + input_messages(data.input),
@@ -59,7 +64,17 @@ def chat_request(data: ResponsesRequest) -> ChatCompletionRequest:
         stream=data.stream, user=data.user, response_format=response_format(data.text),
         tools=[chat_tool(t, i) for i, t in enumerate(data.tools or [])] or None,
         tool_choice=chat_tool_choice(data.tool_choice),
-        parallel_tool_calls=data.parallel_tool_calls)
+        parallel_tool_calls=data.parallel_tool_calls,
+        chat_template_kwargs=template_kwargs(data.reasoning))
+
+
+def template_kwargs(reasoning: Reasoning | None) -> dict[str, Any] | None:
+    """What `reasoning.effort` asks of the chat template: none, no thinking."""
+    if reasoning is None or reasoning.effort is None:
+        return None
+    if reasoning.effort == "none":
+        return {"enable_thinking": False}
+    return {"reasoning_effort": reasoning.effort}
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:

@@ -26,7 +26,7 @@ import httpx
 import openai
 import pytest
 from chat_families import CALL_ARGUMENTS, FAMILIES, WEATHER_TOOL, conversation
-from chat_replies import Reply, ask, assert_answers
+from chat_replies import MAX_TOKENS, Reply, ask, assert_answers
 from family_models import (
     ANSWER,
     PROMPTS,
@@ -129,6 +129,24 @@ def test_qwen3_without_thinking_has_no_reasoning(served, stream):
     reply = served.chat("quiet", stream=stream)
     assert_answers(reply, served.model.answers["quiet"], served.name)
     assert reply.content == ANSWER
+
+
+@only("qwen3")
+def test_responses_reasoning_effort_none_turns_the_thinking_off(served):
+    """/v1/responses: the thinking comes back as a reasoning item; `reasoning.effort` "none"
+    renders the template without it (enable_thinking false), as chat's "quiet" prompt does."""
+    question = PROMPTS["plain"].messages[0]["content"]
+    thinking = served.client.responses.create(model=served.name, input=question, temperature=0,
+                                              max_output_tokens=MAX_TOKENS)
+    kinds = [item.type for item in thinking.output]
+    assert kinds == ["reasoning", "message"], kinds
+    assert thinking.output[0].content[0].text.strip() == THOUGHT
+    assert thinking.output_text.strip() == ANSWER
+    quiet = served.client.responses.create(model=served.name, input=question, temperature=0,
+                                           max_output_tokens=MAX_TOKENS,
+                                           reasoning={"effort": "none"})
+    assert [item.type for item in quiet.output] == ["message"]
+    assert quiet.output_text == ANSWER and quiet.reasoning.effort == "none"
 
 
 @only("deepseek_r1_distill_qwen")

@@ -44,6 +44,9 @@ def test_lookup_takes_the_latest_longest_match():
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown keys"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
     ("{not json", "not valid JSON"),
+    ("", "empty; leave the flag out"),  # an unset template variable, never a silent "off"
+    ("  ", "empty"),
+    ({}, "empty"),
 ])
 def test_bad_configs_are_refused_naming_the_problem(bad, problem):
     with pytest.raises(ValueError, match=problem):

@@ -241,6 +241,51 @@ def test_tenant_namespaces(call, keys):
     assert call(OP).delete("/admin/aliases/acme/shared").status_code == 200
 
 
+def test_an_alias_keeps_its_targets_secret(call, keys, adapter_dirs):
+    """An operator alias aimed at a tenant's adapter is, to every other key, a name that does
+    not exist: no 404 naming the target, no listing, no GET of its targets."""
+    acme, globex = keys["acme"], keys["globex"]
+    assert call(OP).put("/admin/aliases/peek", json=targets(**{"acme/bot": 1})).status_code \
+        == 200
+    for key in (globex, USER.replace("user", "nobody")):
+        r = call(key).post("/v1/completions", json={"model": "peek", "prompt": PROMPT})
+        assert r.status_code in (401, 404) and "acme" not in r.text, r.text
+    r = call(globex).post("/v1/completions", json={"model": "peek", "prompt": PROMPT})
+    assert r.status_code == 404 and "'peek'" in r.json()["error"]["message"], r.text
+    assert call(globex).get("/admin/aliases/peek").status_code == 404
+    assert "peek" not in {a["alias"] for a in call(globex).get("/admin/aliases").json()["data"]}
+    assert call(acme).get("/admin/aliases/peek").json()["targets"][0]["adapter"] == "acme/bot"
+    assert text(call(keys["member"]), "peek") == text(call(acme), "acme/bot")
+
+    # deleting a target: 409 naming the aliases on it, unless ?force=true
+    config, weights = read_files(adapter_dirs["lora-2"])
+    r = call(acme).post("/admin/adapters", data={"adapter_id": "acme/gone"},
+                        files={"adapter_config": ("adapter_config.json", config),
+                               "adapter_model": ("adapter_model.safetensors", weights)})
+    assert r.status_code == 201, r.text
+    assert call(acme).put("/admin/aliases/acme/soon", json=targets(**{"acme/gone": 1})) \
+        .status_code == 200
+    refused = call(acme).delete("/admin/adapters/acme/gone")
+    assert refused.status_code == 409, refused.text
+    assert "'acme/soon'" in refused.json()["error"]["message"]
+    assert call(acme).get("/admin/adapters/acme/gone").status_code == 200  # nothing changed
+    assert call(acme).delete("/admin/adapters/acme/gone?force=true").status_code == 200
+    # the dangling alias answers with the name the client sent, not its target
+    r = call(keys["member"]).post("/v1/completions", json={"model": "acme/soon",
+                                                           "prompt": PROMPT})
+    assert r.status_code == 404, r.text
+    assert "acme/soon" in r.json()["error"]["message"] and "gone" not in r.text
+    assert call(acme).delete("/admin/aliases/acme/soon").status_code == 200
+    # an alias another tenant cannot see is counted, not named, in the 409
+    assert call(OP).put("/admin/aliases/globex/spy", json={**targets(**{"acme/bot": 1}),
+                                                           "owner": "globex"}).status_code == 200
+    refused = call(acme).delete("/admin/adapters/acme/bot")
+    assert refused.status_code == 409 and "spy" not in refused.text, refused.text
+    assert "cannot see" in refused.json()["error"]["message"]
+    for name in ("peek", "globex/spy"):
+        assert call(OP).delete(f"/admin/aliases/{name}").status_code == 200
+
+
 def test_requests_through_an_alias_flip_and_stick(call):
     direct = {name: text(call(USER), name) for name in ("lora-0", "lora-1")}
     assert direct["lora-0"] != direct["lora-1"], "the test needs targets that answer apart"

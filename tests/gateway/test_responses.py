@@ -202,6 +202,11 @@ def test_the_wire_validates_against_the_sdks_own_models(http, extra):
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "schema"),
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, 400, "nope"),
     ({"model": "no-such-model"}, 404, "no-such-model"),
+    ({"n": 2}, 400, "`n`"),  # Chat's, not the Responses API's: named, never ignored
+    ({"include": ["reasoning.encrypted_content"]}, 400, "include"),
+    ({"truncation": "auto"}, 400, "truncation"),
+    ({"reasoning": {"summary": "detailed"}}, 400, "summary"),
+    ({"reasoning": {"effort": "max"}}, 400, "effort"),
 ])
 def test_what_cannot_be_served_is_an_openai_error(http, body, status, says):
     r = http.post("/v1/responses", json={"model": BASE, "input": "hi", **GREEDY, **body})

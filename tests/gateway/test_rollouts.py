@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 
 import pytest
 from fleet_harness import load_fixture_module, running_fleet
@@ -163,6 +164,11 @@ def test_an_earlier_version_stays_servable_everywhere(fleet, versions, expected)
     response = complete(fleet, "r2", "bot@1", marker=None)
     assert response.status_code == 200 and response.headers[VERSION] == "bot@1"
     assert response.json()["model"] == "bot@1"  # what the client sent
+    # the logs number versions as the catalog does, however often a replica loaded them
+    for rid in ("r1", "r2"):
+        log = (fleet.workdir / f"{rid}.log").read_text(errors="replace")
+        loads = re.findall(r"adapter bot(?:@\d)? ?(\(v\d+\))? loaded into slot", log)
+        assert loads and set(loads) <= {"(v1)", "(v2)"}, (rid, loads)
 
 
 def test_versions_beyond_the_limit_leave_the_store(fleet, versions, expected):
