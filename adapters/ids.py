@@ -14,6 +14,8 @@ from loragw.adapters.errors import InvalidAdapterId, short_name
 
 MAX_ADAPTER_ID_LEN = 128
 _COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+# The rule below as one regex (with MAX_ADAPTER_ID_LEN): what the OpenAPI document states
+ADAPTER_ID_PATTERN = f"{_COMPONENT.pattern}(/{_COMPONENT.pattern})?"
 _ALLOWED = "letters, digits, '.', '_', '-' and at most one '/' (like ORG/NAME)"
 
 

@@ -27,6 +27,7 @@ from loragw.gateway.admin.aliases import AliasController
 from loragw.gateway.admin.tenants import AuditController, TenantKeyController
 from loragw.gateway.common.config import MB, ServerConfig
 from loragw.gateway.fleet.router import served_by_hook
+from loragw.gateway.http.allow import AllowHeader
 from loragw.gateway.http.auth import PRINCIPAL, RATE_LIMIT_HEADERS
 from loragw.gateway.http.body_deadline import BodyDeadline
 from loragw.gateway.http.error_handlers import EXCEPTION_HANDLERS
@@ -194,7 +195,7 @@ def create_app(config: ServerConfig, services: Services | None = None,
         dependencies=services.dependencies(config),
         exception_handlers=EXCEPTION_HANDLERS,
         middleware=[RequestContextMiddleware(services.metrics), *traced(services),
-                    BodyDeadline(config)],
+                    BodyDeadline(config), AllowHeader()],
         before_send=[_unrouted_request_id, served_by_hook(config.replica),
                      rate_limit_hook(services.tenants)],
         request_max_body_size=config.max_request_mb * MB,  # the upload route has its own

@@ -10,7 +10,7 @@ appends what it changed to the audit log.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from litestar import Controller, Request, delete, get, post
@@ -30,7 +30,14 @@ from loragw.gateway.common.records import not_registered
 from loragw.gateway.http.auth import principal, require_admin_key
 from loragw.gateway.http.capacity import Capacity
 from loragw.gateway.http.error_handlers import error_responses
-from loragw.gateway.http.openapi_docs import MultipartUpload
+from loragw.gateway.http.openapi_docs import (
+    ADAPTER_ID,
+    OWNER,
+    MultipartUpload,
+    adapter_action,
+    documented,
+    path_parameter,
+)
 from loragw.gateway.http.strict_body import strict_body
 from loragw.gateway.http.upload_body import UploadBody
 from loragw.gateway.residency import aliases
@@ -53,11 +60,15 @@ class AdapterList(msgspec.Struct):
     object: str = "list"
 
 
+AdapterId = Annotated[str, path_parameter(ADAPTER_ID)]
+AdapterAction = Annotated[str, path_parameter(adapter_action(ACTIONS))]
+
+
 class RegisterRequest(msgspec.Struct, forbid_unknown_fields=True):
-    adapter_id: str
+    adapter_id: Annotated[str, documented(ADAPTER_ID)]
     source: str
     replace: bool = False
-    owner: str | None = None  # the operator's: a tenant it belongs to ("": shared)
+    owner: Annotated[str, documented(OWNER)] | None = None  # the operator's: its tenant ("": shared)
     draft_adapter: str | None = None  # the source of its draft-model LoRA (speculative)
     # its own chat, over the chat files its source holds (adapters/chat_files.py)
     chat_template: str | None = None
@@ -109,7 +120,7 @@ class AdminController(Controller):
 
     @get("/{adapter_id:path}", responses=error_responses(
         400, 401, 403, 404, 503, e400="the adapter id is not valid"))
-    async def get_adapter(self, request: Request, adapter_id: str,
+    async def get_adapter(self, request: Request, adapter_id: AdapterId,
                           adapters: AdapterManager) -> AdapterInfo:
         return await adapters.get(await check_visible(adapters.catalog, principal(request),
                                                       adapter_id.strip("/")))
@@ -161,12 +172,14 @@ class AdminController(Controller):
         return await write(adapters, audit, request, data.adapter_id, data.owner,
                            "adapter.registered", add, data.source, data.draft_adapter)
 
-    @post("/{target:path}", status_code=200, responses=error_responses(
+    # One path with GET and DELETE (so OPTIONS lists all three): `adapter_id` is ID/ACTION here
+    @post("/{adapter_id:path}", status_code=200, responses=error_responses(
         400, 401, 403, 404, 409, 422, 502, 503, e404="no such adapter, or no such action",
         e409="evict: the adapter is in use by running requests, or pinned"))
-    async def action(self, request: Request, target: str, adapters: AdapterManager,
+    async def action(self, request: Request, adapter_id: AdapterAction, adapters: AdapterManager,
                      audit: AuditLog) -> AdapterInfo:
         """`{adapter_id}/load|evict|pin|unpin`."""
+        target = adapter_id
         adapter_id, _, verb = target.strip("/").rpartition("/")
         if verb not in ACTIONS or not adapter_id:
             raise APIError(404, f"no admin route POST /admin/adapters/{target.strip('/')}; "
@@ -186,7 +199,7 @@ class AdminController(Controller):
     @delete("/{adapter_id:path}", status_code=200, responses=error_responses(
         400, 401, 403, 404, 409, 503, e409="an alias points at it (?force=true deletes it "
         "anyway, leaving the alias dangling)"))
-    async def delete_adapter(self, request: Request, adapter_id: str, adapters: AdapterManager,
+    async def delete_adapter(self, request: Request, adapter_id: AdapterId, adapters: AdapterManager,
                              audit: AuditLog, capacity: Capacity, force: bool = False) -> Deleted:
         return Deleted(await remove(adapters, audit, capacity, principal(request),
                                     adapter_id.strip("/"), force=force))

@@ -21,21 +21,30 @@ from msgspec import Meta
 from loragw.adapters.aliases import MAX_TARGETS, MAX_WEIGHT, Alias, AliasTarget
 from loragw.gateway.http.auth import principal, require_admin_key
 from loragw.gateway.http.error_handlers import error_responses
+from loragw.gateway.http.openapi_docs import (
+    ADAPTER_ID,
+    ADAPTER_TARGET,
+    OWNER,
+    documented,
+    path_parameter,
+)
 from loragw.gateway.http.strict_body import strict_body
 from loragw.gateway.residency import aliases
 from loragw.gateway.residency.manager import AdapterManager
 from loragw.gateway.tenants.audit import AuditLog, now_entry
 from loragw.gateway.tenants.keys import Principal
 
+AliasName = Annotated[str, path_parameter(ADAPTER_ID)]  # named as adapter ids are
+
 
 class TargetBody(msgspec.Struct, forbid_unknown_fields=True):
-    adapter: str  # ID, ID@N or ID@sha256:HEXPREFIX
+    adapter: Annotated[str, documented(ADAPTER_TARGET)]  # ID, ID@N or ID@sha256:HEXPREFIX
     weight: Annotated[int, Meta(ge=0, le=MAX_WEIGHT)]
 
 
 class PutAlias(msgspec.Struct, forbid_unknown_fields=True):
     targets: Annotated[list[TargetBody], Meta(min_length=1, max_length=MAX_TARGETS)]
-    owner: str | None = None  # the operator's: the tenant it belongs to ("": shared)
+    owner: Annotated[str, documented(OWNER)] | None = None  # the operator's: its tenant ("": shared)
 
 
 class AliasInfo(msgspec.Struct):
@@ -78,7 +87,7 @@ class AliasController(Controller):
         return AliasList([AliasInfo.of(a) for a in found])
 
     @get("/{alias:path}", responses=error_responses(400, 401, 403, 404, 503))
-    async def get_alias(self, request: Request, alias: str,
+    async def get_alias(self, request: Request, alias: AliasName,
                         adapters: AdapterManager) -> AliasInfo:
         found = await aliases.visible(adapters, principal(request), alias.strip("/"))
         return AliasInfo.of(found)
@@ -86,7 +95,7 @@ class AliasController(Controller):
     @put("/{alias:path}", status_code=200, responses=error_responses(
         400, 401, 403, 404, 409, 503, e404="a target does not exist (or the key may not use "
         "it)", e409="the name is an adapter's id, or a target is an alias"))
-    async def put_alias(self, request: Request, alias: str, data: PutAlias,
+    async def put_alias(self, request: Request, alias: AliasName, data: PutAlias,
                         adapters: AdapterManager, audit: AuditLog) -> AliasInfo:
         caller = principal(request)
         targets = [AliasTarget(t.adapter, t.weight) for t in data.targets]
@@ -96,7 +105,7 @@ class AliasController(Controller):
         return AliasInfo.of(stored)
 
     @delete("/{alias:path}", status_code=200, responses=error_responses(400, 401, 403, 404, 503))
-    async def delete_alias(self, request: Request, alias: str, adapters: AdapterManager,
+    async def delete_alias(self, request: Request, alias: AliasName, adapters: AdapterManager,
                            audit: AuditLog) -> AliasDeleted:
         caller = principal(request)
         gone = await aliases.delete(adapters, caller, alias.strip("/"))

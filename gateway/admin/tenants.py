@@ -15,6 +15,13 @@ from loragw.gateway.common.config import ServerConfig
 from loragw.gateway.common.errors import APIError
 from loragw.gateway.http.auth import principal, require_admin_key
 from loragw.gateway.http.error_handlers import error_responses
+from loragw.gateway.http.openapi_docs import (
+    ROLE,
+    TENANT,
+    OptionalBody,
+    documented,
+    path_parameter,
+)
 from loragw.gateway.http.strict_body import strict_body
 from loragw.gateway.tenants.audit import MAX_READ, AuditEntry, AuditLog, now_entry
 from loragw.gateway.tenants.keyring import KeyRing
@@ -31,9 +38,11 @@ from loragw.gateway.tenants.minting import (
     new_key_limits,
 )
 
+Tenant = Annotated[str, path_parameter(TENANT)]
+
 
 class CreateKey(msgspec.Struct, forbid_unknown_fields=True):
-    role: str
+    role: Annotated[str, documented(ROLE)]
     adapters: list[str] | None = None  # globs: TENANT/NAME-PATTERN
     rpm: Annotated[int, Meta(ge=1, le=MAX_RPM)] | None = None
     tpm: Annotated[int, Meta(ge=1, le=MAX_TPM)] | None = None
@@ -111,7 +120,7 @@ class TenantKeyController(Controller):
     tags = ["Tenants"]
 
     @post("/", status_code=201, responses=error_responses(400, 401, 403, 413, 503))
-    async def create(self, request: Request, tenant: str, data: CreateKey, keys: KeyRing,
+    async def create(self, request: Request, tenant: Tenant, data: CreateKey, keys: KeyRing,
                      audit: AuditLog, config: ServerConfig) -> NewKey:
         caller = _manager(request, tenant, config)
         asked = {"rpm": data.rpm, "tpm": data.tpm, "max_concurrency": data.max_concurrency}
@@ -123,7 +132,7 @@ class TenantKeyController(Controller):
         return NewKey.of(record, key=secret)
 
     @get("/", responses=error_responses(400, 401, 403, 503))
-    async def list_keys(self, request: Request, tenant: str, keys: KeyRing,
+    async def list_keys(self, request: Request, tenant: Tenant, keys: KeyRing,
                         config: ServerConfig) -> KeyList:
         _manager(request, tenant, config)
         await keys.sync()
@@ -132,9 +141,9 @@ class TenantKeyController(Controller):
                           if r.tenant == tenant), key=lambda r: (r.created, r.id))
         return KeyList([KeyInfo.of(r, last_used=_second(used.get(r.id))) for r in records])
 
-    @post("/{key_id:str}/rotate", status_code=200,
+    @post("/{key_id:str}/rotate", status_code=200, operation_class=OptionalBody,
           responses=error_responses(400, 401, 403, 404, 413, 503))
-    async def rotate(self, request: Request, tenant: str, key_id: str, keys: KeyRing,
+    async def rotate(self, request: Request, tenant: Tenant, key_id: str, keys: KeyRing,
                      audit: AuditLog, config: ServerConfig,
                      data: Rotate | None = None) -> NewKey:
         caller = _manager(request, tenant, config)
@@ -146,7 +155,7 @@ class TenantKeyController(Controller):
         return NewKey.of(record, key=secret, previous_key_valid_until=until)
 
     @delete("/{key_id:str}", status_code=200, responses=error_responses(400, 401, 403, 404, 503))
-    async def revoke(self, request: Request, tenant: str, key_id: str, keys: KeyRing,
+    async def revoke(self, request: Request, tenant: Tenant, key_id: str, keys: KeyRing,
                      audit: AuditLog, config: ServerConfig) -> KeyInfo:
         caller = _manager(request, tenant, config)
         record = await _key(keys, tenant, key_id)

@@ -17,6 +17,11 @@ from litestar.openapi.spec import (
     RequestBody,
     Schema,
 )
+from litestar.params import Parameter
+
+from loragw.adapters.ids import ADAPTER_ID_PATTERN, MAX_ADAPTER_ID_LEN
+from loragw.gateway.residency.versions import PIN_PATTERN
+from loragw.gateway.tenants.keys import ROLES, TENANT_NAME
 
 _SCHEMA_NAMES = {"ge": "minimum", "gt": "exclusive_minimum", "le": "maximum",
                  "lt": "exclusive_maximum"}
@@ -28,6 +33,30 @@ def openapi(**schema: Any) -> dict[str, Any]:
     """`Meta(extra_json_schema=...)` that Litestar copies into the field's OpenAPI schema
     (Schema attribute names: `one_of`, `additional_properties`, ...)."""
     return {"extra": schema}
+
+
+# Names the handlers check (with messages naming the rule), stated for the document's readers
+# and generators: Schema attribute names.
+ADAPTER_ID = {"pattern": f"^{ADAPTER_ID_PATTERN}$", "max_length": MAX_ADAPTER_ID_LEN}
+ADAPTER_TARGET = {"pattern": f"^{ADAPTER_ID_PATTERN}({PIN_PATTERN})?$"}  # ID, ID@N, ID@sha256:..
+TENANT = {"pattern": f"^{TENANT_NAME.pattern}$"}
+OWNER = {"pattern": f"^({TENANT_NAME.pattern})?$"}  # a tenant, or "": shared
+ROLE = {"enum": list(ROLES)}
+
+
+def adapter_action(actions: tuple[str, ...]) -> dict[str, Any]:
+    """`ID/ACTION`: the admin action routes' path (POST /admin/adapters/bot/load)."""
+    return {"pattern": f"^{ADAPTER_ID_PATTERN}/({'|'.join(actions)})$"}
+
+
+def documented(schema: dict[str, Any]) -> msgspec.Meta:
+    """A Struct field's Meta stating `schema` (one of the above) in the document only."""
+    return msgspec.Meta(extra_json_schema=openapi(**schema))
+
+
+def path_parameter(schema: dict[str, Any]) -> Any:
+    """A path parameter stating `schema` in the document only (its handler checks it)."""
+    return Parameter(schema_extra=schema)
 
 
 def bounds(**limits: float) -> msgspec.Meta:
@@ -76,20 +105,30 @@ def streamed(*payloads: type, done: bool = True) -> type[Operation]:
 
 
 @dataclass
+class OptionalBody(Operation):
+    """A route whose body may be left out (`data: X | None = None`), which Litestar documents
+    as required."""
+
+    def __post_init__(self) -> None:
+        if self.request_body is not None:
+            self.request_body.required = False
+
+
+@dataclass
 class MultipartUpload(Operation):
     """The adapter upload's multipart body, which its handler reads itself (size first)."""
 
     def __post_init__(self) -> None:
-        def part(what: str, binary: bool = False) -> Schema:
+        def part(what: str, binary: bool = False, **rule: Any) -> Schema:
             return Schema(type=OpenAPIType.STRING, description=what,
-                          format=OpenAPIFormat.BINARY if binary else None)
+                          format=OpenAPIFormat.BINARY if binary else None, **rule)
 
         form = Schema(type=OpenAPIType.OBJECT, properties={
-            "adapter_id": part("the new adapter's id: NAME or ORG/NAME"),
+            "adapter_id": part("the new adapter's id: NAME or ORG/NAME", **ADAPTER_ID),
             "adapter_config": part("adapter_config.json", binary=True),
             "adapter_model": part("adapter_model.safetensors", binary=True),
             "replace": part("true to replace an adapter of this id"),
-            "owner": part("the operator's: the tenant it belongs to (empty: shared)"),
+            "owner": part("the operator's: the tenant it belongs to (empty: shared)", **OWNER),
             "draft_adapter": part("the source of its draft-model LoRA (speculative decoding "
                                   "with a draft model): a directory, hf://ORG/REPO or s3://"),
             "chat_template": part("its own chat template (Jinja), where it does not speak as "

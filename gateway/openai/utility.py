@@ -24,7 +24,7 @@ from loragw.gateway.http.served import ServedModel, ServedModelDep
 from loragw.gateway.openai.admission import AdmissionDep
 from loragw.gateway.openai.prompt_bounds import ContextBound, encode_bounded
 from loragw.gateway.openai.prompts import chat_prompt, off_loop_if_large
-from loragw.gateway.openai.protocol import ChatCompletionRequest, ChatMessage, TokenId
+from loragw.gateway.openai.protocol import ChatCompletionRequest, ChatMessage, TokenIds
 from loragw.gateway.residency import aliases
 from loragw.gateway.residency.manager import AdapterManager
 from loragw.gateway.tenants.keys import Principal
@@ -62,7 +62,7 @@ class TokenizeResponse(Struct, omit_defaults=True):
 
 class DetokenizeRequest(Struct):
     model: str
-    tokens: list[TokenId]
+    tokens: TokenIds
 
 
 class DetokenizeResponse(Struct):

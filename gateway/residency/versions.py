@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 # ID@N or ID@sha256:HEX (4 to 64 hex digits); '@' is never part of an adapter id
 _PIN = re.compile(r"(?P<id>[^@]+)@(?:(?P<version>[1-9][0-9]{0,9})|sha256:(?P<sha>[0-9a-f]{4,64}))")
+PIN_PATTERN = "@([1-9][0-9]{0,9}|sha256:[0-9a-f]{4,64})"  # _PIN's suffix, for the OpenAPI document
 VERSION_HEADER = "X-Adapter-Version"
 
 

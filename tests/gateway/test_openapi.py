@@ -6,6 +6,7 @@ response that breaks it."""
 from __future__ import annotations
 
 import copy
+import re
 import time
 
 import pytest
@@ -57,7 +58,7 @@ def test_every_error_is_documented_in_the_openai_shape(spec):
     ("POST /v1/unload_lora_adapter", {200, 401, 404}),
     ("GET /ready", {200, 503}),
     ("GET /admin/adapters/{adapter_id}", {200, 400, 401, 404}),
-    ("POST /admin/adapters/{target}", {200, 401, 404, 409}),
+    ("POST /admin/adapters/{adapter_id}", {200, 401, 404, 409}),
     ("DELETE /admin/adapters/{adapter_id}", {200, 401, 404}),
     ("POST /admin/adapters", {201, 400, 401, 409, 413, 422}),
     # tenants: 403 is a valid key outside its role or namespace
@@ -138,6 +139,17 @@ def test_top_p_0_is_the_most_likely_token_as_openai_allows(http):
     assert top_p_0["choices"][0]["message"] == greedy["choices"][0]["message"]
 
 
+def test_options_allows_exactly_what_the_document_lists(spec, http):
+    """RFC 9110's Allow on OPTIONS, for each documented path: every method the document gives
+    it (Litestar, left alone, lists only the methods of a path's first handlers)."""
+    for path, item in spec["paths"].items():
+        url = re.sub(r"{[a-z_]+}", "x", path)
+        r = http.options(url)
+        assert r.status_code == 204, (path, r.text)
+        assert set(r.headers["allow"].split(", ")) == {m.upper() for m in item} | {"OPTIONS"}, \
+            (path, r.headers["allow"])
+
+
 # ---- schemathesis ------------------------------------------------------------------------------
 POSITIVE_EXAMPLES = {"POST /v1/completions": 100, "POST /v1/chat/completions": 100}
 EXAMPLES = 30  # per operation and mode otherwise
@@ -160,7 +172,9 @@ FIELDS = {
 REQUIRED = {"max_tokens", "max_output_tokens"}  # left out: the rest of the context, too slow
 PATH_PARAMETERS = {"model_id": [BASE, "lora-0", "no/such"],
                    "adapter_id": ["fuzz-a", "no/such", "../x"],
-                   "target": ["fuzz-a/load", "fuzz-a/pin", "no/such/evict", "lora-0/nope"]}
+                   # POST /admin/adapters/{adapter_id} is ID/ACTION
+                   "POST adapter_id": ["fuzz-a/load", "fuzz-a/pin", "no/such/evict",
+                                       "lora-0/nope"]}
 
 
 def bounded(spec: dict) -> dict:
@@ -178,10 +192,12 @@ def bounded(spec: dict) -> dict:
             props[name] = FIELDS[name]
             if name in REQUIRED:
                 target["required"] = sorted({*target.get("required", []), name})
-    for _, op in operations(spec):
+    for label, op in operations(spec):
         for parameter in op.get("parameters", []):
-            if parameter["name"] in PATH_PARAMETERS:
-                parameter["schema"] = {"enum": PATH_PARAMETERS[parameter["name"]]}
+            for name in (f"{label.split()[0]} {parameter['name']}", parameter["name"]):
+                if name in PATH_PARAMETERS:
+                    parameter["schema"] = {"enum": PATH_PARAMETERS[name]}
+                    break
     return spec
 
 
