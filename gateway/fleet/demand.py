@@ -1,0 +1,68 @@
+"""Per-adapter demand over a sliding window: what the placement plan is computed from.
+
+Each replica counts the requests and tokens (prompt + generated) it serves per adapter in
+`BUCKET_S` buckets over `WINDOW_S`, and publishes its `PUBLISHED` busiest adapters' rates in
+its heartbeat; the planner sums the replicas' rates (`fleet_demand`), so the fleet's demand
+lives in Redis with the heartbeats and goes when a replica does.
+
+    window = DemandWindow()
+    window.record("bot", tokens=412)            # a request served here, once it ends
+    window.rates()  -> {"bot": Demand(tokens_per_s=6.9, requests_per_s=0.017)}
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict, deque
+from collections.abc import Iterable, Mapping
+
+from loragw.gateway.fleet.placement import Demand
+
+BUCKET_S = 5.0
+WINDOW_S = 60.0
+PUBLISHED = 256  # adapters a heartbeat carries rates for: the busiest (a state stays small)
+
+
+class DemandWindow:
+    def __init__(self, window_s: float = WINDOW_S, bucket_s: float = BUCKET_S):
+        self.window_s, self.bucket_s = window_s, bucket_s
+        # (bucket start, adapter -> [requests, tokens]) oldest first
+        self._buckets: deque[tuple[float, dict[str, list[int]]]] = deque()
+
+    def record(self, adapter: str, tokens: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        start = now - now % self.bucket_s
+        if not self._buckets or self._buckets[-1][0] != start:
+            self._buckets.append((start, defaultdict(lambda: [0, 0])))
+        counts = self._buckets[-1][1][adapter]
+        counts[0] += 1
+        counts[1] += tokens
+        self._expire(now)
+
+    def rates(self, now: float | None = None, top: int | None = None) -> dict[str, Demand]:
+        """Each adapter's rates over the window (per second of the whole window, so a burst
+        fades out linearly as its buckets age out); the `top` busiest by tokens if given."""
+        now = time.monotonic() if now is None else now
+        self._expire(now)
+        totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for _, bucket in self._buckets:
+            for adapter, (requests, tokens) in bucket.items():
+                totals[adapter][0] += requests
+                totals[adapter][1] += tokens
+        ranked = sorted(totals.items(), key=lambda kv: (-kv[1][1], kv[0]))[:top]
+        return {a: Demand(tokens / self.window_s, requests / self.window_s)
+                for a, (requests, tokens) in ranked}
+
+    def _expire(self, now: float) -> None:
+        while self._buckets and self._buckets[0][0] <= now - self.window_s:
+            self._buckets.popleft()
+
+
+def fleet_demand(published: Iterable[Mapping[str, Demand]]) -> dict[str, Demand]:
+    """The fleet's demand: each replica's published rates, summed per adapter."""
+    total: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for rates in published:
+        for adapter, demand in rates.items():
+            total[adapter][0] += demand.tokens_per_s
+            total[adapter][1] += demand.requests_per_s
+    return {a: Demand(tokens, requests) for a, (tokens, requests) in total.items()}

@@ -1,0 +1,128 @@
+"""The placement plan (gateway/fleet/placement.py) as a pure function: copies by demand with
+hysteresis, packing by slot memory, holders first, a stable plan, the move cap, and a balanced
+fleet under Zipf demand; and the demand it is computed from (gateway/fleet/demand.py)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from loragw.gateway.fleet.demand import DemandWindow, fleet_demand
+from loragw.gateway.fleet.placement import (
+    Demand,
+    PlanSettings,
+    ReplicaCapacity,
+    copies_needed,
+    plan,
+)
+
+MB = 1 << 20
+SETTINGS = PlanSettings(target_utilization=0.5, hysteresis=0.25, max_moves=100_000)
+PER_COPY = 1000 * SETTINGS.target_utilization  # tokens/s one copy is planned to carry
+
+
+def fleet(n: int, slot_mb: int = 64, held: dict[str, dict[str, str]] | None = None):
+    return [ReplicaCapacity(f"r{i}", 1000.0, slot_mb * MB, (held or {}).get(f"r{i}", {}))
+            for i in range(n)]
+
+
+def zipf(n: int, s: float, total: float, seed: int = 0) -> dict[str, Demand]:
+    weights = [1 / (i + 1) ** s for i in range(n)]
+    names = [f"a{i}" for i in range(n)]
+    random.Random(seed).shuffle(names)
+    return {name: Demand(total * w / sum(weights)) for name, w in zip(names, weights, strict=True)}
+
+
+@pytest.mark.parametrize("need, previous, copies", [
+    (0.2, 0, 1), (1.0, 0, 1), (1.01, 0, 2), (2.5, 0, 3), (2.5, 1, 3),
+    (1.9, 3, 3),  # the two left would be 95% busy: keep three
+    (1.4, 3, 2), (0.8, 2, 2), (0.74, 2, 1), (9.0, 0, 4)])  # four replicas at most
+def test_copies_follow_demand_with_hysteresis(need, previous, copies):
+    assert copies_needed(Demand(need * PER_COPY), PER_COPY, 4, previous, 0.25) == copies
+
+
+def test_a_hot_adapter_gets_three_copies_and_loses_them_when_it_cools():
+    demand = {"hot": Demand(2.5 * PER_COPY), "cold": Demand(0.1 * PER_COPY)}
+    sizes = {"hot": 8 * MB, "cold": 8 * MB}
+    first = plan(demand, fleet(4), sizes, settings=SETTINGS)
+    assert first.copies("hot") == 3 and first.copies("cold") == 1
+    assert len(set(first.assignments["hot"])) == 3
+    steady = plan(demand, fleet(4), sizes, first, SETTINGS)
+    assert steady.assignments == first.assignments and steady.moves == 0
+    cooled = plan({**demand, "hot": Demand(0.3 * PER_COPY)}, fleet(4), sizes, steady, SETTINGS)
+    assert cooled.assignments["hot"] == first.assignments["hot"][:1]  # a copy it had stays
+    assert cooled.moves == 0
+
+
+def test_packing_is_by_slot_memory_not_by_count():
+    # each replica has 64 MB of slots: one rank-64 adapter (64 MB) or eight rank-8 ones
+    sizes = {"big": 64 * MB} | {f"s{i}": 8 * MB for i in range(8)}
+    demand = {name: Demand(0.05 * PER_COPY) for name in sizes}
+    demand["big"] = Demand(0.5 * PER_COPY)
+    placed = plan(demand, fleet(2), sizes, settings=SETTINGS)
+    assert not placed.unplaced
+    used = {r: sum(sizes[a] for a, rs in placed.assignments.items() if r in rs) for r in ("r0", "r1")}
+    assert max(used.values()) <= 64 * MB
+    big = placed.assignments["big"][0]
+    assert all(big not in placed.assignments[f"s{i}"] for i in range(8))
+    # a colder rank-64 adapter finds no room: left to be placed on first use
+    crowded = plan({**demand, "big2": Demand(0.01 * PER_COPY)}, fleet(2), sizes | {"big2": 64 * MB},
+                   settings=SETTINGS)
+    assert crowded.unplaced == ("big2",)
+
+
+def test_a_new_copy_goes_where_the_adapter_already_is():
+    held = {"r2": {"a": "disk"}, "r3": {"a": "host"}}
+    placed = plan({"a": Demand(0.2 * PER_COPY)}, fleet(4, held=held), {"a": 8 * MB},
+                  settings=SETTINGS)
+    assert placed.assignments["a"] == ("r3",)  # host beats disk beats nothing
+
+
+def test_moves_per_plan_are_capped_and_the_rest_keep_their_copies():
+    sizes = {f"a{i}": 8 * MB for i in range(40)}
+    before = plan({a: Demand(0.1 * PER_COPY) for a in sizes}, fleet(8), sizes,
+                  settings=SETTINGS)
+    burst = {a: Demand(1.8 * PER_COPY) for a in sizes}  # every adapter wants a second copy
+    capped = plan(burst, fleet(8), sizes, before, PlanSettings(0.5, 0.25, max_moves=5))
+    assert capped.moves == 5
+    assert sum(capped.copies(a) for a in sizes) == len(sizes) + 5
+    assert all(set(before.assignments[a]) <= set(capped.assignments[a]) for a in sizes)
+
+
+@pytest.mark.parametrize("replicas, adapters, s", [(8, 1000, 0.8), (8, 1000, 1.2),
+                                                   (32, 10_000, 1.0)])
+def test_zipf_demand_is_balanced_across_the_fleet(replicas, adapters, s):
+    demand = zipf(adapters, s, total=0.6 * 1000 * replicas)
+    sizes = {a: 8 * MB for a in demand}
+    placed = plan(demand, fleet(replicas, slot_mb=8 * 2 * adapters // replicas), sizes,
+                  settings=SETTINGS)
+    assert not placed.unplaced
+    loads = list(placed.load.values())
+    assert max(loads) / (sum(loads) / len(loads)) <= 1.3, sorted(loads)[-3:]
+    hottest = max(demand, key=lambda a: demand[a].tokens_per_s)
+    assert placed.copies(hottest) == math.ceil(demand[hottest].tokens_per_s / PER_COPY)
+    again = plan(demand, fleet(replicas, slot_mb=8 * 2 * adapters // replicas), sizes,
+                 settings=SETTINGS)
+    assert again.assignments == placed.assignments  # every planner computes the same plan
+
+
+# ---- demand: the window each replica keeps, summed over the fleet ---------------------------
+def test_a_window_counts_requests_and_tokens_and_forgets_old_buckets():
+    window = DemandWindow(window_s=60, bucket_s=5)
+    for t in range(0, 60, 2):  # one 100-token request every 2 s for a minute
+        window.record("bot", 100, now=1000.0 + t)
+    window.record("other", 30, now=1059.0)
+    rates = window.rates(now=1059.5)
+    assert rates["bot"] == Demand(30 * 100 / 60, 30 / 60)
+    assert list(window.rates(now=1059.5, top=1)) == ["bot"]
+    later = window.rates(now=1090.0)  # the first 30 s have aged out
+    assert 0 < later["bot"].tokens_per_s < rates["bot"].tokens_per_s
+    assert window.rates(now=1200.0) == {}
+
+
+def test_the_fleet_demand_sums_what_each_replica_serves():
+    one = {"bot": Demand(10.0, 0.5), "x": Demand(1.0, 0.1)}
+    two = {"bot": Demand(5.0, 0.25)}
+    assert fleet_demand([one, two]) == {"bot": Demand(15.0, 0.75), "x": Demand(1.0, 0.1)}
