@@ -75,6 +75,9 @@ class ReplicaState:
     # number): who can serve an adapter while the store it comes from is down. Absent from an
     # older replica's state: it holds nothing we know of.
     held: tuple[str, ...] = ()
+    # (adapter id, tokens/s, requests/s) it served over the last minute, its busiest first
+    # (gateway/residency/demand.py): what the fleet's placement plan is computed from
+    demand: tuple[tuple[str, float, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

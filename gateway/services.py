@@ -40,6 +40,7 @@ from loragw.gateway.openai.adapter_chats import AdapterChats
 from loragw.gateway.openai.admission import Admission
 from loragw.gateway.openai.chat_setup import base_setup
 from loragw.gateway.openai.prompt_bounds import longest_token_bytes
+from loragw.gateway.residency.demand import DemandWindow
 from loragw.gateway.residency.manager import AdapterManager
 from loragw.gateway.tenants.service import Tenants
 
@@ -67,7 +68,8 @@ class Services:
         self.readiness = Readiness()
         self.tracing = start_tracing(config)  # None without --otlp-traces-endpoint
         self.tenants = Tenants(config, self.metrics)  # keys, limits, audit: started first
-        self.capacity = Capacity(config.max_capacity, self.metrics, self.tenants)
+        self.demand = DemandWindow()  # counted as requests end, published in the heartbeat
+        self.capacity = Capacity(config.max_capacity, self.metrics, self.tenants, self.demand)
         self.started_at = int(time.time())
         # built by start(), in this order; None until then
         self.engine: EngineClient | None = None
@@ -144,7 +146,8 @@ class Services:
                                          tokenizer, TokenText(tokenizer), self.started_at)
                 chats = AdapterChats(base_setup(config, tokenizer), tokenizer)
                 self.adapters = AdapterManager(config, self.engine, self.metrics,
-                                               tracing=self.tracing, check_chat=chats.check)
+                                               tracing=self.tracing, check_chat=chats.check,
+                                               demand=self.demand)
                 await self.adapters.start()
                 self.router = Router(self.adapters.registry, self.adapters.replica_id,
                                      fleet=bool(config.redis_url), tracing=self.tracing)

@@ -30,14 +30,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from loragw.gateway.residency.demand import Demand
+
 TIER_ORDER = ("device", "host", "disk")  # cheapest first: where a new copy costs least
 WARM = ("device", "host")  # a copy planned where it already is in memory moves nothing
-
-
-@dataclass(frozen=True, slots=True)
-class Demand:
-    tokens_per_s: float
-    requests_per_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

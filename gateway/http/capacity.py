@@ -7,12 +7,15 @@ from __future__ import annotations
 from loragw.gateway.common.errors import APIError
 from loragw.gateway.http.jobs import GenerationJob
 from loragw.gateway.observe.metrics import Metrics
+from loragw.gateway.residency.demand import DemandWindow
 from loragw.gateway.tenants.service import Tenants
 
 
 class Capacity:
-    def __init__(self, capacity: int, metrics: Metrics, tenants: Tenants):
+    def __init__(self, capacity: int, metrics: Metrics, tenants: Tenants,
+                 demand: DemandWindow | None = None):
         self.capacity, self.metrics, self.tenants = capacity, metrics, tenants
+        self.demand = demand or DemandWindow()  # each adapter's requests and tokens served
         self.inflight = 0  # sequences admitted and not yet released
         self.jobs: set[GenerationJob] = set()
         metrics.gateway_capacity = capacity
@@ -34,6 +37,8 @@ class Capacity:
     def release(self, job: GenerationJob) -> None:
         counts = job.counts
         self.tenants.finish(job.tenant, counts.prompt, counts.completion, job.reservation)
+        if job.adapter is not None:
+            self.demand.record(job.adapter, counts.prompt + counts.completion)
         self.inflight -= len(job.choices)
         self.metrics.gateway_inflight = self.inflight
         self.jobs.discard(job)

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from loragw.adapters.registry import ReplicaState
 from loragw.engine.api import EngineSnapshot
 from loragw.gateway.common.records import AdapterRecord
+from loragw.gateway.residency.demand import PUBLISHED, DemandWindow, published
 
 # Adapter ids a heartbeat lists as held beyond its slots: at most 128 characters each, so a
 # state stays under ~32 KB however many adapters its disk keeps; host copies go first.
@@ -18,15 +19,18 @@ HELD_PUBLISHED = 256
 
 
 def replica_state(replica_id: str, url: str, snap: EngineSnapshot,
-                  records: Mapping[str, AdapterRecord], loading: Iterable[str]) -> ReplicaState:
-    """What this replica publishes now: its slots, loads, free slots, queue, and the adapters it
-    holds in host memory or on disk (from the snapshot and its records: no I/O)."""
+                  records: Mapping[str, AdapterRecord], loading: Iterable[str],
+                  demand: DemandWindow | None = None) -> ReplicaState:
+    """What this replica publishes now: its slots, loads, free slots, queue, the adapters it
+    holds in host memory or on disk (from the snapshot and its records: no I/O), and the
+    demand it served, its busiest adapters'."""
     host = sorted(name for name, tier in snap.residency.items() if tier == "host")
     disk = sorted(name for name, record in records.items() if record.stored is not None
                   and snap.residency.get(name, "disk") == "disk")
     return ReplicaState(replica_id, url, tuple(snap.resident), tuple(sorted(loading)),
                         snap.free_slots, snap.num_waiting, 0.0,  # the registry stamps it
-                        held=tuple((host + disk)[:HELD_PUBLISHED]))
+                        held=tuple((host + disk)[:HELD_PUBLISHED]),
+                        demand=published(demand.rates(top=PUBLISHED)) if demand else ())
 
 
 def resident_on(states: Iterable[ReplicaState]) -> dict[str, list[str]]:

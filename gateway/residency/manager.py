@@ -11,7 +11,6 @@ sources are accepted from HTTP callers too (as vLLM does); admin keys guard thos
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections import defaultdict
@@ -30,6 +29,7 @@ from loragw.gateway.common.records import AdapterRecord, Location
 from loragw.gateway.observe.metrics import Metrics
 from loragw.gateway.residency import fetch as sources
 from loragw.gateway.residency.catalog import FleetCatalog
+from loragw.gateway.residency.demand import DemandWindow
 from loragw.gateway.residency.heartbeat import holders, replica_state, resident_on
 from loragw.gateway.residency.info import AdapterInfo, adapter_info, residency
 from loragw.gateway.residency.names import check_free, check_new_id, on_demand
@@ -51,7 +51,8 @@ class AdapterManager:
     def __init__(self, config: ServerConfig, engine: EngineClient,
                  metrics: Metrics | None = None,
                  *, hub_endpoint: str | None = None, hub_cache_dir: str | None = None,
-                 tracing: Tracing | None = None, check_chat: ChatCheck | None = None):
+                 tracing: Tracing | None = None, check_chat: ChatCheck | None = None,
+                 demand: DemandWindow | None = None):  # what it serves, published with it
         self.base_name, self.engine = config.model_name, engine
         self.adapter_dir = config.adapter_path
         self.object_store = (ObjectStore(config.adapter_store_url)
@@ -76,6 +77,7 @@ class AdapterManager:
         self.catalog = FleetCatalog(self.registry, self.tiers, self.pinned, self._locks,
                                     self.replica_id, shared=bool(config.redis_url))
         self._publisher: asyncio.Task | None = None
+        self.demand = demand or DemandWindow()
 
     @property
     def records(self) -> dict[str, AdapterRecord]:
@@ -83,8 +85,7 @@ class AdapterManager:
 
     # ---- life cycle ----------------------------------------------------------------------
     async def start(self) -> None:
-        """Check the object store, open this base's disk store, join the registry, match this
-        disk's adapters to the catalog, and start the heartbeat."""
+        """Open the stores, join the registry, match the disk to the catalog, start heartbeats."""
         await sources.check_store(self.object_store, self.catalog.shared)
         stored_adapters = await self.tiers.open(self.base, self.versions_kept)
         await self.registry.start()
@@ -98,8 +99,7 @@ class AdapterManager:
     async def close(self) -> None:
         if self._publisher is not None:
             self._publisher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._publisher
+            await asyncio.gather(self._publisher, return_exceptions=True)  # its CancelledError
         await self.registry.close()
         await self.aliases.close()
         self.tiers.close()
@@ -285,10 +285,10 @@ class AdapterManager:
 
     # ---- registry ------------------------------------------------------------------------
     async def publish(self) -> None:
-        """This replica's residency (slots and beyond), loads in flight, slots, queue depth."""
-        snap = await self.engine.snapshot()
+        """This replica's residency (slots and beyond), loads, slots, queue depth, demand."""
         await self.registry.publish_state(replica_state(
-            self.replica_id, self.url, snap, self.records, self.tiers.loading))
+            self.replica_id, self.url, await self.engine.snapshot(), self.records,
+            self.tiers.loading, self.demand))
 
     async def _heartbeat(self) -> None:
         while True:

@@ -4,19 +4,20 @@ fleet under Zipf demand; and the demand it is computed from (gateway/fleet/deman
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 
 import pytest
 
-from loragw.gateway.fleet.demand import DemandWindow, fleet_demand
+from loragw.adapters.registry import ReplicaState
 from loragw.gateway.fleet.placement import (
-    Demand,
     PlanSettings,
     ReplicaCapacity,
     copies_needed,
     plan,
 )
+from loragw.gateway.residency.demand import Demand, DemandWindow, fleet_demand, published
 
 MB = 1 << 20
 SETTINGS = PlanSettings(target_utilization=0.5, hysteresis=0.25, max_moves=100_000)
@@ -123,6 +124,25 @@ def test_a_window_counts_requests_and_tokens_and_forgets_old_buckets():
 
 
 def test_the_fleet_demand_sums_what_each_replica_serves():
-    one = {"bot": Demand(10.0, 0.5), "x": Demand(1.0, 0.1)}
-    two = {"bot": Demand(5.0, 0.25)}
+    def state(rid: str, rates: dict[str, Demand]) -> ReplicaState:
+        return ReplicaState(rid, "", (), (), 0, 0, 0.0, demand=published(rates))
+
+    one = state("r1", {"bot": Demand(10.0, 0.5), "x": Demand(1.0, 0.1)})
+    two = state("r2", {"bot": Demand(5.0, 0.25)})
     assert fleet_demand([one, two]) == {"bot": Demand(15.0, 0.75), "x": Demand(1.0, 0.1)}
+
+
+def test_a_replica_publishes_the_demand_it_served(server, http):
+    """Requests served here are counted as they end and published in the heartbeat."""
+    for _ in range(3):
+        r = http.post("/v1/completions", json={"model": "lora-3", "prompt": "hi",
+                                                "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+    adapters = server.services.adapters
+    asyncio.run_coroutine_threadsafe(adapters.publish(), server.services.loop).result(30)
+    (state,) = asyncio.run_coroutine_threadsafe(adapters.registry.replicas(),
+                                                server.services.loop).result(30)
+    demand = fleet_demand([state])
+    usage = r.json()["usage"]
+    assert demand["lora-3"].requests_per_s >= 3 / 60
+    assert demand["lora-3"].tokens_per_s >= 3 * usage["total_tokens"] / 60

@@ -1,9 +1,10 @@
 """Per-adapter demand over a sliding window: what the placement plan is computed from.
 
 Each replica counts the requests and tokens (prompt + generated) it serves per adapter in
-`BUCKET_S` buckets over `WINDOW_S`, and publishes its `PUBLISHED` busiest adapters' rates in
-its heartbeat; the planner sums the replicas' rates (`fleet_demand`), so the fleet's demand
-lives in Redis with the heartbeats and goes when a replica does.
+`BUCKET_S` buckets over `WINDOW_S` (gateway/http/capacity.py records a request as it ends),
+and publishes its `PUBLISHED` busiest adapters' rates in its heartbeat (ReplicaState.demand);
+the planner sums the replicas' rates (`fleet_demand`), so the fleet's demand lives in Redis
+with the heartbeats and goes when a replica does.
 
     window = DemandWindow()
     window.record("bot", tokens=412)            # a request served here, once it ends
@@ -14,13 +15,20 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-from loragw.gateway.fleet.placement import Demand
+from loragw.adapters.registry import ReplicaState
 
 BUCKET_S = 5.0
 WINDOW_S = 60.0
 PUBLISHED = 256  # adapters a heartbeat carries rates for: the busiest (a state stays small)
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    tokens_per_s: float
+    requests_per_s: float = 0.0
 
 
 class DemandWindow:
@@ -58,11 +66,16 @@ class DemandWindow:
             self._buckets.popleft()
 
 
-def fleet_demand(published: Iterable[Mapping[str, Demand]]) -> dict[str, Demand]:
-    """The fleet's demand: each replica's published rates, summed per adapter."""
+def published(rates: dict[str, Demand]) -> tuple[tuple[str, float, float], ...]:
+    """`rates` as a heartbeat carries them: (adapter, tokens/s, requests/s), busiest first."""
+    return tuple((a, d.tokens_per_s, d.requests_per_s) for a, d in rates.items())
+
+
+def fleet_demand(states: Iterable[ReplicaState]) -> dict[str, Demand]:
+    """The fleet's demand: each live replica's published rates, summed per adapter."""
     total: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    for rates in published:
-        for adapter, demand in rates.items():
-            total[adapter][0] += demand.tokens_per_s
-            total[adapter][1] += demand.requests_per_s
+    for state in states:
+        for adapter, tokens, requests in state.demand:
+            total[adapter][0] += tokens
+            total[adapter][1] += requests
     return {a: Demand(tokens, requests) for a, (tokens, requests) in total.items()}
