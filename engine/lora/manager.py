@@ -70,7 +70,7 @@ class LoRAManager:
         self.adapters[name] = RegisteredAdapter(
             self._versions, path, adapter, adapter.num_bytes, adapter.max_rank,
             tuple(adapter.saved_modules), pinned=previous.pinned if previous else False,
-            label="" if catalog_version is None else f" (v{catalog_version})")
+            catalog_version=catalog_version)
         self._trim_host(keep={name} | set(busy))
         return self._versions
 
@@ -279,7 +279,7 @@ class LoRAManager:
             self.pool.fill(index, adapter)
         self.slots[index] = Slot(adapter=name, version=entry.version, last_used=time.monotonic())
         self.stats.device_loads += 1
-        logger.info("adapter %s%s loaded into slot %d", name, entry.label, index)
+        logger.info("adapter %s%s loaded into slot %d", name, entry.shown_version, index)
 
     def _clear(self, index: int) -> None:
         assert self.slots[index].ref_count == 0, "clearing a slot that a sequence still uses"

@@ -33,7 +33,12 @@ class RegisteredAdapter:
     saved_modules: tuple[str, ...] = ()  # modules_to_save targets: needs a full-module slot
     pinned: bool = False
     last_used: float = field(default_factory=time.monotonic)
-    label: str = ""  # what logs call it: " (v3)", the catalog's version, where one was given
+    catalog_version: int | None = None  # the fleet's number for it, what logs name; None offline
+
+    @property
+    def shown_version(self) -> str:
+        """The catalog's version as a log line shows it, ' (v3)'; '' where none was given."""
+        return "" if self.catalog_version is None else f" (v{self.catalog_version})"
 
 
 # Buckets of the seconds a load into a tier takes (the gateway's load-seconds histogram too).

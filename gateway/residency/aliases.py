@@ -74,7 +74,7 @@ async def locate_model(manager: AdapterManager, caller: Principal, model: str,
     try:
         return target, await manager.locate(target, caller)
     except (APIError, AdapterError) as exc:
-        if target == model or getattr(exc, "status", None) != 404:
+        if target == model or exc.status != 404:
             raise
         raise APIError.model_not_found(model) from None
 
