@@ -159,16 +159,23 @@ def test_variants_cover_what_they_claim(made, spec):
 
 
 def test_overlapping_patterns_resolve_in_file_order_like_peft_from_pretrained(made, spec):
-    """PEFT writes adapter_config.json with sort_keys=True, so where alpha_pattern keys overlap
-    the first match in the *file* wins: what PeftModel.from_pretrained serves, even though the
-    training run (dict in insertion order, "o_proj" first) used 3 for layer 0's o_proj."""
-    patterns = read_adapter(made["patterns"][0], spec)
-    assert list(patterns.config.alpha_pattern) == [r"model\.layers\.0\..*", "o_proj"]
-    assert patterns.modules[(0, "o_proj")].scaling == 5 / 8
+    """Where alpha_pattern keys overlap, the first match in the *file* wins: what
+    PeftModel.from_pretrained serves. PEFT before 0.22 wrote the file with sort_keys=True, so
+    its reload could differ from the training run ("o_proj" first: 3 for layer 0's o_proj);
+    0.22 keeps the patterns in the order they were given. Either way the file decides."""
+    path, expected = made["patterns"]
+    in_file = list(json.loads((path / "adapter_config.json").read_text())["alpha_pattern"])
+    patterns = read_adapter(path, spec)
+    assert list(patterns.config.alpha_pattern) == in_file
+    first = {"o_proj": 3, r"model\.layers\.0\..*": 5}[in_file[0]]
+    served = patterns.modules[(0, "o_proj")].scaling
+    assert served == expected["model.layers.0.self_attn.o_proj"][2] == first / 8
     assert made["training_scaling"]["patterns", "model.layers.0.self_attn.o_proj"] == 3 / 8
     config = json.loads(files(made, "patterns")[0])
-    config["alpha_pattern"] = {"o_proj": 3, r"model\.layers\.0\..*": 5}  # hand-written order
-    assert parse_adapter_config(config).scaling("model.layers.0.self_attn.o_proj") == 3 / 8
+    for alphas, want in (({"o_proj": 3, r"model\.layers\.0\..*": 5}, 3),  # hand-written orders
+                         ({r"model\.layers\.0\..*": 5, "o_proj": 3}, 5)):
+        config["alpha_pattern"] = alphas
+        assert parse_adapter_config(config).scaling("model.layers.0.self_attn.o_proj") == want / 8
 
 
 def test_pattern_key_mirrors_peft(made):

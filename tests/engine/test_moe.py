@@ -259,7 +259,9 @@ def test_the_block_is_bit_exact_with_transformers_in_bfloat16(arch):
 
 # PEFT names the shared expert's projections gate_proj / up_proj / down_proj, so these also hit
 # layer 1's dense MLP (mlp_only_layers, intermediate_size 128 against the shared expert's 80);
-# all-linear takes the shared expert and its gate (an nn.Linear), never the router (not one).
+# all-linear takes the shared expert and its gate (an nn.Linear). PEFT 0.22 also converts these
+# names onto the routed experts' fused parameters (target_parameters gate_up_proj / down_proj)
+# and the router's (gate.weight); its adapter_config.json says which it did.
 # No adapter is named "mlp": PEFT 0.21 saving one adapter of several drops keys that hold
 # another adapter's name as a path component ("...mlp.shared_expert_gate.lora_A.gate-q").
 SHARED_EXPERT_ADAPTERS = {
@@ -268,24 +270,39 @@ SHARED_EXPERT_ADAPTERS = {
     "all-linear": dict(r=2, lora_alpha=4, target_modules="all-linear",
                        rank_pattern={"shared_expert.down_proj": 6}),
 }
+MOE_LAYERS = (0, 2)  # the tiny qwen2_moe's layer 1 is dense (mlp_only_layers)
+
+
+def _routed(adapter_dir: str) -> set[tuple[int, str]]:
+    """The (layer, target)s PEFT's saved config put on the MoE blocks' parameters."""
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        params = set(json.load(f).get("target_parameters") or ())
+    names = {"gate_up_proj": "experts.gate_up_proj", "down_proj": "experts.down_proj",
+             "gate.weight": "gate"}
+    return {(i, target) for param, target in names.items() if param in params
+            for i in MOE_LAYERS}
 
 
 def test_shared_expert_lora_matches_peft_beside_base_rows(tiny_checkpoint, tmp_path):
     from loragw.adapters.format import read_adapter
 
     base = tiny_checkpoint("qwen2_moe")
-    world = World(str(tmp_path), SHARED_EXPERT_ADAPTERS, base=base)
+    # apart: PEFT 0.22 holds target_parameters adapters together only when they target the same
+    world = World(str(tmp_path), SHARED_EXPERT_ADAPTERS, base=base, apart=True)
     with open(os.path.join(base, "config.json")) as f:
         spec = adapter_spec(json.load(f), max_lora_rank=16)
     held = {name: set(read_adapter(path, spec).modules) for name, path in world.dirs.items()}
-    shared = {(i, f"shared_expert.{t}") for i in (0, 2) for t in ("gate_proj", "up_proj",
-                                                                   "down_proj")}
+    routed = {name: _routed(path) for name, path in world.dirs.items()}
+    shared = {(i, f"shared_expert.{t}") for i in MOE_LAYERS for t in ("gate_proj", "up_proj",
+                                                                       "down_proj")}
     dense = {(1, t) for t in ("gate_proj", "up_proj", "down_proj")}
-    assert held["ffn"] == shared | dense
-    assert held["gate-q"] == {(i, "shared_expert_gate") for i in (0, 2)} | {
-        (i, "q_proj") for i in range(3)}
-    assert shared | dense | {(0, "shared_expert_gate"), (0, "o_proj")} <= held["all-linear"]
-    assert not any(t == "gate" for _, t in held["all-linear"]), "PEFT's all-linear has no router"
+    assert held["ffn"] == shared | dense | routed["ffn"]
+    assert held["gate-q"] == {(i, "shared_expert_gate") for i in MOE_LAYERS} | {
+        (i, "q_proj") for i in range(3)} | routed["gate-q"]
+    assert shared | dense | {(0, "shared_expert_gate"), (0, "o_proj")} | routed["all-linear"] <= (
+        held["all-linear"])
+    assert {(i, "gate") for i in MOE_LAYERS} & held["all-linear"] == {
+        (i, "gate") for i in MOE_LAYERS} & routed["all-linear"], "the router only as PEFT put it"
     params = SamplingParams(max_tokens=PEFT_MAX_TOKENS, temperature=0.0, ignore_eos=True)
     for options in ({}, {"max_loras": 2, "max_num_batched_tokens": 8}):
         llm = world.llm(**options)

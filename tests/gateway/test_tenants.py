@@ -203,10 +203,13 @@ async def test_a_stream_holds_its_slot_until_its_client_goes(call, tserver):
     async with httpx.AsyncClient(base_url=tserver.url, timeout=60, headers=bearer(key)) as c:
         async with c.stream("POST", "/v1/completions", json=body) as stream:
             assert stream.status_code == 200
-            async for _ in stream.aiter_lines():
-                break  # the stream runs; its slot is taken
+            # Held by name: `async for ... break` would drop the line iterator, and asyncio's
+            # finalizer would then close it (and the connection) while the next request is sent.
+            lines = stream.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")  # the stream runs; its slot is taken
             refused = await c.post("/v1/completions", json={**BODY, "model": "shared"})
-            assert refused.status_code == 429
+            assert refused.status_code == 429, refused.text
+            await lines.aclose()
         deadline = time.monotonic() + 5  # the client went away: the slot comes back
         while True:
             again = await c.post("/v1/completions", json={**BODY, "model": "shared"})
