@@ -63,6 +63,7 @@ class Plan:
 
 
 EMPTY_PLAN = Plan({}, 0, {})
+DEFAULT_SETTINGS = PlanSettings()
 
 
 def copies_needed(demand: Demand, per_copy: float, replicas: int, previous: int,
@@ -87,7 +88,7 @@ def rendezvous(adapter: str, replica: str) -> int:
 
 def plan(demand: Mapping[str, Demand], replicas: Sequence[ReplicaCapacity],
          sizes: Mapping[str, int], previous: Plan = EMPTY_PLAN,
-         settings: PlanSettings = PlanSettings()) -> Plan:
+         settings: PlanSettings = DEFAULT_SETTINGS) -> Plan:
     """The placement for `demand` on `replicas` (see the module doc). Adapters without a size
     (not in the catalog) or without demand are left out: the router places them on first use."""
     by_id = {r.replica_id: r for r in replicas}

@@ -9,6 +9,7 @@ import math
 import random
 
 import pytest
+from fleet_harness import redis_fixture
 
 from loragw.adapters.registry import ReplicaState
 from loragw.gateway.fleet.placement import (
@@ -17,6 +18,7 @@ from loragw.gateway.fleet.placement import (
     copies_needed,
     plan,
 )
+from loragw.gateway.fleet.planner import LEASE_MS, Planner
 from loragw.gateway.residency.demand import Demand, DemandWindow, fleet_demand, published
 
 MB = 1 << 20
@@ -146,3 +148,37 @@ def test_a_replica_publishes_the_demand_it_served(server, http):
     usage = r.json()["usage"]
     assert demand["lora-3"].requests_per_s >= 3 / 60
     assert demand["lora-3"].tokens_per_s >= 3 * usage["total_tokens"] / 60
+
+
+# ---- the planner: one replica plans under a lease in Redis, the others read ----------------
+@pytest.fixture
+def redis_url(tmp_path):
+    server = redis_fixture.RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.kill()
+
+
+def test_one_replica_plans_and_the_others_read_it_and_a_successor_takes_over(redis_url):
+    demand = {"hot": Demand(2.5 * PER_COPY), "cold": Demand(0.1 * PER_COPY)}
+    sizes = {"hot": 8 * MB, "cold": 8 * MB}
+
+    async def run():
+        first, second = (Planner(redis_url.url, "t:", rid, SETTINGS) for rid in ("r1", "r2"))
+        planned = await first.tick(demand, fleet(4), sizes)
+        read = await second.tick({}, [], {})  # a follower does not plan: it reads
+        assert first.leader and not second.leader
+        assert read == planned and second.plan.copies("hot") == 3
+        assert planned.leader == "r1" and planned.demand["hot"][0] == demand["hot"].tokens_per_s
+        # the planner stops ticking (it died): its lease lapses and the next tick takes over
+        await asyncio.sleep(LEASE_MS / 1000 + 0.2)
+        taken = await second.tick(demand, fleet(4), sizes)
+        assert second.leader and taken.leader == "r2"
+        assert taken.assignments == planned.assignments  # the plan it inherited stays
+        redis_url.kill()  # Redis away: both keep what they hold
+        assert await second.tick(demand, fleet(4), sizes) == taken and not second.leader
+        assert (await first.tick(demand, fleet(4), sizes)).assignments == planned.assignments
+        for p in (first, second):
+            await p.close()
+
+    asyncio.run(run())
