@@ -78,6 +78,13 @@ class ReplicaState:
     # (adapter id, tokens/s, requests/s) it served over the last minute, its busiest first
     # (gateway/residency/demand.py): what the fleet's placement plan is computed from
     demand: tuple[tuple[str, float, float], ...] = ()
+    # What the placement plan sizes it by (gateway/fleet/placement.py): the ids of `held` in
+    # host memory (the rest are on disk only), the tokens/s it carries at full load (0: not
+    # known yet), its device slot memory for adapters, and one LoRA rank's share of that memory
+    host: tuple[str, ...] = ()
+    tokens_per_s: float = 0.0
+    slot_bytes: int = 0
+    rank_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from loragw.adapters.errors import short_name
 from loragw.gateway.admin.adapters import AdminController
 from loragw.gateway.admin.aliases import AliasController
+from loragw.gateway.admin.placement import PlacementController
 from loragw.gateway.admin.tenants import AuditController, TenantKeyController
 from loragw.gateway.common.config import MB, ServerConfig
 from loragw.gateway.fleet.router import served_by_hook
@@ -189,7 +190,8 @@ def create_app(config: ServerConfig, services: Services | None = None,
     return Litestar(
         route_handlers=[OpenAIController, ResponsesController, UtilityController,
                         AdapterLoadController, OpsController, AdminController,
-                        TenantKeyController, AuditController, AliasController],
+                        TenantKeyController, AuditController, AliasController,
+                        PlacementController],
         lifespan=[services.lifespan] if owned else [],
         state=State({"config": config, "tenants": services.tenants, "services": services}),
         dependencies=services.dependencies(config),

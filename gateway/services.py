@@ -31,6 +31,7 @@ from loragw.engine.api import (
     try_load_tokenizer,
 )
 from loragw.gateway.common.config import ServerConfig
+from loragw.gateway.fleet.placing import Placement
 from loragw.gateway.fleet.router import Router
 from loragw.gateway.http.capacity import Capacity
 from loragw.gateway.http.served import ServedModel
@@ -68,7 +69,8 @@ class Services:
         self.readiness = Readiness()
         self.tracing = start_tracing(config)  # None without --otlp-traces-endpoint
         self.tenants = Tenants(config, self.metrics)  # keys, limits, audit: started first
-        self.demand = DemandWindow()  # counted as requests end, published in the heartbeat
+        # counted as requests end, published in the heartbeat
+        self.demand = DemandWindow(config.demand_window_s, config.replica_tokens_per_s)
         self.capacity = Capacity(config.max_capacity, self.metrics, self.tenants, self.demand)
         self.started_at = int(time.time())
         # built by start(), in this order; None until then
@@ -76,6 +78,7 @@ class Services:
         self.info: EngineInfo | None = None
         self.served: ServedModel | None = None
         self.adapters: AdapterManager | None = None
+        self.placement: Placement | None = None
         self.router: Router | None = None
         self.admission: Admission | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -101,7 +104,7 @@ class Services:
                     for name, value in values.items()}
         # the names are not fields of any request body: Litestar takes a body error at a field
         # named as a dependency for the dependency's (a 500)
-        for name in ("engine", "adapters", "admission", "served"):
+        for name in ("engine", "adapters", "admission", "served", "placement"):
             provided[name] = Provide(started(name), sync_to_thread=False)
         provided["residencies"] = Provide(self.residencies)
         return provided
@@ -149,8 +152,11 @@ class Services:
                                                tracing=self.tracing, check_chat=chats.check,
                                                demand=self.demand)
                 await self.adapters.start()
+                self.placement = Placement(self.adapters, self.metrics, config.redis_url)
+                self.placement.start()
                 self.router = Router(self.adapters.registry, self.adapters.replica_id,
-                                     fleet=bool(config.redis_url), tracing=self.tracing)
+                                     fleet=bool(config.redis_url), tracing=self.tracing,
+                                     copies=self.placement.copies)
                 await self._stack.enter_async_context(self.router.running())
                 self.admission = Admission(self.engine, self.adapters, self.router, self.tenants,
                                            self.capacity, self.metrics, self.tracing, self.served,
@@ -200,6 +206,8 @@ class Services:
         await self._stack.aclose()
         if self.readiness.watchdog is not None:
             await self.readiness.watchdog.stop()
+        if self.placement is not None:
+            await self.placement.close()
         if self.adapters is not None:
             await self.adapters.close()
         await self.tenants.close()

@@ -52,6 +52,11 @@ class ServerConfig(EngineOptions):
                                     "host name)")
     advertise_url: str | None = option(None, "URL other replicas and the router use to reach "
                                        "this one")
+    replica_tokens_per_s: float = option(
+        0.0, "tokens/s this replica serves at full load, what fleet placement sizes each "
+        "adapter's copies by (0: measured while it is saturated)")
+    demand_window_s: float = option(60.0, "seconds of traffic each adapter's demand is "
+                                    "averaged over (fleet placement)")
     api_key: str | None = option(None, "Bearer key required on /v1/*")
     admin_key: str | None = option(None, "Bearer key required on /admin/* and adapter "
                                    "load/unload")
@@ -130,13 +135,16 @@ class ServerConfig(EngineOptions):
                 raise ValueError(f"{self.option_name(name)} must be at least 1, got "
                                  f"{getattr(self, name)}")
         for name in ("upload_timeout_s", "body_seconds_per_mb", "health_timeout_s",
-                     "tenant_key_cache_s"):
+                     "tenant_key_cache_s", "demand_window_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{self.option_name(name)} must be positive, got "
                                  f"{getattr(self, name)}")
         if self.metrics_max_adapters < 0:
             raise ValueError(f"--metrics-max-adapters must be at least 0, got "
                              f"{self.metrics_max_adapters}")
+        if not 0 <= self.replica_tokens_per_s < float("inf"):
+            raise ValueError(f"--replica-tokens-per-s must be at least 0 (0: measured), got "
+                             f"{self.replica_tokens_per_s}")
         if self.max_waiting < 0:
             raise ValueError(f"--max-waiting must be at least 0, got {self.max_waiting}")
         if self.tensor_parallel_size > 1 and not self.engine_process:

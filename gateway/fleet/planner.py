@@ -33,7 +33,8 @@ from loragw.gateway.residency.demand import Demand
 
 logger = logging.getLogger(__name__)
 
-LEASE_MS = 3000  # three heartbeats: a planner that misses them is replaced
+LEASE_MS = 1500  # three ticks (gateway/fleet/placing.py): a dead planner is replaced within
+# one registry heartbeat of its last renewal (a closing one gives the lease up at once)
 REDIS_TIMEOUT_S = 1.0
 REDIS_ERRORS = (RedisError, OSError)
 
@@ -44,6 +45,10 @@ if holder == false or holder == ARGV[1] then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
   return 1
 end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
 
@@ -77,6 +82,7 @@ class Planner:
                       if redis_url else None)
         self.key, self.lease_key = f"{prefix}placement", f"{prefix}placement:lease"
         self._lease = self.redis.register_script(_LEASE) if self.redis else None
+        self._release = self.redis.register_script(_RELEASE) if self.redis else None
         self.record: PlanRecord | None = None  # the plan this replica holds now
         self.leader = False
         self._away = False
@@ -122,4 +128,9 @@ class Planner:
 
     async def close(self) -> None:
         if self.redis is not None:
+            if self.leader:
+                try:
+                    await self._release(keys=[self.lease_key], args=[self.replica_id])
+                except REDIS_ERRORS:
+                    pass  # it lapses within LEASE_MS
             await self.redis.aclose()

@@ -1,7 +1,9 @@
 """Adapter-affinity routing: send each request to the replica that already holds its adapter.
 
-Every replica scores every live replica in the registry (`score`), and `choose` picks a remote
-one only when it beats serving here by `FORWARD_MARGIN`. `Router.route` then proxies the
+Every replica scores every live replica in the registry (`score`: the adapter's tier there,
+less its queue), and `choose` picks a remote one only when it beats serving here by
+`FORWARD_MARGIN`; an adapter the placement plan gives copies goes to one of them instead
+(gateway/fleet/placing.py: spread, or by `user`). `Router.route` then proxies the
 request there (body, headers and auth as received, plus `X-LoRAGW-Forwarded`), streaming the
 upstream bytes back as they arrive. An adapter this replica cannot fetch (an upload without a
 shared store) goes to the replicas that hold it instead, best first; when none answers, a 503
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
@@ -30,6 +33,7 @@ from litestar.response import Stream
 
 from loragw.adapters.registry import Registry, ReplicaState
 from loragw.gateway.common.errors import LIMIT_HEADER, APIError
+from loragw.gateway.fleet.placement import rendezvous
 from loragw.gateway.tenants.forwarding import IDENTITY_HEADER
 
 if TYPE_CHECKING:  # imported only when tracing
@@ -40,8 +44,11 @@ logger = logging.getLogger(__name__)
 FORWARDED_HEADER = "x-loragw-forwarded"  # value: the replica id that forwarded the request
 SERVED_BY_HEADER = "x-served-by"  # value: the replica id whose engine generated the response
 
-# Affinity scores (gateway-api-inference-extension's LoRA scorer).
+# Affinity scores (gateway-api-inference-extension's LoRA scorer), by the tier the adapter is
+# in there: device > host > disk > store (a free slot to fetch it into) > none.
 SCORE_RESIDENT = 1.0  # adapter in a device slot (or the base model: always resident)
+SCORE_HOST = 0.9  # in host memory: a slot fill
+SCORE_DISK = 0.85  # on its disk: a read and parse, then a slot fill
 SCORE_FREE_SLOT = 0.8  # an empty device slot: a load, but no eviction
 SCORE_LOADING = 0.6  # the adapter is being loaded there right now
 SCORE_NONE = 0.0  # every slot taken by other adapters: a load and an eviction
@@ -50,6 +57,10 @@ SCORE_NONE = 0.0  # every slot taken by other adapters: a load and an eviction
 QUEUE_PENALTY = 0.05
 # Forward only when the best remote replica beats this one by more than this; ties stay local.
 FORWARD_MARGIN = 0.1
+# An adapter the placement plan gives copies: each request goes to one of the copies scoring
+# within this of the best (a request's `user` always to the same one, by rendezvous hash; else
+# drawn), so its traffic spreads over them while none queues much deeper than the rest.
+SPREAD_SLACK = 0.25
 # How long one read of the registry's replica states is reused (a Redis round trip each).
 STATES_CACHE_S = 0.2
 
@@ -69,6 +80,10 @@ def score(state: ReplicaState, adapter: str | None) -> float:
         base = SCORE_RESIDENT
     elif adapter in state.loading:
         base = SCORE_LOADING
+    elif adapter in state.host:
+        base = SCORE_HOST
+    elif adapter in state.held:
+        base = SCORE_DISK
     elif state.free_slots > 0:
         base = SCORE_FREE_SLOT
     else:
@@ -76,13 +91,24 @@ def score(state: ReplicaState, adapter: str | None) -> float:
     return base - QUEUE_PENALTY * state.queue_depth
 
 
-def choose(states: list[ReplicaState], self_id: str, adapter: str | None) -> ReplicaState | None:
+def choose(states: list[ReplicaState], self_id: str, adapter: str | None,
+           copies: tuple[str, ...] = (), user: str | None = None,
+           rng: random.Random | None = None) -> ReplicaState | None:
     """The remote replica to forward to, or None to serve here. Unknown local state (not yet
-    published) serves here: we cannot tell whether forwarding would help."""
+    published) serves here: we cannot tell whether forwarding would help. `copies`: the
+    replicas the placement plan assigns `adapter` (spread over, see SPREAD_SLACK)."""
     local = next((s for s in states if s.replica_id == self_id), None)
     remotes = [s for s in states if s.replica_id != self_id and s.url]
     if local is None or not remotes:
         return None
+    planned = [s for s in states if s.replica_id in copies and (s.url or s is local)]
+    if adapter is not None and planned:
+        best = max(score(s, adapter) for s in planned)
+        ready = sorted((s for s in planned if score(s, adapter) >= best - SPREAD_SLACK),
+                       key=lambda s: s.replica_id)
+        pick = (max(ready, key=lambda s: rendezvous(f"{adapter}\0{user}", s.replica_id))
+                if user else (rng or random).choice(ready))
+        return None if pick is local else pick
     best = max(remotes, key=lambda s: (score(s, adapter), s.replica_id))
     if score(best, adapter) > score(local, adapter) + FORWARD_MARGIN:
         return best
@@ -95,8 +121,10 @@ class Router:
     With `tracing`, each forward is a CLIENT span whose `traceparent` the target continues."""
 
     def __init__(self, registry: Registry, replica_id: str, fleet: bool,
-                 tracing: Tracing | None = None):
+                 tracing: Tracing | None = None,
+                 copies: Callable[[str], tuple[str, ...]] = lambda adapter: ()):
         self.registry, self.replica_id, self.fleet = registry, replica_id, fleet
+        self.copies = copies  # adapter -> the replicas the placement plan assigns it
         self.tracing = tracing
         self.client: httpx.AsyncClient | None = None
         self._states: list[ReplicaState] = []
@@ -115,14 +143,16 @@ class Router:
     async def route(self, request: Request, adapter: str | None, here: bool = True,
                     holders: tuple[str, ...] = (),
                     identity: Callable[[bytes], str] | None = None,
-                    extra: Mapping[str, str] | None = None) -> Response | None:
+                    extra: Mapping[str, str] | None = None,
+                    user: str | None = None) -> Response | None:
         """The forwarded response for this completion request (for `adapter`, None: the base
         model), or None to serve it here. `here`: this replica can serve it; if not, only the
         replicas in `holders` can, and a 503 says so when none of them answers. `here` with
         `holders`: they are tried first (best first, not by affinity), then this replica.
         `identity(body)`: the caller's signed identity, sent in place of its Authorization
         (gateway/tenants/forwarding.py); a client's own identity header never travels on.
-        `extra`: headers added to a forward (an alias's drawn target)."""
+        `extra`: headers added to a forward (an alias's drawn target). `user`: the request's,
+        which keeps a user's requests on one of the adapter's copies."""
         headers = {k: v for k, v in request.headers.items() if k.lower() != IDENTITY_HEADER}
         headers |= extra or {}
         rid = request.scope.get("state", {}).get("request_id")
@@ -132,7 +162,8 @@ class Router:
         if self.fleet and self.client is not None and not _has_header(headers, FORWARDED_HEADER):
             states = await self.states()
             if here and not holders:
-                target = choose(states, self.replica_id, adapter)
+                copies = self.copies(adapter) if adapter is not None else ()
+                target = choose(states, self.replica_id, adapter, copies, user)
                 candidates = [target] if target is not None else []
             else:
                 candidates = sorted((s for s in states if s.replica_id in holders and s.url

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import Counter as Tally
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -78,6 +78,12 @@ class Metrics:
         self.tenant_rate_limited = Counter("loragw_tenant_rate_limited", "Requests refused "
                                            "with 429 by a key's limit, by tenant and limit",
                                            ["tenant", "limit"], registry=r)
+        # the fleet's placement plan as this replica holds it (gateway/fleet/placing.py): the
+        # copies of its --metrics-max-adapters busiest adapters, and the moves it made
+        self.adapter_copies = Gauge("loragw_adapter_copies", "Replicas the placement plan "
+                                    "assigns each adapter", ["adapter"], registry=r)
+        self.placement_moves = Counter("loragw_placement_moves", "New (adapter, replica) pairs "
+                                       "in the placement plans this replica computed", registry=r)
         self.tiers = TierStats()
         self.snapshot: EngineSnapshot | None = None  # set by the /metrics handler per scrape
         self.residency: dict[str, str] = {}  # adapter -> tier here, set with the snapshot

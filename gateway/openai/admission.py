@@ -211,7 +211,7 @@ async def admit(request: Request, data: SamplingRequest, admission: Admission, k
     forwarded = await admission.router.route(
         request, location.adapter_id, location.here, location.holders,
         identity(admission.tenants, caller, request),
-        {ALIAS_TARGET_HEADER: target} if target != data.model else None)
+        {ALIAS_TARGET_HEADER: target} if target != data.model else None, data.user)
     if forwarded is not None:
         state["forwarded"] = True  # answered (and counted) by the replica that served it
         return forwarded

@@ -31,9 +31,34 @@ class Demand:
     requests_per_s: float = 0.0
 
 
+class FullLoadRate:
+    """The tokens/s this replica serves at full load, measured: its served rate between two
+    heartbeats in which requests waited (the engine took all it could), smoothed. 0 until it
+    has been saturated once; a configured rate (--replica-tokens-per-s) replaces it."""
+
+    SMOOTHING = 0.3  # weight of the newest saturated interval
+
+    def __init__(self, configured: float = 0.0):
+        self.configured, self.measured = configured, 0.0
+        self._last: tuple[float, int] | None = None  # (time, total tokens) at the last look
+
+    def observe(self, total_tokens: int, saturated: bool, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        last, self._last = self._last, (now, total_tokens)
+        if saturated and last is not None and now > last[0] and total_tokens > last[1]:
+            rate = (total_tokens - last[1]) / (now - last[0])
+            self.measured = rate if not self.measured else (
+                self.SMOOTHING * rate + (1 - self.SMOOTHING) * self.measured)
+        return self.configured or self.measured
+
+
 class DemandWindow:
-    def __init__(self, window_s: float = WINDOW_S, bucket_s: float = BUCKET_S):
-        self.window_s, self.bucket_s = window_s, bucket_s
+    def __init__(self, window_s: float = WINDOW_S, tokens_per_s: float = 0.0,
+                 bucket_s: float | None = None):
+        self.window_s = window_s
+        self.bucket_s = bucket_s or min(BUCKET_S, window_s / 12)
+        self.total_tokens = 0  # ever recorded: what `full_load` differentiates
+        self.full_load = FullLoadRate(tokens_per_s)  # configured, else measured (0: not yet)
         # (bucket start, adapter -> [requests, tokens]) oldest first
         self._buckets: deque[tuple[float, dict[str, list[int]]]] = deque()
 
@@ -45,6 +70,7 @@ class DemandWindow:
         counts = self._buckets[-1][1][adapter]
         counts[0] += 1
         counts[1] += tokens
+        self.total_tokens += tokens
         self._expire(now)
 
     def rates(self, now: float | None = None, top: int | None = None) -> dict[str, Demand]:

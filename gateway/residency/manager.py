@@ -68,7 +68,7 @@ class AdapterManager:
         # adapters are keyed by base model: another base's are not this server's to list,
         # serve or forward to (adapters/base_identity.py)
         self.base = base_identity(engine.adapter_spec, config.model_name)
-        prefix = f"{REGISTRY_PREFIX}{self.base.key}:"
+        self.registry_prefix = prefix = f"{REGISTRY_PREFIX}{self.base.key}:"
         self.registry = make_registry(config.redis_url, self.replica_id, prefix=prefix)
         self.aliases = AliasBook.open(config.redis_url, prefix)  # this base's, fleet-wide
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -77,7 +77,7 @@ class AdapterManager:
         self.catalog = FleetCatalog(self.registry, self.tiers, self.pinned, self._locks,
                                     self.replica_id, shared=bool(config.redis_url))
         self._publisher: asyncio.Task | None = None
-        self.demand = demand or DemandWindow()
+        self.demand = demand or DemandWindow(config.demand_window_s, config.replica_tokens_per_s)
 
     @property
     def records(self) -> dict[str, AdapterRecord]:
@@ -153,9 +153,9 @@ class AdapterManager:
             async with self._locks[adapter_id]:
                 if adapter_id not in self.records:
                     await self._add(adapter_id, location.source, conflict=None, replace=False)
-        await self._ensure_in_engine(adapter_id)
+        await self.ensure_in_engine(adapter_id)
 
-    async def _ensure_in_engine(self, adapter_id: str) -> None:
+    async def ensure_in_engine(self, adapter_id: str) -> None:
         """Remote/disk -> host once: concurrent callers for a cold adapter wait on one load."""
         async with self._locks[adapter_id]:
             with self.store_health.watching():  # down: the next requests go to its holders
@@ -201,7 +201,7 @@ class AdapterManager:
             await self.catalog.refresh(adapter_id)
             async with self._locks[adapter_id]:
                 await self._add(adapter_id, source, conflict=400, replace=replace, owner=owner)
-        await self._ensure_in_engine(adapter_id)
+        await self.ensure_in_engine(adapter_id)
         await self.tiers.to_device(adapter_id)
         await self.publish()
         return await self.get(adapter_id)
@@ -243,7 +243,7 @@ class AdapterManager:
         return await self.get(adapter_id)
 
     async def pin(self, adapter_id: str, pinned: bool = True) -> AdapterInfo:
-        await self._ensure_in_engine(adapter_id)
+        await self.ensure_in_engine(adapter_id)
         await self.tiers.pin(adapter_id, pinned)
         return await self.get(adapter_id)
 
@@ -288,7 +288,7 @@ class AdapterManager:
         """This replica's residency (slots and beyond), loads, slots, queue depth, demand."""
         await self.registry.publish_state(replica_state(
             self.replica_id, self.url, await self.engine.snapshot(), self.records,
-            self.tiers.loading, self.demand))
+            self.tiers.loading, self.demand, self.engine.adapter_spec))
 
     async def _heartbeat(self) -> None:
         while True:

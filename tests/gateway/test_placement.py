@@ -7,19 +7,30 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import time
 
 import pytest
 from fleet_harness import redis_fixture
 
 from loragw.adapters.registry import ReplicaState
+from loragw.adapters.types import BaseModelSpec
 from loragw.gateway.fleet.placement import (
     PlanSettings,
     ReplicaCapacity,
     copies_needed,
     plan,
 )
+from loragw.gateway.fleet.placing import capacities
 from loragw.gateway.fleet.planner import LEASE_MS, Planner
-from loragw.gateway.residency.demand import Demand, DemandWindow, fleet_demand, published
+from loragw.gateway.fleet.router import choose, score
+from loragw.gateway.residency.demand import (
+    Demand,
+    DemandWindow,
+    FullLoadRate,
+    fleet_demand,
+    published,
+)
+from loragw.gateway.residency.heartbeat import rank_bytes
 
 MB = 1 << 20
 SETTINGS = PlanSettings(target_utilization=0.5, hysteresis=0.25, max_moves=100_000)
@@ -182,3 +193,105 @@ def test_one_replica_plans_and_the_others_read_it_and_a_successor_takes_over(red
             await p.close()
 
     asyncio.run(run())
+
+
+def test_a_closing_planner_hands_the_lease_over_at_once(redis_url):
+    async def run():
+        first, second = (Planner(redis_url.url, "t:", rid, SETTINGS) for rid in ("r1", "r2"))
+        await first.tick({}, fleet(2), {})
+        await second.tick({}, fleet(2), {})
+        assert first.leader and not second.leader
+        await first.close()  # a scale-down: no waiting for the lease to lapse
+        await second.tick({}, fleet(2), {})
+        assert second.leader
+        await second.close()
+
+    asyncio.run(run())
+
+
+# ---- what a replica publishes for placement, and how the plan's copies are routed -----------
+def test_full_load_rate_is_measured_only_while_saturated_unless_configured():
+    rate = FullLoadRate()
+    assert rate.observe(0, saturated=True, now=0.0) == 0.0  # the first look: no interval yet
+    assert rate.observe(500, saturated=False, now=1.0) == 0.0  # idle: says nothing of the peak
+    assert rate.observe(1500, saturated=True, now=2.0) == 1000.0
+    assert rate.observe(2100, saturated=True, now=3.0) == pytest.approx(0.3 * 600 + 0.7 * 1000)
+    assert FullLoadRate(250.0).observe(10_000, saturated=True, now=1.0) == 250.0
+
+
+def test_rank_bytes_count_every_projection_of_every_layer():
+    spec = BaseModelSpec(num_layers=2, module_shapes={
+        "q_proj": (64, 64), "v_proj": (32, 64), "embed_tokens": (64, 1000),
+        "lm_head": (1000, 64)}, max_lora_rank=8, dtype="bfloat16")
+    assert rank_bytes(spec) == 2 * ((64 + 64) + (32 + 64)) * 2  # no vocabulary ends
+
+
+def test_capacities_fill_in_unknown_rates_and_name_what_each_replica_holds():
+    def state(rid, rate, **held):
+        return ReplicaState(rid, f"http://{rid}", held.get("resident", ()), (), 0, 0, 0.0,
+                            held=held.get("held", ()), host=held.get("host", ()),
+                            tokens_per_s=rate, slot_bytes=MB)
+
+    known = capacities([state("a", 100.0, resident=("x",)), state("b", 0.0, held=("y", "z"),
+                                                                    host=("y",))])
+    assert [c.tokens_per_s for c in known] == [100.0, 100.0]  # the mean of the known ones
+    assert known[0].held == {"x": "device"} and known[1].held == {"y": "host", "z": "disk"}
+    unknown = capacities([state("a", 0.0), state("b", 0.0)])
+    assert all(math.isinf(c.tokens_per_s) for c in unknown)
+    # unknown rates: one copy each, whatever the demand
+    made = plan({"hot": Demand(1e6)}, unknown, {"hot": 1})
+    assert made.copies("hot") == 1
+
+
+def _state(rid: str, resident=(), host=(), held=(), free_slots=1, queue_depth=0) -> ReplicaState:
+    return ReplicaState(rid, f"http://{rid}", tuple(resident), (), free_slots, queue_depth, 0.0,
+                        held=tuple(held), host=tuple(host))
+
+
+def test_tiers_order_the_scores():
+    scores = [score(_state("x", resident=["a"]), "a"), score(_state("x", host=["a"], held=["a"]),
+              "a"), score(_state("x", held=["a"]), "a"), score(_state("x"), "a"),
+              score(_state("x", free_slots=0), "a")]
+    assert scores == sorted(scores, reverse=True) and len(set(scores)) == 5
+
+
+def test_a_planned_adapter_spreads_over_its_copies_and_a_user_stays_on_one():
+    states = [_state("r1", resident=["a"]), _state("r2", host=["a"], held=["a"]),
+              _state("r3", resident=["a"]), _state("r4", resident=["a"])]
+    copies = ("r1", "r2", "r3")  # r4 holds it too, but the plan does not send it there
+    rng = random.Random(0)
+    picked = [choose(states, "r1", "a", copies, rng=rng) for _ in range(300)]
+    counts = {rid: sum((p.replica_id if p else "r1") == rid for p in picked) for rid in copies}
+    assert all(60 < n < 140 for n in counts.values()), counts
+    for user in ("alice", "bob", "carol"):
+        assert len({getattr(choose(states, "r1", "a", copies, user), "replica_id", "r1")
+                    for _ in range(20)}) == 1
+    users = {getattr(choose(states, "r1", "a", copies, f"u{i}"), "replica_id", "r1")
+             for i in range(60)}
+    assert users == set(copies)
+    # a copy whose queue runs deep is left out until it drains
+    deep = [*states[:2], _state("r3", resident=["a"], queue_depth=10), states[3]]
+    assert all(getattr(choose(deep, "r1", "a", copies, rng=rng), "replica_id", "r1") != "r3"
+               for _ in range(100))
+
+
+def test_one_replica_plans_for_itself_and_shows_it(server, http):
+    for _ in range(2):
+        assert http.post("/v1/completions", json={"model": "lora-2", "prompt": "hi",
+                                                   "max_tokens": 2}).status_code == 200
+    adapters = server.services.adapters
+    asyncio.run_coroutine_threadsafe(adapters.publish(), server.services.loop).result(30)
+
+    def shown() -> dict:
+        r = http.get("/admin/placement")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    deadline = time.monotonic() + 10
+    while not any(row["adapter"] == "lora-2" for row in shown()["adapters"]):
+        assert time.monotonic() < deadline, shown()
+        time.sleep(0.1)
+    view = shown()
+    assert view["object"] == "placement" and view["leader"]  # no Redis: it plans for itself
+    row = next(row for row in view["adapters"] if row["adapter"] == "lora-2")
+    assert row["replicas"] == [view["replica"]] and row["requests_per_s"] > 0
