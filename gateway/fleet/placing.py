@@ -2,17 +2,19 @@
 plan or read: gateway/fleet/planner.py) with what the replicas' heartbeats say, and makes its
 own share of the plan true:
 
-    assigned here, not in memory   fetched and parsed into host memory ahead of its requests
-                                   (PREFETCH_PER_TICK at a time, so a new plan's burst of
-                                   prefetches does not starve the requests in flight)
-    no longer assigned here        let go from memory, down to disk, unless a request runs on
-                                   it or it is pinned (the engine refuses those: tried again
+    newly assigned here            fetched and parsed into host memory ahead of its requests,
+                                   and into a slot if one is free or idle, unless it is in
+                                   memory already (PREFETCH_PER_TICK at a time: a new plan's
+                                   burst does not starve the requests in flight; once: an
+                                   operator's evict afterwards stands)
+    assigned elsewhere, no longer  let go from memory, down to disk, unless a request runs on
+    here                           it or it is pinned (the engine refuses those: tried again
                                    on the next tick while the plan still says so)
 
-Adapters the plan never named are the engine's LRU's to keep or evict, as before. The router
-(gateway/fleet/router.py) reads `plan` to send each request to one of its adapter's copies;
-GET /admin/placement shows `view()`; loragw_adapter_copies and loragw_placement_moves_total
-export the plan.
+Adapters the plan does not name (never, or no longer: no demand left) are the engine's LRU's
+to keep or evict, as before. The router (gateway/fleet/router.py) asks `copies` to send each
+request to one of its adapter's copies; GET /admin/placement (gateway/admin/placement.py)
+shows the plan held; loragw_adapter_copies and loragw_placement_moves_total export it.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class Placement:
         self._mine: set[str] = set()  # what the plan assigned here at the last tick
         self._copies: set[str] = set()  # adapters with a copies series exported
         self._prefetching: set[str] = set()
+        self._pending: set[str] = set()  # newly assigned here, not prefetched yet
         self.plan: Plan = EMPTY_PLAN  # the plan held now, as of the last tick
 
     def copies(self, adapter: str) -> tuple[str, ...]:
@@ -116,14 +119,19 @@ class Placement:
         records = self.manager.records
         mine = {a for a, rs in plan.assignments.items() if self.replica_id in rs and a in records}
         tiers = (await self.manager.engine.snapshot()).residency
-        cold = sorted(a for a in mine if tiers.get(a, "disk") not in IN_MEMORY
-                      and a not in self.manager.tiers.loading and a not in self._prefetching)
+        self._pending = (self._pending | (mine - self._mine)) & mine
+        cold = sorted(a for a in self._pending if a not in self.manager.tiers.loading
+                      and a not in self._prefetching)
         for adapter in cold[:PREFETCH_PER_TICK]:
+            self._pending.discard(adapter)
+            if tiers.get(adapter, "disk") in IN_MEMORY:
+                continue
             self._prefetching.add(adapter)
             asyncio.create_task(self._prefetch(adapter, in_engine=records[adapter].in_engine))
         for adapter in sorted(self._mine - mine):
             record = records.get(adapter)
-            if record is None or tiers.get(adapter) not in IN_MEMORY or record.pinned:
+            if (adapter not in plan.assignments  # no demand left: the engine's LRU decides
+                    or record is None or tiers.get(adapter) not in IN_MEMORY or record.pinned):
                 continue
             try:
                 await self.manager.tiers.evict(adapter)
@@ -144,14 +152,3 @@ class Placement:
             logger.warning("placement: prefetch of %s failed: %s", adapter, exc)
         finally:
             self._prefetching.discard(adapter)
-
-    def view(self) -> dict:
-        """GET /admin/placement: the plan this replica holds and the demand it came from."""
-        record = self.planner.record
-        return {"replica": self.replica_id, "leader": self.planner.leader,
-                "plan": None if record is None else {
-                    "assignments": record.assignments, "load_tokens_per_s": record.load,
-                    "moves": record.moves, "unplaced": record.unplaced,
-                    "computed_by": record.leader, "computed_at": record.computed_at,
-                    "demand": {a: {"tokens_per_s": t, "requests_per_s": r}
-                               for a, (t, r) in record.demand.items()}}}
