@@ -115,8 +115,47 @@ def measure(name: str, model_dir: str, work: str, store: ObjectStore) -> dict:
     llm.evict_adapter("cold2")  # disk tier: the engine re-reads it on first use
     cold_s = ttft(llm, "cold2")
     resident_s = min(ttft(llm, "cold") for _ in range(3))
+    misses = tier_misses(llm, fetched.path, adapter)
     return dict(name=name, mb=size_mb, hub=hub_s, s3=s3_s, host=host_s, device=device_s,
-                cold=cold_s, resident=resident_s)
+                cold=cold_s, resident=resident_s, **misses)
+
+
+def tier_misses(llm: LLMEngine, path: str, adapter, repeats: int = 7) -> dict:
+    """Median TTFT of a request whose adapter is in host memory (a slot fill on its way) and of
+    one whose adapter is on disk (a read and parse first), each less the resident TTFT measured
+    between them, against the bare copy of the adapter's bytes: host -> host memcpy of its
+    tensors, and a read of its safetensors file (from the page cache, as a replica reads a file
+    it wrote)."""
+    tensors = [m.lora_a for m in adapter.modules.values()] + [
+        m.lora_b for m in adapter.modules.values()]
+    weights = os.path.join(path, "adapter_model.safetensors")
+
+    def bare_copy() -> float:
+        t0 = time.perf_counter()
+        for x in tensors:
+            torch.empty_like(x).copy_(x)
+        return time.perf_counter() - t0
+
+    def bare_read() -> float:
+        t0 = time.perf_counter()
+        with open(weights, "rb") as f:
+            f.read()
+        return time.perf_counter() - t0
+
+    host, disk, resident = [], [], []
+    for i in range(repeats):
+        llm.add_adapter(f"h{i}", path, adapter)  # host memory, no slot
+        host.append(ttft(llm, f"h{i}"))
+        llm.add_adapter(f"d{i}", path, adapter)
+        llm.evict_adapter(f"d{i}")  # disk
+        disk.append(ttft(llm, f"d{i}"))
+        resident.append(ttft(llm, f"d{i}"))
+        for name in (f"h{i}", f"d{i}"):
+            llm.remove_adapter(name)
+    base = statistics.median(resident)
+    return dict(host_miss=statistics.median(host) - base, disk_miss=statistics.median(disk) - base,
+                copy=statistics.median(bare_copy() for _ in range(repeats)),
+                read=statistics.median(bare_read() for _ in range(repeats)), base=base)
 
 
 def main() -> None:
@@ -145,6 +184,13 @@ def main() -> None:
         s3_cell = f"{r['s3'] * 1e3:.1f} ({r['mb'] / r['s3']:.0f}; {r['s3'] * 1e3 / r['mb']:.1f})"
         print(f"| {r['name']} | {r['mb']:.2f} | {cell('hub')} | {s3_cell} | {cell('host')} | "
               f"{cell('device')} | {r['cold'] * 1e3:.1f} | {r['resident'] * 1e3:.1f} |")
+    print("\n| model | TTFT resident ms | host miss: + ms (bare memcpy ms, multiple) | disk miss: "
+          "+ ms (bare file read ms, multiple) |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['name']} | {r['base'] * 1e3:.1f} | {r['host_miss'] * 1e3:.1f} "
+              f"({r['copy'] * 1e3:.2f}, {r['host_miss'] / r['copy']:.1f}x) | "
+              f"{r['disk_miss'] * 1e3:.1f} ({r['read'] * 1e3:.2f}, "
+              f"{r['disk_miss'] / r['read']:.1f}x) |")
 
 
 if __name__ == "__main__":
