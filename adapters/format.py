@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -171,11 +172,18 @@ def parse_adapter(config_raw: bytes, weights_raw: bytes, spec: BaseModelSpec,
 
 def _check_finite(key: str, t: torch.Tensor, spec: BaseModelSpec) -> None:
     """Refuse a tensor holding NaN / inf, or values that become inf once cast to the served
-    dtype (spec.dtype; past float16's 65504, say): the engine would serve infs."""
-    if not bool(torch.isfinite(t).all()):
+    dtype (spec.dtype; past float16's 65504, say): the engine would serve infs. One pass
+    (aminmax: NaN propagates to both ends) and no temporaries: this runs on every load."""
+    if not t.numel():
+        return
+    lo, hi = (float(x) for x in torch.aminmax(t))  # exact: every float dtype fits a double
+    if not (math.isfinite(lo) and math.isfinite(hi)):
         raise AdapterError(f"tensor {_show(key)} contains NaN or infinite values")
     served = getattr(torch, spec.dtype)
-    peak = t.abs().max() if t.numel() else t.new_zeros(())  # its largest magnitude, exactly
+    if max(-lo, hi) <= torch.finfo(served).max:
+        return  # the common case, without a tensor op
+    # its largest magnitude, rounded once to the served dtype as the cast of t would round it
+    peak = torch.tensor(max(-lo, hi), dtype=torch.float64)
     if bool(torch.isinf(peak.to(served))):  # rounding is monotone: the largest overflows first
         wider = [f"--dtype {name}" for name in ("bfloat16", "float32") if name != spec.dtype
                  and not torch.isinf(peak.to(getattr(torch, name)))]
