@@ -27,11 +27,12 @@ class RawRequest:
         self.sock.sendall("\r\n".join(lines).encode("latin-1"))
 
     def send(self, data: bytes) -> bool:
-        """Write body bytes; False once the server has stopped reading (it answered early)."""
+        """Write body bytes; False once the server has stopped reading (it answered early) or
+        this side has closed the socket (the test read the answer meanwhile)."""
         try:
             self.sock.sendall(data)
             return True
-        except (BrokenPipeError, ConnectionResetError):
+        except OSError:  # broken pipe, reset, or a closed descriptor (EBADF)
             return False
 
     def send_chunk(self, data: bytes) -> bool:
