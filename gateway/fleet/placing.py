@@ -63,6 +63,7 @@ class Placement:
         self._copies: set[str] = set()  # adapters with a copies series exported
         self._prefetching: set[str] = set()
         self._pending: set[str] = set()  # newly assigned here, not prefetched yet
+        self._tasks: set[asyncio.Task] = set()  # prefetches in flight
         self.plan: Plan = EMPTY_PLAN  # the plan held now, as of the last tick
 
     def copies(self, adapter: str) -> tuple[str, ...]:
@@ -73,10 +74,11 @@ class Placement:
         self._task = asyncio.create_task(self._run())
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in [self._task, *self._tasks]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.planner.close()  # gives the lease up: the next planner takes over at once
 
     async def _run(self) -> None:
@@ -127,7 +129,9 @@ class Placement:
             if tiers.get(adapter, "disk") in IN_MEMORY:
                 continue
             self._prefetching.add(adapter)
-            asyncio.create_task(self._prefetch(adapter, in_engine=records[adapter].in_engine))
+            task = asyncio.create_task(self._prefetch(adapter, records[adapter].in_engine))
+            self._tasks.add(task)  # held: the loop keeps only weak references to tasks
+            task.add_done_callback(self._tasks.discard)
         for adapter in sorted(self._mine - mine):
             record = records.get(adapter)
             if (adapter not in plan.assignments  # no demand left: the engine's LRU decides
