@@ -59,7 +59,9 @@ QUEUE_PENALTY = 0.05
 FORWARD_MARGIN = 0.1
 # An adapter the placement plan gives copies: each request goes to one of the copies scoring
 # within this of the best (a request's `user` always to the same one, by rendezvous hash; else
-# drawn), so its traffic spreads over them while none queues much deeper than the rest.
+# drawn), so its traffic spreads over them while none queues much deeper than the rest; when
+# every copy scores this much below the best replica (their queues grew faster than the plan),
+# the request overflows by affinity.
 SPREAD_SLACK = 0.25
 # How long one read of the registry's replica states is reused (a Redis round trip each).
 STATES_CACHE_S = 0.2
@@ -102,8 +104,10 @@ def choose(states: list[ReplicaState], self_id: str, adapter: str | None,
     if local is None or not remotes:
         return None
     planned = [s for s in states if s.replica_id in copies and (s.url or s is local)]
-    if adapter is not None and planned:
-        best = max(score(s, adapter) for s in planned)
+    best = max((score(s, adapter) for s in planned), default=None)
+    # every copy queued deep (demand rose faster than the plan): overflow by affinity
+    if adapter is not None and best is not None and best >= max(
+            score(s, adapter) for s in states if s.url or s is local) - SPREAD_SLACK:
         ready = sorted((s for s in planned if score(s, adapter) >= best - SPREAD_SLACK),
                        key=lambda s: s.replica_id)
         pick = (max(ready, key=lambda s: rendezvous(f"{adapter}\0{user}", s.replica_id))

@@ -22,7 +22,8 @@ from loragw.adapters.registry import ReplicaState
 
 BUCKET_S = 5.0
 WINDOW_S = 60.0
-PUBLISHED = 256  # adapters a heartbeat carries rates for: the busiest (a state stays small)
+PUBLISHED = 256
+RECENT_BUCKETS = 2  # a rise shows within this many buckets; a fall fades over the window  # adapters a heartbeat carries rates for: the busiest (a state stays small)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,17 +75,27 @@ class DemandWindow:
         self._expire(now)
 
     def rates(self, now: float | None = None, top: int | None = None) -> dict[str, Demand]:
-        """Each adapter's rates over the window (per second of the whole window, so a burst
-        fades out linearly as its buckets age out); the `top` busiest by tokens if given."""
+        """Each adapter's rates: the larger of its rate over the whole window and over the last
+        RECENT_BUCKETS buckets, so a rise shows within seconds (the plan adds copies before
+        queues build) and a fall fades out linearly as its buckets age out (copies go slowly);
+        the `top` busiest by tokens over the window if given."""
         now = time.monotonic() if now is None else now
         self._expire(now)
         totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-        for _, bucket in self._buckets:
+        recent: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        since = now - RECENT_BUCKETS * self.bucket_s
+        first = next((start for start, _ in self._buckets if start >= since), now)
+        for start, bucket in self._buckets:
             for adapter, (requests, tokens) in bucket.items():
                 totals[adapter][0] += requests
                 totals[adapter][1] += tokens
+                if start >= since:
+                    recent[adapter][0] += requests
+                    recent[adapter][1] += tokens
+        span = max(now - first, self.bucket_s)  # the recent buckets' time, the current's part
         ranked = sorted(totals.items(), key=lambda kv: (-kv[1][1], kv[0]))[:top]
-        return {a: Demand(tokens / self.window_s, requests / self.window_s)
+        return {a: Demand(max(tokens / self.window_s, recent[a][1] / span),
+                          max(requests / self.window_s, recent[a][0] / span))
                 for a, (requests, tokens) in ranked}
 
     def _expire(self, now: float) -> None:

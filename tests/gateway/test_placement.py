@@ -129,11 +129,26 @@ def test_a_window_counts_requests_and_tokens_and_forgets_old_buckets():
         window.record("bot", 100, now=1000.0 + t)
     window.record("other", 30, now=1059.0)
     rates = window.rates(now=1059.5)
-    assert rates["bot"] == Demand(30 * 100 / 60, 30 / 60)
+    # the window's rate, or the last two buckets' when that is higher: 5 requests in 9.5 s
+    assert rates["bot"] == Demand(max(30 * 100 / 60, 500 / 9.5), max(30 / 60, 5 / 9.5))
     assert list(window.rates(now=1059.5, top=1)) == ["bot"]
     later = window.rates(now=1090.0)  # the first 30 s have aged out
     assert 0 < later["bot"].tokens_per_s < rates["bot"].tokens_per_s
     assert window.rates(now=1200.0) == {}
+
+
+def test_a_rise_shows_within_two_buckets_and_a_fall_fades_over_the_window():
+    window = DemandWindow(window_s=60, bucket_s=5)
+    for t in range(50):  # quiet: one 10-token request a second
+        window.record("bot", 10, now=1000.0 + t)
+    quiet = window.rates(now=1050.0)["bot"].tokens_per_s
+    for k in range(100):  # a burst: 1,000 tokens/s for 10 s
+        window.record("bot", 100, now=1050.0 + k / 10)
+    burst = window.rates(now=1060.0)["bot"].tokens_per_s
+    assert quiet == pytest.approx(10.0) and burst == pytest.approx(1000.0)  # at once
+    # 30 s on, the burst is the window's: its 10,000 tokens and 15 s of the quiet, over 60 s
+    assert window.rates(now=1090.0)["bot"].tokens_per_s == pytest.approx((10_000 + 150) / 60)
+    assert window.rates(now=1125.0) == {}
 
 
 def test_the_fleet_demand_sums_what_each_replica_serves():
