@@ -314,3 +314,30 @@ def test_malformed_key_requests_change_nothing(call):
         assert r.status_code == 400 and r.json()["error"]["message"], (content, r.text)
     assert call(OP).get("/admin/tenants/umbrella/keys").json() == before
     assert call(key["key"]).get("/v1/models").status_code == 200  # not rotated
+
+
+def test_the_placement_view_shows_a_tenant_only_its_adapters(call, keys):
+    """GET /admin/placement: the operator sees every planned adapter and the replicas' loads;
+    a tenant's admin key only the adapters it may use, no loads; a member key is refused."""
+    for model, key in (("acme/bot", keys["acme"]["key"]), ("shared", OP)):
+        r = call(key).post("/v1/completions", json={**BODY, "model": model})
+        assert r.status_code == 200, r.text
+
+    def view(key: str) -> dict:
+        r = call(key).get("/admin/placement")
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    deadline = time.monotonic() + 10  # the next tick plans what was just served
+    while not {"acme/bot", "shared"} <= {row["adapter"] for row in view(OP)["adapters"]}:
+        assert time.monotonic() < deadline, view(OP)
+        time.sleep(0.1)
+    operator = view(OP)
+    assert operator["load_tokens_per_s"] is not None
+    acme = view(keys["acme"]["key"])
+    assert {"acme/bot", "shared"} <= {row["adapter"] for row in acme["adapters"]}
+    assert acme["load_tokens_per_s"] is None
+    globex = view(keys["globex"]["key"])
+    assert "acme/bot" not in {row["adapter"] for row in globex["adapters"]}
+    assert call(keys["member"]["key"]).get("/admin/placement").status_code == 403
+    assert call(None).get("/admin/placement").status_code == 401
