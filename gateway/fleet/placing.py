@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 from loragw.adapters.registry import ReplicaState
 from loragw.gateway.common.errors import APIError
-from loragw.gateway.fleet.placement import EMPTY_PLAN, Plan, ReplicaCapacity
+from loragw.gateway.fleet.placement import Plan, ReplicaCapacity
 from loragw.gateway.fleet.planner import Planner, PlanRecord
 from loragw.gateway.observe.metrics import Metrics
 from loragw.gateway.residency.demand import fleet_demand
@@ -64,11 +64,10 @@ class Placement:
         self._prefetching: set[str] = set()
         self._pending: set[str] = set()  # newly assigned here, not prefetched yet
         self._tasks: set[asyncio.Task] = set()  # prefetches in flight
-        self.plan: Plan = EMPTY_PLAN  # the plan held now, as of the last tick
 
     def copies(self, adapter: str) -> tuple[str, ...]:
         """The replicas the plan held now assigns `adapter` (the router's question)."""
-        return self.plan.assignments.get(adapter, ())
+        return self.planner.plan.assignments.get(adapter, ())
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -95,16 +94,13 @@ class Placement:
         demand = {a: d for a, d in fleet_demand(states).items() if a in records}
         rank_bytes = max((s.rank_bytes for s in states), default=0) or 1
         sizes = {a: records[a].entry.rank * rank_bytes for a in demand}
-        before = self.planner.record
         record = await self.planner.tick(demand, capacities(states), sizes)
         if record is None:
             return None
-        if self.planner.leader and record.moves and record is not before:
+        if self.planner.leader:  # it computed this plan now
             self.metrics.placement_moves.inc(record.moves)
-        if record is not before:
-            self.plan = record.plan()
         self._export(record)
-        await self._apply(self.plan)
+        await self._apply(self.planner.plan)
         return record
 
     def _export(self, record: PlanRecord) -> None:

@@ -83,30 +83,31 @@ class Planner:
         self.key, self.lease_key = f"{prefix}placement", f"{prefix}placement:lease"
         self._lease = self.redis.register_script(_LEASE) if self.redis else None
         self._release = self.redis.register_script(_RELEASE) if self.redis else None
-        self.record: PlanRecord | None = None  # the plan this replica holds now
+        self.record: PlanRecord | None = None  # the plan this replica holds now, as stored
+        self.plan: Plan = EMPTY_PLAN  # the same, as the router and the next plan read it
         self.leader = False
         self._away = False
 
-    @property
-    def plan(self) -> Plan:
-        return self.record.plan() if self.record is not None else EMPTY_PLAN
+    def _hold(self, record: PlanRecord) -> None:
+        self.record, self.plan = record, record.plan()
 
     async def tick(self, demand: Mapping[str, Demand], replicas: Sequence[ReplicaCapacity],
                    sizes: Mapping[str, int]) -> PlanRecord | None:
         """Plan (as the lease holder) or read the plan; the plan held afterwards."""
         if self.redis is None:
-            self.leader, self.record = True, self._compute(demand, replicas, sizes)
+            self.leader = True
+            self._hold(self._compute(demand, replicas, sizes))
             return self.record
         try:
             self.leader = bool(await self._lease(keys=[self.lease_key],
                                                  args=[self.replica_id, LEASE_MS]))
             if self.leader:
-                self.record = self._compute(demand, replicas, sizes)
+                self._hold(self._compute(demand, replicas, sizes))
                 await self.redis.set(self.key, _encode(self.record))
             else:
                 raw = await self.redis.get(self.key)
                 if raw is not None:
-                    self.record = _decode(raw)
+                    self._hold(_decode(raw))
         except REDIS_ERRORS as exc:
             if not self._away:
                 logger.warning("placement: Redis does not answer (%s); keeping the last plan",

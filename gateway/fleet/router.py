@@ -103,18 +103,18 @@ def choose(states: list[ReplicaState], self_id: str, adapter: str | None,
     remotes = [s for s in states if s.replica_id != self_id and s.url]
     if local is None or not remotes:
         return None
-    planned = [s for s in states if s.replica_id in copies and (s.url or s is local)]
-    best = max((score(s, adapter) for s in planned), default=None)
+    scores = {s.replica_id: score(s, adapter) for s in (local, *remotes)}  # once per state
+    planned = [s for s in (local, *remotes) if s.replica_id in copies]
+    top = max((scores[s.replica_id] for s in planned), default=None)
     # every copy queued deep (demand rose faster than the plan): overflow by affinity
-    if adapter is not None and best is not None and best >= max(
-            score(s, adapter) for s in states if s.url or s is local) - SPREAD_SLACK:
-        ready = sorted((s for s in planned if score(s, adapter) >= best - SPREAD_SLACK),
+    if adapter is not None and top is not None and top >= max(scores.values()) - SPREAD_SLACK:
+        ready = sorted((s for s in planned if scores[s.replica_id] >= top - SPREAD_SLACK),
                        key=lambda s: s.replica_id)
         pick = (max(ready, key=lambda s: rendezvous(f"{adapter}\0{user}", s.replica_id))
                 if user else (rng or random).choice(ready))
         return None if pick is local else pick
-    best = max(remotes, key=lambda s: (score(s, adapter), s.replica_id))
-    if score(best, adapter) > score(local, adapter) + FORWARD_MARGIN:
+    best = max(remotes, key=lambda s: (scores[s.replica_id], s.replica_id))
+    if scores[best.replica_id] > scores[self_id] + FORWARD_MARGIN:
         return best
     return None
 

@@ -22,8 +22,8 @@ from loragw.adapters.registry import ReplicaState
 
 BUCKET_S = 5.0
 WINDOW_S = 60.0
-PUBLISHED = 256
-RECENT_BUCKETS = 2  # a rise shows within this many buckets; a fall fades over the window  # adapters a heartbeat carries rates for: the busiest (a state stays small)
+PUBLISHED = 256  # adapters a heartbeat carries rates for: the busiest (a state stays small)
+RECENT_BUCKETS = 2  # a rise shows within this many buckets; a fall fades over the window
 
 
 @dataclass(frozen=True, slots=True)
