@@ -24,7 +24,6 @@ import math
 import os
 from dataclasses import dataclass, field
 
-import safetensors.torch
 import torch
 
 from loragw.adapters.errors import AdapterError
@@ -32,7 +31,7 @@ from loragw.adapters.errors import short_repr as _show
 from loragw.adapters.expert_tensors import expert_factors
 from loragw.adapters.lora_config import parse_adapter_config
 from loragw.adapters.lora_tensors import check_lora_tensors
-from loragw.adapters.safetensors_check import CONFIG_FILE, check_safetensors
+from loragw.adapters.safetensors_check import CONFIG_FILE, check_safetensors, tensor_views
 from loragw.adapters.saved_modules import check_saved_modules, tied_to_embedding
 from loragw.adapters.sources import MAX_CONFIG_BYTES, read_adapter_files
 from loragw.adapters.types import (
@@ -112,33 +111,41 @@ class LoraAdapter:
         return out
 
 
-def read_adapter(path: str | os.PathLike, spec: BaseModelSpec) -> LoraAdapter:
-    """Read, validate and parse a local PEFT adapter directory."""
-    return parse_adapter(*read_adapter_files(os.fspath(path)), spec)
+def read_adapter(path: str | os.PathLike, spec: BaseModelSpec,
+                 weights_sha256: str | None = None) -> LoraAdapter:
+    """Read, validate and parse a local PEFT adapter directory. `weights_sha256`: the weights'
+    digest where the caller registered these very bytes before (a re-read of its own disk
+    tier), so they are not hashed again."""
+    config_raw, weights_raw = read_adapter_files(os.fspath(path))
+    digests = None
+    if weights_sha256 is not None:
+        digests = FileDigests(hashlib.sha256(config_raw).hexdigest(), weights_sha256)
+    return parse_adapter(config_raw, weights_raw, spec, digests)
 
 
-def parse_adapter(config_raw: bytes, weights_raw: bytes, spec: BaseModelSpec,
+def parse_adapter(config_raw: bytes, weights_raw: bytes | bytearray, spec: BaseModelSpec,
                   digests: FileDigests | None = None) -> LoraAdapter:
     """Validate an adapter_config.json + adapter_model.safetensors pair (an upload, a fetch) and
-    parse it; `digests`: the files' sha256s where the caller has them already."""
+    parse it; `digests`: the files' sha256s where the caller has them already. A bytearray is
+    taken over, not copied: the float32 tensors returned are views into it."""
     if len(config_raw) > MAX_CONFIG_BYTES:
         raise AdapterError(f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
     config = parse_adapter_config(config_raw)
     _check_base_model_class(config, spec)
-    weights_raw = bytes(weights_raw)
+    if not isinstance(weights_raw, bytearray):
+        weights_raw = bytearray(weights_raw)  # ours alone: checked once, never changed after
     header = check_safetensors(weights_raw)
     saved_keys = check_saved_modules(header, config, spec)
     plan = check_lora_tensors(header, config, spec)
-    try:
-        tensors = safetensors.torch.load(weights_raw)
-    except Exception as e:  # the header passed our checks, so this is corruption we missed
-        raise AdapterError(f"truncated or corrupt safetensors: {e}") from None
-    modules = {}
+    tensors = tensor_views(weights_raw, header, [k for _, a, b in plan.values() for k in (a, b)]
+                           + list(saved_keys.values()))
+    modules, checked = {}, _finite_at_once(weights_raw, header, spec)
     for (layer, target), (module_name, a_key, b_key) in plan.items():
         a = tensors[a_key].to(torch.float32).contiguous()  # [r, in]
         b = tensors[b_key].to(torch.float32).contiguous()  # [out, r]
         for key, t in ((a_key, a), (b_key, b)):
-            _check_finite(key, t, spec)
+            if not checked:
+                _check_finite(key, t, spec)
         if target in EXPERT_TARGETS:
             a, b = expert_factors(a, b, spec.num_experts)  # [E, r, in], [E, out, r]
         modules[(layer, target)] = LoraModuleWeights(
@@ -148,7 +155,8 @@ def parse_adapter(config_raw: bytes, weights_raw: bytes, spec: BaseModelSpec,
         _check_tied_head(modules)
     saved = {target: tensors[key].contiguous() for target, key in saved_keys.items()}
     for target, key in saved_keys.items():
-        _check_finite(key, saved[target], spec)
+        if not checked:
+            _check_finite(key, saved[target], spec)
     if tied_to_embedding(config, spec):
         if not torch.equal(saved[LM_HEAD], saved[EMBED_TOKENS]):
             raise AdapterError(
@@ -168,6 +176,20 @@ def parse_adapter(config_raw: bytes, weights_raw: bytes, spec: BaseModelSpec,
         saved_modules=saved,
         warnings=warnings,
     )
+
+
+def _finite_at_once(data: bytearray, header: dict, spec: BaseModelSpec) -> bool:
+    """One aminmax over the whole data region when every tensor in it is float32 (PEFT's usual
+    save): True when all of it is finite and fits the served dtype, so no tensor needs a pass
+    of its own; False sends the parse to _check_finite per tensor, which names the culprit."""
+    start = 8 + int.from_bytes(data[:8], "little")
+    if len(data) == start or start % 4 or any(t.dtype != "F32" for t in header.values()):
+        return False
+    region = torch.frombuffer(data, dtype=torch.float32, offset=start,
+                              count=(len(data) - start) // 4)
+    lo, hi = (float(x) for x in torch.aminmax(region))
+    served = torch.finfo(getattr(torch, spec.dtype)).max
+    return math.isfinite(lo) and math.isfinite(hi) and max(-lo, hi) <= served
 
 
 def _check_finite(key: str, t: torch.Tensor, spec: BaseModelSpec) -> None:

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass
+
+import torch
 
 from loragw.adapters.errors import AdapterError
 from loragw.adapters.errors import short_repr as _show
@@ -29,6 +32,12 @@ DTYPE_BYTES = {
     "I32": 4, "U32": 4, "F32": 4,
     "I64": 8, "U64": 8, "F64": 8,
 }  # fmt: skip
+TORCH_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3": torch.float8_e4m3fn, "I16": torch.int16, "F16": torch.float16,
+    "BF16": torch.bfloat16, "I32": torch.int32, "F32": torch.float32, "I64": torch.int64,
+    "F64": torch.float64,
+}  # fmt: skip; U16, U32 and U64 are refused by the LoRA and saved-module checks first
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,3 +137,25 @@ def _check_entry(name: str, entry: object, data_len: int) -> TensorInfo:
             f"tensor {_show(name)} {dtype}{shape} needs {expected} bytes but spans {end - start}"
         )
     return TensorInfo(dtype, tuple(shape), start, end)
+
+
+def tensor_views(data: bytearray, tensors: dict[str, TensorInfo],
+                 names: list[str]) -> dict[str, torch.Tensor]:
+    """Tensors `names` of a buffer check_safetensors passed, as views into `data` (no copy: a
+    parse reads each byte once); one whose offset its dtype cannot align to is copied out."""
+    if sys.byteorder != "little":  # safetensors is little-endian; views would read it swapped
+        raise AdapterError("adapters are parsed on little-endian hosts only")
+    base = 8 + int.from_bytes(data[:8], "little")
+    out = {}
+    for name in names:
+        t = tensors[name]
+        dtype = TORCH_DTYPES[t.dtype]
+        if t.end == t.start:
+            out[name] = torch.empty(t.shape, dtype=dtype)
+            continue
+        source, offset = data, base + t.start
+        if offset % DTYPE_BYTES[t.dtype]:
+            source, offset = bytearray(data[offset:base + t.end]), 0
+        flat = torch.frombuffer(source, dtype=dtype, count=math.prod(t.shape), offset=offset)
+        out[name] = flat.view(t.shape)
+    return out

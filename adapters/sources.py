@@ -179,7 +179,7 @@ def s3_adapter_id(bucket: str, path: str) -> str:
         ) from None
 
 
-def read_adapter_files(folder: str) -> tuple[bytes, bytes]:
+def read_adapter_files(folder: str) -> tuple[bytes, bytearray]:
     """(adapter_config.json, adapter_model.safetensors) bytes of a PEFT folder; never unpickles."""
     if not os.path.isdir(folder):
         raise AdapterNotFound(f"no adapter directory at {_show(folder)}")
@@ -196,7 +196,9 @@ def read_adapter_files(folder: str) -> tuple[bytes, bytes]:
     if len(config_raw) > MAX_CONFIG_BYTES:
         raise AdapterError(f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
     with open(weights_path, "rb") as f:
-        return config_raw, f.read()
+        weights = bytearray(os.fstat(f.fileno()).st_size)  # one read into the parse's buffer
+        read = f.readinto(weights)
+        return config_raw, weights[:read] if read < len(weights) else weights
 
 
 def resolve_source(

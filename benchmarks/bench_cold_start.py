@@ -120,10 +120,10 @@ def measure(name: str, model_dir: str, work: str, store: ObjectStore) -> dict:
                 cold=cold_s, resident=resident_s, **misses)
 
 
-def tier_misses(llm: LLMEngine, path: str, adapter, repeats: int = 7) -> dict:
+def tier_misses(llm: LLMEngine, path: str, adapter, repeats: int = 21) -> dict:
     """Median TTFT of a request whose adapter is in host memory (a slot fill on its way) and of
-    one whose adapter is on disk (a read and parse first), each less the resident TTFT measured
-    between them, against the bare copy of the adapter's bytes: host -> host memcpy of its
+    one whose adapter is on disk (a read and parse first), each less the resident TTFT of the
+    same adapter measured right after it, against the bare copy of the adapter's bytes: host -> host memcpy of its
     tensors, and a read of its safetensors file (from the page cache, as a replica reads a file
     it wrote)."""
     tensors = [m.lora_a for m in adapter.modules.values()] + [
@@ -143,17 +143,18 @@ def tier_misses(llm: LLMEngine, path: str, adapter, repeats: int = 7) -> dict:
         return time.perf_counter() - t0
 
     host, disk, resident = [], [], []
-    for i in range(repeats):
+    for i in range(repeats):  # each miss less the resident TTFT measured right after it
         llm.add_adapter(f"h{i}", path, adapter)  # host memory, no slot
-        host.append(ttft(llm, f"h{i}"))
+        host.append(ttft(llm, f"h{i}") - ttft(llm, f"h{i}"))
         llm.add_adapter(f"d{i}", path, adapter)
         llm.evict_adapter(f"d{i}")  # disk
         disk.append(ttft(llm, f"d{i}"))
         resident.append(ttft(llm, f"d{i}"))
+        disk[-1] -= resident[-1]
         for name in (f"h{i}", f"d{i}"):
             llm.remove_adapter(name)
     base = statistics.median(resident)
-    return dict(host_miss=statistics.median(host) - base, disk_miss=statistics.median(disk) - base,
+    return dict(host_miss=statistics.median(host), disk_miss=statistics.median(disk),
                 copy=statistics.median(bare_copy() for _ in range(repeats)),
                 read=statistics.median(bare_read() for _ in range(repeats)), base=base)
 

@@ -5,6 +5,7 @@ share of the tail from the HTTP path's and the client's.
 
     python benchmarks/bench_tail.py [--requests 256] [--concurrency 32] [--slots 16]
                                     [--adapters 128] [--vllm-python /path/to/vllm-venv/bin/python]
+                                    [--host-slots 64] [--resident-baseline]
                                     [--json tail.json] [-- extra loragw serve flags]
 
 Workload: the 25M random Llama with the demo tokenizer; --adapters rank-16 all-linear adapters
@@ -12,6 +13,9 @@ registered at start (on disk; --max-loras --slots device slots, the default host
 i asks for adapter k with probability proportional to 1 / (k + 1) (Zipf 1.0, seeded), a prompt
 of 32-512 random token ids and 16-128 greedy tokens (uniform, ignore_eos), --concurrency at
 a time. TPOT = (e2e - TTFT) / (tokens - 1) per request.
+
+Churn (`--host-slots 64 --resident-baseline --skip-http`): the engine row against the same
+requests with every adapter in a device slot of its own from the start.
 
 The engine row drives `LLMEngine.step` in a subprocess with the same concurrency (a request
 joins when one finishes) and records each step: its time, decode rows, prefill tokens, and the
@@ -62,6 +66,9 @@ llm = LLM(model, device="cpu", dtype="float32", max_loras=slots, max_num_seqs=co
 for i, path in enumerate(adapters):
     llm.add_adapter(f"a{i:03d}", path)
 engine = llm.engine
+if slots >= len(adapters):  # the all-resident baseline: every adapter in its slot first
+    for i in range(len(adapters)):
+        engine.to_device(f"a{i:03d}")
 llm.generate([p for _, p, _ in bodies[:4]], SamplingParams(max_tokens=4),
              adapters=[a for a, _, _ in bodies[:4]])  # warm-up
 stats, sched = engine.lora.stats, engine.scheduler
@@ -107,14 +114,14 @@ print(json.dumps({"wall": wall, "tokens": sum(counts.values()),
 
 
 def run_engine(model: str, adapters: list[str], bodies: list, slots: int, concurrency: int,
-               options: dict) -> tuple[Run, list]:
+               options: dict, mode: str = "engine, driven directly") -> tuple[Run, list]:
     spec = [model, adapters, bodies, slots, concurrency, options]
     out = subprocess.run([sys.executable, "-P", "-c", ENGINE], cwd=ROOT, capture_output=True,
                          text=True, input=json.dumps(spec), preexec_fn=every_cpu)
     if out.returncode:
         raise RuntimeError(out.stderr[-3000:])
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    return (Run("engine, driven directly", r["wall"], r["tokens"], r["ttft"], r["tpot"], r["itl"]),
+    return (Run(mode, r["wall"], r["tokens"], r["ttft"], r["tpot"], r["itl"]),
             r["steps"])
 
 
@@ -177,6 +184,11 @@ def main() -> int:
     parser.add_argument("--skip-http", action="store_true")
     parser.add_argument("--engine-option", action="append", default=[], metavar="NAME=JSON",
                         help="an engine Config option for the engine row (repeatable)")
+    parser.add_argument("--host-slots", type=int,
+                        help="parsed adapters kept in host memory (max_cpu_loras)")
+    parser.add_argument("--resident-baseline", action="store_true",
+                        help="also drive the engine with every adapter in a slot of its own: "
+                        "what churn costs, side by side")
     parser.add_argument("--json", help="write the runs and the engine's steps here")
     parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "bench-serving"))
     parser.add_argument("serve_flags", nargs="*", help="extra `loragw serve` flags (after --)")
@@ -191,12 +203,20 @@ def main() -> int:
                               args.adapters, seed=0)
     bodies = workload(args.requests, args.adapters, hf_config.vocab_size)
     warm = bodies[:1]
-    runs, steps = [], None
+    runs, steps, resident_steps = [], None, None
     if not args.skip_engine:
         options = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.engine_option)}
+        if args.host_slots:
+            options["max_cpu_loras"] = args.host_slots
         run, steps = run_engine(model, adapters, bodies, args.slots, args.concurrency, options)
         runs.append(run)
         logger.info("%s", row(run))
+        if args.resident_baseline:
+            run, resident_steps = run_engine(model, adapters, bodies, args.adapters,
+                                             args.concurrency, options,
+                                             "engine, every adapter resident")
+            runs.append(run)
+            logger.info("%s", row(runs[-1]))
     if not args.skip_http:
         port = free_port()
         runs.append(run_http(loragw(model, adapters, port, args.slots, args.concurrency,
@@ -218,6 +238,13 @@ def main() -> int:
     print("|---|---:|---:|---:|---:|---:|")
     for run in runs:
         print(row(run))
+    if args.resident_baseline and not args.skip_engine:
+        churn, resident = runs[0], runs[1]
+        rows = [statistics.mean(s[1] for s in run_steps if s[1]) or 0
+                for run_steps in (steps, resident_steps)]
+        print(f"\nunder churn / all resident: {churn.tok_s / resident.tok_s:.2f} of the "
+              f"throughput, TTFT p99 {pct(churn.ttft, .99) / pct(resident.ttft, .99):.2f}x; "
+              f"decoding rows per step {rows[0]:.1f} vs {rows[1]:.1f}")
     if steps:
         print("\nThe engine's steps (driven directly):\n")
         print(step_table(steps))

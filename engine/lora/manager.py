@@ -70,7 +70,7 @@ class LoRAManager:
         self.adapters[name] = RegisteredAdapter(
             self._versions, path, adapter, adapter.num_bytes, adapter.max_rank,
             tuple(adapter.saved_modules), pinned=previous.pinned if previous else False,
-            catalog_version=catalog_version)
+            catalog_version=catalog_version, sha256=adapter.sha256)
         self._trim_host(keep={name} | set(busy))
         return self._versions
 
@@ -177,7 +177,8 @@ class LoRAManager:
         """The host copy, re-read from disk if evicted (or `adapter`, read in read_seconds)."""
         if entry.host is None:
             with self.stats.host_load_times.timed(read_seconds):
-                entry.host = host_copy(adapter or read_adapter(entry.path, self.spec), self.device)
+                adapter = adapter or read_adapter(entry.path, self.spec, entry.sha256)
+                entry.host = host_copy(adapter, self.device)
             self.stats.host_loads += 1
             self._trim_host(keep={name})
         entry.last_used = time.monotonic()
@@ -205,7 +206,7 @@ class LoRAManager:
                 return False
             if entry.host is None:  # the disk tier: the sequence waits for the read, which
                 # starts only while a slot could take it, and no more at once than such slots
-                read = (self.reads.take(seq.adapter, entry.version, entry.path)
+                read = (self.reads.take(seq.adapter, entry)
                         if self.reads.may_start(seq.adapter, len(victims)) else None)
                 if read is None:
                     return False
@@ -272,11 +273,10 @@ class LoRAManager:
 
     def _fill(self, index: int, name: str, entry: RegisteredAdapter) -> None:
         adapter = self._ensure_host(name, entry)
-        if self.slots[index].adapter is not None:
-            self.stats.device_evictions += 1
-        self._clear(index)
+        self.stats.device_evictions += self.slots[index].adapter is not None
+        self.slots[index] = Slot()  # emptied first: a fill that fails leaves no adapter named
         with self.stats.device_load_times.timed():  # the copies' issue (on CUDA they run async)
-            self.pool.fill(index, adapter)
+            self.pool.fill(index, adapter)  # over the old adapter's buffers
         self.slots[index] = Slot(adapter=name, version=entry.version, last_used=time.monotonic())
         self.stats.device_loads += 1
         logger.info("adapter %s%s loaded into slot %d", name, entry.shown_version, index)

@@ -12,6 +12,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from loragw.adapters.format import LoraAdapter, read_adapter
+from loragw.engine.lora.state import RegisteredAdapter
 
 
 @dataclass(slots=True)
@@ -28,10 +29,11 @@ class HostReads:
         self.failures: dict[str, str] = {}  # adapter -> why its read failed (take_failures)
         self._pool: ThreadPoolExecutor | None = None
 
-    def take(self, name: str, version: int, path: str) -> tuple[LoraAdapter, float] | None:
-        """`name`'s adapter (version `version`) read from `path` once it has been, with the
-        seconds since its read started: None while the read runs (the first call starts it),
-        and after it failed (see take_failures)."""
+    def take(self, name: str, entry: RegisteredAdapter) -> tuple[LoraAdapter, float] | None:
+        """`name`'s adapter (`entry`: its version, and the disk copy read) once it has been
+        read, with the seconds since its read started: None while the read runs (the first
+        call starts it), and after it failed (see take_failures)."""
+        version, path = entry.version, entry.path
         if name in self.failures:  # failed already: the engine fails its requests next
             return None
         read = self._reads.get(name)
@@ -41,7 +43,8 @@ class HostReads:
         if read is None:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="adapter-read")
-            self._reads[name] = _Read(version, self._pool.submit(read_adapter, path, self.spec),
+            self._reads[name] = _Read(version, self._pool.submit(read_adapter, path, self.spec,
+                                                                entry.sha256),
                                       time.perf_counter())
             return None
         if not read.future.done():

@@ -34,6 +34,7 @@ class RegisteredAdapter:
     pinned: bool = False
     last_used: float = field(default_factory=time.monotonic)
     catalog_version: int | None = None  # the fleet's number for it, what logs name; None offline
+    sha256: str | None = None  # its weights' digest: a re-read from disk is not hashed again
 
     @property
     def shown_version(self) -> str:

@@ -91,9 +91,9 @@ def test_an_adapter_read_from_disk_never_stalls_running_streams(checkpoint, monk
     release = threading.Event()
     read = reads.read_adapter
 
-    def slow_read(path, spec):
+    def slow_read(path, spec, weights_sha256):
         release.wait(0.4)
-        return read(path, spec)
+        return read(path, spec, weights_sha256)
 
     monkeypatch.setattr(reads, "read_adapter", slow_read)
     running = engine.add_request(ps[0], greedy(12), adapter="ad0")
