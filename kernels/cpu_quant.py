@@ -60,24 +60,35 @@ def quant_linear(x: Tensor, w: QuantWeight, bias: Tensor | None = None,
 
 def _gemm(x: Tensor, w: QuantWeight, bias: Tensor | None, direct: bool | None) -> Tensor:
     columns, rows = w.in_features, w.out_features
-    x2 = x.reshape(-1, columns).float()  # [T, I], a view when x is float32
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    scales, zeros, g_idx, row_slice, b = (
-        t if t is None or t.is_contiguous() else t.contiguous()
-        for t in (w.scales, w.zeros, w.g_idx, w.row_slice, None if bias is None else bias.float()))
-    assert w.qweight.stride(1) == 1 and x.device.type == w.qweight.device.type == "cpu"
+    x2 = x.reshape(-1, columns)  # [T, I], a view when x is float32
+    if x2.dtype != torch.float32 or x2.stride(-1) != 1:
+        x2 = x2.float().contiguous()
+    assert x.device.type == "cpu"
+    if w.native is None:  # once per weight: 32 calls a decode step, ~15 us of Python each
+        w.native = _weight_args(w)
+    b = None if bias is None else bias.float().contiguous()
     tokens = x2.shape[0]
     y = torch.empty(tokens, rows, dtype=torch.float32)  # [T, O]
-    failed = _kernel()(
-        x2.data_ptr(), x2.stride(0), y.data_ptr(), rows, _pointer(b), tokens, rows, columns,
-        KIND_CODES[w.kind], w.qweight.data_ptr(), w.qweight.stride(0), scales.data_ptr(),
-        _pointer(zeros), scales.shape[1], w.group_size, _pointer(g_idx), _pointer(row_slice),
-        use_direct(tokens) if direct is None else direct)
+    failed = _kernel()(x2.data_ptr(), x2.stride(0), y.data_ptr(), rows, _pointer(b), tokens,
+                       *w.native[0], use_direct(tokens) if direct is None else direct)
     if failed == 2:
         raise MemoryError("the CPU quantized GEMM could not allocate its buffers")
     assert not failed, f"quant_gemm_f32 refused kind {w.kind!r}, group size {w.group_size}"
-    return y.to(x.dtype).view(*x.shape[:-1], rows)
+    y = y if x.dtype == torch.float32 else y.to(x.dtype)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], rows)
+
+
+def _weight_args(w: QuantWeight) -> tuple[tuple, tuple]:
+    """quant_gemm_f32's arguments from `rows` to `row_slice`, and the tensors they point into
+    (held, so the pointers stay valid)."""
+    assert w.qweight.stride(1) == 1 and w.qweight.device.type == "cpu"
+    scales, zeros, g_idx, row_slice = (
+        t if t is None or t.is_contiguous() else t.contiguous()
+        for t in (w.scales, w.zeros, w.g_idx, w.row_slice))
+    args = (w.out_features, w.in_features, KIND_CODES[w.kind], w.qweight.data_ptr(),
+            w.qweight.stride(0), scales.data_ptr(), _pointer(zeros), scales.shape[1],
+            w.group_size, _pointer(g_idx), _pointer(row_slice))
+    return args, (w.qweight, scales, zeros, g_idx, row_slice)
 
 
 def lanes(flags: tuple[str, ...] = ()) -> int:

@@ -45,7 +45,7 @@ back on every call, is the fallback. torch's own weight-only kernels (`_weight_i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +73,9 @@ class QuantWeight:
     g_idx: Tensor | None = None
     row_slice: Tensor | None = None
     act: ActQuant | None = None  # None: activations stay as they come
+    # the CPU kernel's arguments that depend on the weight alone, made on its first call
+    # (kernels/cpu_quant.py); never copied by replace(), so a slice of rows makes its own
+    native: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def out_features(self) -> int:
