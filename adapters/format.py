@@ -31,7 +31,12 @@ from loragw.adapters.errors import short_repr as _show
 from loragw.adapters.expert_tensors import expert_factors
 from loragw.adapters.lora_config import parse_adapter_config
 from loragw.adapters.lora_tensors import check_lora_tensors
-from loragw.adapters.safetensors_check import CONFIG_FILE, check_safetensors, tensor_views
+from loragw.adapters.safetensors_check import (
+    CONFIG_FILE,
+    check_safetensors,
+    data_start,
+    tensor_views,
+)
 from loragw.adapters.saved_modules import check_saved_modules, tied_to_embedding
 from loragw.adapters.sources import MAX_CONFIG_BYTES, read_adapter_files
 from loragw.adapters.types import (
@@ -39,7 +44,6 @@ from loragw.adapters.types import (
     EXPERT_TARGETS,
     LM_HEAD,
     BaseModelSpec,
-    FileDigests,
     LoraConfig,
     base_name,
 )
@@ -116,18 +120,14 @@ def read_adapter(path: str | os.PathLike, spec: BaseModelSpec,
     """Read, validate and parse a local PEFT adapter directory. `weights_sha256`: the weights'
     digest where the caller registered these very bytes before (a re-read of its own disk
     tier), so they are not hashed again."""
-    config_raw, weights_raw = read_adapter_files(os.fspath(path))
-    digests = None
-    if weights_sha256 is not None:
-        digests = FileDigests(hashlib.sha256(config_raw).hexdigest(), weights_sha256)
-    return parse_adapter(config_raw, weights_raw, spec, digests)
+    return parse_adapter(*read_adapter_files(os.fspath(path)), spec, weights_sha256)
 
 
 def parse_adapter(config_raw: bytes, weights_raw: bytes | bytearray, spec: BaseModelSpec,
-                  digests: FileDigests | None = None) -> LoraAdapter:
+                  weights_sha256: str | None = None) -> LoraAdapter:
     """Validate an adapter_config.json + adapter_model.safetensors pair (an upload, a fetch) and
-    parse it; `digests`: the files' sha256s where the caller has them already. A bytearray is
-    taken over, not copied: the float32 tensors returned are views into it."""
+    parse it; `weights_sha256`: the weights' digest where the caller has it already. A
+    bytearray is taken over, not copied: the float32 tensors returned are views into it."""
     if len(config_raw) > MAX_CONFIG_BYTES:
         raise AdapterError(f"{CONFIG_FILE} is larger than {MAX_CONFIG_BYTES} bytes")
     config = parse_adapter_config(config_raw)
@@ -137,15 +137,15 @@ def parse_adapter(config_raw: bytes, weights_raw: bytes | bytearray, spec: BaseM
     header = check_safetensors(weights_raw)
     saved_keys = check_saved_modules(header, config, spec)
     plan = check_lora_tensors(header, config, spec)
-    tensors = tensor_views(weights_raw, header, [k for _, a, b in plan.values() for k in (a, b)]
-                           + list(saved_keys.values()))
-    modules, checked = {}, _finite_at_once(weights_raw, header, spec)
+    names = [k for _, a, b in plan.values() for k in (a, b)] + list(saved_keys.values())
+    tensors = tensor_views(weights_raw, header, names)
+    if not _finite_at_once(weights_raw, header, spec):
+        for key in names:  # one at a time, to name the culprit
+            _check_finite(key, tensors[key], spec)
+    modules = {}
     for (layer, target), (module_name, a_key, b_key) in plan.items():
         a = tensors[a_key].to(torch.float32).contiguous()  # [r, in]
         b = tensors[b_key].to(torch.float32).contiguous()  # [out, r]
-        for key, t in ((a_key, a), (b_key, b)):
-            if not checked:
-                _check_finite(key, t, spec)
         if target in EXPERT_TARGETS:
             a, b = expert_factors(a, b, spec.num_experts)  # [E, r, in], [E, out, r]
         modules[(layer, target)] = LoraModuleWeights(
@@ -154,9 +154,6 @@ def parse_adapter(config_raw: bytes, weights_raw: bytes | bytearray, spec: BaseM
     if config.ensure_weight_tying and spec.tie_word_embeddings:
         _check_tied_head(modules)
     saved = {target: tensors[key].contiguous() for target, key in saved_keys.items()}
-    for target, key in saved_keys.items():
-        if not checked:
-            _check_finite(key, saved[target], spec)
     if tied_to_embedding(config, spec):
         if not torch.equal(saved[LM_HEAD], saved[EMBED_TOKENS]):
             raise AdapterError(
@@ -164,7 +161,7 @@ def parse_adapter(config_raw: bytes, weights_raw: bytes | bytearray, spec: BaseM
                 " saved lm_head must equal its saved embed_tokens, but the saved tensors differ"
             )
         saved[LM_HEAD] = saved[EMBED_TOKENS]  # one tensor, as PEFT reloads it
-    sha256 = digests.weights if digests else hashlib.sha256(weights_raw).hexdigest()
+    sha256 = weights_sha256 or hashlib.sha256(weights_raw).hexdigest()
     warnings = _base_model_name_warnings(config, spec)
     for warning in warnings:
         logger.warning("adapter (sha256 %s...): %s", sha256[:12], warning)
@@ -182,14 +179,23 @@ def _finite_at_once(data: bytearray, header: dict, spec: BaseModelSpec) -> bool:
     """One aminmax over the whole data region when every tensor in it is float32 (PEFT's usual
     save): True when all of it is finite and fits the served dtype, so no tensor needs a pass
     of its own; False sends the parse to _check_finite per tensor, which names the culprit."""
-    start = 8 + int.from_bytes(data[:8], "little")
+    start = data_start(data)
     if len(data) == start or start % 4 or any(t.dtype != "F32" for t in header.values()):
         return False
     region = torch.frombuffer(data, dtype=torch.float32, offset=start,
                               count=(len(data) - start) // 4)
-    lo, hi = (float(x) for x in torch.aminmax(region))
-    served = torch.finfo(getattr(torch, spec.dtype)).max
-    return math.isfinite(lo) and math.isfinite(hi) and max(-lo, hi) <= served
+    lo, hi = _extremes(region)
+    return _plainly_fits(lo, hi, spec)
+
+
+def _extremes(t: torch.Tensor) -> tuple[float, float]:
+    return tuple(float(x) for x in torch.aminmax(t))  # exact: every float dtype fits a double
+
+
+def _plainly_fits(lo: float, hi: float, spec: BaseModelSpec) -> bool:
+    """Finite, and within the served dtype's largest value without any rounding question."""
+    return (math.isfinite(lo) and math.isfinite(hi)
+            and max(-lo, hi) <= torch.finfo(getattr(torch, spec.dtype)).max)
 
 
 def _check_finite(key: str, t: torch.Tensor, spec: BaseModelSpec) -> None:
@@ -198,12 +204,12 @@ def _check_finite(key: str, t: torch.Tensor, spec: BaseModelSpec) -> None:
     (aminmax: NaN propagates to both ends) and no temporaries: this runs on every load."""
     if not t.numel():
         return
-    lo, hi = (float(x) for x in torch.aminmax(t))  # exact: every float dtype fits a double
+    lo, hi = _extremes(t)
     if not (math.isfinite(lo) and math.isfinite(hi)):
         raise AdapterError(f"tensor {_show(key)} contains NaN or infinite values")
-    served = getattr(torch, spec.dtype)
-    if max(-lo, hi) <= torch.finfo(served).max:
+    if _plainly_fits(lo, hi, spec):
         return  # the common case, without a tensor op
+    served = getattr(torch, spec.dtype)
     # its largest magnitude, rounded once to the served dtype as the cast of t would round it
     peak = torch.tensor(max(-lo, hi), dtype=torch.float64)
     if bool(torch.isinf(peak.to(served))):  # rounding is monotone: the largest overflows first

@@ -139,14 +139,18 @@ def _check_entry(name: str, entry: object, data_len: int) -> TensorInfo:
     return TensorInfo(dtype, tuple(shape), start, end)
 
 
+def data_start(data: bytes | bytearray) -> int:
+    """Where the tensor data begins: after the length prefix and the header."""
+    return 8 + int.from_bytes(data[:8], "little")
+
+
 def tensor_views(data: bytearray, tensors: dict[str, TensorInfo],
                  names: list[str]) -> dict[str, torch.Tensor]:
     """Tensors `names` of a buffer check_safetensors passed, as views into `data` (no copy: a
     parse reads each byte once); one whose offset its dtype cannot align to is copied out."""
     if sys.byteorder != "little":  # safetensors is little-endian; views would read it swapped
         raise AdapterError("adapters are parsed on little-endian hosts only")
-    base = 8 + int.from_bytes(data[:8], "little")
-    out = {}
+    base, out = data_start(data), {}
     for name in names:
         t = tensors[name]
         dtype = TORCH_DTYPES[t.dtype]

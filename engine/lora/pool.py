@@ -71,24 +71,17 @@ class SlotPool:
         self.head_slots: set[int] = set()  # ... an lm_head LoRA
         self.full = FullModuleSlots(num_full_slots, device, dtype)  # ... saved modules
         self.experts = ExpertSlots(model, num_slots, max_rank, device, dtype)  # MoE experts
-        # per slot and projection, made with its first fill: its A and B views per slice, the
-        # rank up to which each may be nonzero (what a refill or clear zeroes), and the ranks
-        # and scales last written to the pool
-        self.linears: list[tuple[int, Linear]] | None = None
-        self.views: list[list | None] = [None] * num_slots
-        self.extent: list[list[list[int]]] = [[] for _ in range(num_slots)]
-        self.tables: list[list] = [[] for _ in range(num_slots)]
-
-    def _projections(self) -> list[tuple[int, Linear]]:
-        """(layer, Linear) of every adaptable projection, walked once (fills run per miss)."""
-        if self.linears is None:
-            self.linears = list(self.model.lora_linears())
-        return self.linears
+        self.linears: list[tuple[int, Linear]] = list(model.lora_linears())  # walked once
+        # made with the projection pools, per slot and projection: each slice's A [R, in] and
+        # B [out, R] views (a fill copies instead of slicing), and the (ranks, scales) written
+        # there; a slice's buffers are zero past its rank, so the ranks say what to zero
+        self.views: list[list[list[tuple[torch.Tensor, torch.Tensor]]]] | None = None
+        self.tables: list[list[tuple[list[int], list[float]]]] = []
 
     @property
     def num_bytes(self) -> dict[str, int]:
         """Device bytes per kind of pool (0: not allocated)."""
-        projections = sum(linear.lora.num_bytes for _, linear in self._projections()
+        projections = sum(linear.lora.num_bytes for _, linear in self.linears
                           if linear.lora is not None)
         return {"projections": projections,
                 EMBED_TOKENS: self.embedding.lora.num_bytes if self.embedding.lora else 0,
@@ -104,10 +97,16 @@ class SlotPool:
 
     def _reserve(self, adapter: LoraAdapter) -> None:
         allocated = []
-        if self._projections()[0][1].lora is None:
-            for _, linear in self._projections():
+        if self.linears[0][1].lora is None:
+            for _, linear in self.linears:
                 linear.lora = self._linear_pool(len(linear.slice_names), linear.in_features,
                                                 linear.out_features)
+            self.views = [[[(linear.lora.lora_a[i, index],
+                             linear.lora.lora_b[index, linear.slice_rows(name)])
+                            for i, name in enumerate(linear.slice_names)]
+                           for _, linear in self.linears] for index in range(self.num_slots)]
+            self.tables = [[([0] * len(linear.slice_names), [0.0] * len(linear.slice_names))
+                            for _, linear in self.linears] for _ in range(self.num_slots)]
             allocated.append("projections")
         if EMBED in adapter.modules and self.embedding.lora is None:
             S, R, V, H = self.num_slots, self.max_rank, self.embedding.vocab_size, self.embedding.hidden_size
@@ -150,28 +149,32 @@ class SlotPool:
         self._reserve(adapter)
         self._clear_ends(index)  # the vocabulary ends, experts, saved modules: refilled below
         slices = adapter.by_slice()  # a fused module (Phi-3's qkv_proj) as q, k, v slices
-        views, extent, dst, src, tables = self._views(index), self.extent[index], [], [], []
-        for p, (layer_index, linear) in enumerate(self._projections()):
+        stale, dst, src, tables = [], [], [], []
+        for p, (layer_index, linear) in enumerate(self.linears):
             ranks, scales = [], []
             for i, (name, target) in enumerate(zip(linear.slice_names, linear.lora_names)):
                 weights = slices.get((layer_index, target))
-                rank, (a, b) = (weights.rank if weights is not None else 0), views[p][i]
-                if extent[p][i] > rank:  # the old adapter's columns past the new rank
-                    a[rank:extent[p][i]].zero_()
-                    b[:, rank:extent[p][i]].zero_()
+                rank, old, (a, b) = (0 if weights is None else weights.rank,
+                                     self.tables[index][p][0][i], self.views[index][p][i])
+                if old > rank:  # the old adapter's columns past the new rank
+                    stale += (a[rank:old], b[:, rank:old])
                 if weights is not None:
                     # this rank's part (engine/layers/linear.py): A by input columns, B by rows
                     dst += (a, b) if rank == self.max_rank else (a[:rank], b[:, :rank])
                     src += (linear.local(name, weights.lora_a, 1),  # [r, in]
                             linear.local(name, weights.lora_b, 0))  # [out, r]
-                extent[p][i] = max(extent[p][i], rank)  # true even if a copy fails
                 ranks.append(rank)
-                scales.append(weights.scaling if weights is not None else 0.0)
+                scales.append(0.0 if weights is None else weights.scaling)
             tables.append((ranks, scales))
-        if dst:  # every projection's copy in one call
-            torch._foreach_copy_(dst, src, non_blocking=True)
-        for p, (_, linear) in enumerate(self._projections()):
-            extent[p] = list(tables[p][0])
+        try:  # every projection's zeroing and copy in one call each
+            if stale:
+                torch._foreach_zero_(stale)
+            if dst:
+                torch._foreach_copy_(dst, src, non_blocking=True)
+        except Exception:  # a half-written slot: all of it back to zero, then say why
+            self._zero_projections(index, full=True)
+            raise
+        for p, (_, linear) in enumerate(self.linears):
             self._set_table(index, p, linear.lora, *tables[p])
         if (weights := adapter.modules.get(HEAD)) is not None:
             lora, rank = self.head.lora, weights.rank
@@ -198,29 +201,22 @@ class SlotPool:
     def _clear(self, index: int) -> None:
         """Zero what slot `index` holds: the ranks written to it, not the whole slot."""
         self._clear_ends(index)
-        if not self.extent[index]:
-            return  # the projection pools are not allocated yet
-        held = [x for p, views in enumerate(self._views(index))
-                for i, (a, b) in enumerate(views) if (r := self.extent[index][p][i])
+        if self.views is not None:  # the projection pools are allocated
+            self._zero_projections(index)
+
+    def _zero_projections(self, index: int, full: bool = False) -> None:
+        """Zero slot `index` of every projection pool up to the ranks written there (`full`:
+        the whole slot, whatever a failed fill left), ranks and scales included."""
+        held = [x for p, views in enumerate(self.views[index]) for i, (a, b) in enumerate(views)
+                if (r := self.max_rank if full else self.tables[index][p][0][i])
                 for x in (a[:r], b[:, :r])]
         if held:
             torch._foreach_zero_(held)
-        for p, (_, linear) in enumerate(self._projections()):
+        for p, (_, linear) in enumerate(self.linears):
             n = len(linear.slice_names)
-            self.extent[index][p] = [0] * n
+            if full:
+                self.tables[index][p] = ([self.max_rank] * n, [0.0] * n)  # forces the write
             self._set_table(index, p, linear.lora, [0] * n, [0.0] * n)
-
-    def _views(self, index: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Slot `index`'s A [R, in] and B [out, R] of every projection and slice, made once:
-        a fill then spends its time copying, not slicing (56 modules on a small Llama)."""
-        if self.views[index] is None:
-            self.views[index] = [
-                [(linear.lora.lora_a[i, index], linear.lora.lora_b[index, linear.slice_rows(name)])
-                 for i, name in enumerate(linear.slice_names)]
-                for _, linear in self._projections()]
-            self.extent[index] = [[0] * len(v) for v in self.views[index]]
-            self.tables[index] = [None] * len(self.views[index])
-        return self.views[index]
 
     def _set_table(self, index: int, p: int, lora: LoRABuffers, ranks: list[int],
                    scales: list[float]) -> None:
@@ -279,7 +275,7 @@ class SlotPool:
         vocabulary ends (a tensor-parallel worker checks its own against rank 0's after every
         change)."""
         pools = {f"layers.{index}.{linear.slice_names[0]}": linear.lora
-                 for index, linear in self._projections()}
+                 for index, linear in self.linears}
         pools |= {"embed_tokens": self.embedding.lora, "lm_head": self.head.lora}
         return {"pools": {name: (lora.ranks.tolist(), lora.scales.tolist())
                           for name, lora in pools.items() if lora is not None},
@@ -288,10 +284,11 @@ class SlotPool:
     def close(self) -> None:
         """Drop every buffer and the model's modules (device memory), e.g. when the engine
         closes."""
-        for _, linear in self._projections():
+        for _, linear in self.linears:
             linear.lora = None
         self.embedding.lora = self.head.lora = None
         self.full.held.clear()
-        self.views = [None] * self.num_slots  # they hold the buffers' storage
+        self.views = None  # they hold the buffers' storage
         self.experts.close()
-        self.model = self.embedding = self.head = self.linears = None
+        self.model = self.embedding = self.head = None
+        self.linears = []

@@ -102,7 +102,7 @@ class AdapterTiers:
         chat = await asyncio.to_thread(self._chat, meta.chat, chat_files or {})
         digests = FileDigests.of(config_raw, weights_raw)  # once, for every use below
         adapter = await asyncio.to_thread(parse_adapter, config_raw, weights_raw,
-                                          self.engine.adapter_spec, digests)
+                                          self.engine.adapter_spec, digests.weights)
         if meta.draft_source:
             await self._attach_draft(adapter_id, meta.draft_source)
         key = meta.object_key

@@ -53,7 +53,7 @@ def test_refill_equals_a_fresh_fill(checkpoint, order):
     fresh_pool.reserve(parsed["wide"])
     for got, want in zip(slot_state(pool, 0), slot_state(fresh_pool, 0), strict=True):
         assert torch.equal(got, want)  # all zero again
-    assert not any(any(e) for e in pool.extent[0])
+    assert not any(any(ranks) for ranks, _ in pool.tables[0])
 
 
 def test_evicting_run_matches_resident_run(checkpoint):
